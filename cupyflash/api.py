@@ -1,0 +1,410 @@
+"""The public API: attention, attention_backward, attention_vjp, attention_varlen(_backward).
+
+Thin by design: validate (_checks), choose the backend (_interop), then call cpu.py or the GPU
+launcher (_gpu), and hand the results back in the caller's array kind and layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from . import _checks as ck
+from . import cpu
+from ._interop import resolve
+
+_LSE_DTYPE = np.float32
+
+_CAUSAL_PICTURE = """
+    Causal masks (``1`` = attend) for seqlen_q = 2, seqlen_k = 5, and seqlen_q = 5, seqlen_k = 2::
+
+        causal_align="bottom_right" (default,        causal_align="top_left"
+        FlashAttention >= 2.1)                       (PyTorch is_causal)
+            1 1 1 1 0                                    1 0 0 0 0
+            1 1 1 1 1                                    1 1 0 0 0
+
+            0 0                                          1 0
+            0 0                                          1 1
+            0 0                                          1 1
+            1 0                                          1 1
+            1 1                                          1 1
+
+    A row with nothing to attend to (the first three rows above, bottom-right) gives out = 0 and
+    lse = -inf, never NaN.
+"""
+
+
+def _dtype_is_float64(x) -> bool:
+    try:
+        return np.dtype(x.dtype) == np.float64
+    except TypeError:  # a foreign array type whose dtype NumPy does not know (e.g. torch)
+        cai = getattr(x, "__cuda_array_interface__", None)
+        return bool(cai) and cai.get("typestr", "")[1:] == "f8"
+
+
+def _backend(device, arrays: dict, q):
+    """Resolve the backend; float64 always computes on the CPU implementation (design.md §1)."""
+    backend = resolve(ck.check_device(device), arrays)
+    if backend.where == "gpu" and _dtype_is_float64(q):
+        backend = backend.as_cpu()
+    return backend
+
+
+def _run(device, arrays: dict, body):
+    """``body(backend)`` on the chosen backend; host inputs under device="auto" fall back to the
+    CPU implementation when the GPU kernels do not cover the call (NotImplementedError from the
+    launcher, raised before any launch)."""
+    backend = _backend(device, arrays, arrays["q"])
+    if backend.where == "cpu" or device != "auto" or not backend.on_host:
+        return _on_device(backend, body)
+    try:
+        return _on_device(backend, body)
+    except NotImplementedError:
+        return body(backend.as_cpu())
+
+
+def _on_device(backend, body):
+    if backend.where == "cpu":
+        return body(backend)
+    with backend.xp.cuda.Device(backend.device_id):
+        return body(backend)
+
+
+def _gpu_module():
+    from . import _gpu  # imports CuPy: only on the GPU path
+
+    return _gpu
+
+
+def _inputs(backend, q, k, v, layout, ndim=4):
+    """q, k, v in the backend's module, bshd views, one dtype, checked sizes."""
+    q, k, v = (backend.take(x) for x in (q, k, v))
+    dtype = ck.check_same_dtype({"q": q, "k": k, "v": v})
+    qb, kb, vb = (ck.to_bshd(n, x, layout, ndim) for n, x in (("q", q), ("k", k), ("v", v)))
+    if ndim == 3:  # varlen: (total, h, d) as one batch of the packed tokens
+        qb, kb, vb = qb[None], kb[None], vb[None]
+    return qb, kb, vb, dtype
+
+
+def _last_dim_contiguous(backend, x):
+    """The kernels need a unit stride in the last dimension: otherwise one documented copy."""
+    if backend.where == "gpu" and x.ndim and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+        return backend.xp.ascontiguousarray(x)
+    return x
+
+
+def _empty_outputs(xp, dims: ck.Dims, dtype, layout, lse_dtype):
+    """out (in the caller's layout) and its bshd view, and lse [b, h, s_q]."""
+    b, sq, h, dv = dims.batch, dims.seqlen_q, dims.heads, dims.head_dim_v
+    if layout == "bhsd":
+        out_user = xp.empty((b, h, sq, dv), dtype)
+        out = out_user.transpose(0, 2, 1, 3)
+    else:
+        out_user = out = xp.empty((b, sq, h, dv), dtype)
+    return out_user, out, xp.empty((b, h, sq), lse_dtype)
+
+
+def _forward_bshd(backend, qb, kb, vb, dims, opts, dtype, layout):
+    """out (caller's layout) and lse [b, h, s_q] for checked bshd inputs on ``backend``."""
+    xp = backend.xp
+    lse_dtype = np.float64 if dtype == np.float64 else _LSE_DTYPE
+    if dims.empty or dims.seqlen_k == 0:
+        out_user, _, lse = _empty_outputs(xp, dims, dtype, layout, lse_dtype)
+        out_user.fill(0)
+        lse.fill(-np.inf)  # no key to attend to
+        return out_user, lse
+    if backend.where == "cpu":
+        out, lse = cpu.forward(qb, kb, vb, opts)
+        out_user = np.ascontiguousarray(out.transpose(0, 2, 1, 3)) if layout == "bhsd" else out
+        return out_user, lse
+    gpu = _gpu_module()
+    qb, kb, vb = (_last_dim_contiguous(backend, x) for x in (qb, kb, vb))
+    out_user, out, lse = _empty_outputs(xp, dims, dtype, layout, lse_dtype)
+    gpu.forward(qb, kb, vb, out, lse, opts)
+    return out_user, lse
+
+
+def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None, bias=None,
+              mask=None, softcap=None, alibi_slopes=None, scale=None, layout="bshd",
+              return_lse=False, device="auto", allow_tf32=False):
+    """Exact attention ``softmax(scale * q kᵀ + bias) v`` in O(N) memory.
+
+    Parameters
+    ----------
+    q : array (batch, seqlen_q, heads, head_dim)          [layout="bshd", the default]
+        or (batch, heads, seqlen_q, head_dim)              [layout="bhsd", PyTorch SDPA's]
+    k : array (batch, seqlen_k, heads_k, head_dim)  or (batch, heads_k, seqlen_k, head_dim)
+    v : array (batch, seqlen_k, heads_k, head_dim_v) or (batch, heads_k, seqlen_k, head_dim_v)
+        heads % heads_k == 0 (GQA / MQA: query head i reads kv head i // (heads // heads_k)).
+        head_dim and head_dim_v in 1..256. One dtype for all three: float16, bfloat16
+        (ml_dtypes.bfloat16), float32 (float32 accuracy) or float64 (CPU implementation).
+        Any strides; on the GPU a last dimension that is not contiguous costs one copy.
+    causal : bool
+        Keep key j only up to the diagonal (window right side 0).
+    causal_align : "bottom_right" | "top_left"
+        Where the diagonal sits when seqlen_q != seqlen_k: diag(i) = i + seqlen_k - seqlen_q
+        (bottom-right, FlashAttention >= 2.1) or diag(i) = i (top-left).
+    window : (left, right) or None
+        Sliding window: key j kept when diag(i) - left <= j <= diag(i) + right; None or -1 on a
+        side is unbounded (FlashAttention's window_size).
+    bias : float array broadcastable to (batch, heads, seqlen_q, seqlen_k), or None
+        Added to the scores (always indexed in this order, whatever ``layout``).
+    mask : bool array broadcastable to (batch, heads, seqlen_q, seqlen_k), or None
+        True = attend.
+    softcap : float or None
+        Scores become softcap * tanh(scores / softcap) (before bias and ALiBi); None or 0 = off.
+    alibi_slopes : array (heads,) or (batch, heads), or None
+        Scores minus slope * |diag(i) - j|.
+    scale : float or None
+        Defaults to 1 / sqrt(head_dim).
+    layout : "bshd" | "bhsd"
+    return_lse : bool
+        Also return lse, float32 (batch, heads, seqlen_q) (float64 for float64 inputs): the
+        natural-log sum of exp of each row's scores.
+    device : "auto" | "cpu" | "gpu"
+        Where NumPy inputs run ("auto": the GPU when usable). GPU arrays always run on their GPU
+        unless "cpu" is asked for.
+    allow_tf32 : bool
+        float32 inputs only: plain TF32 tensor-core products (faster, about 1e-3 relative error).
+
+    Returns
+    -------
+    out : array like q with head_dim_v, in q's dtype and layout; NumPy for NumPy inputs, CuPy for
+        GPU inputs (CuPy, __cuda_array_interface__ or DLPack, taken zero-copy).
+    lse : (batch, heads, seqlen_q), when return_lse.
+
+    Scores are built as ``s = scale·q kᵀ``; ``softcap·tanh(s/softcap)``; ``+ bias``;
+    ``- slope·|diag - j|``; then the causal / window / mask masks.
+    """
+    ck.check_layout(layout)
+
+    def body(backend):
+        qb, kb, vb, dtype = _inputs(backend, q, k, v, layout)
+        dims = ck.check_qkv(qb, kb, vb)
+        opts = ck.make_options(dims, backend.xp, causal=causal, causal_align=causal_align,
+                               window=window, bias=backend.take(bias), mask=backend.take(mask),
+                               softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
+                               allow_tf32=allow_tf32)
+        out, lse = _forward_bshd(backend, qb, kb, vb, dims, opts, dtype, layout)
+        return (backend.give_back(out), backend.give_back(lse)) if return_lse else backend.give_back(out)
+
+    return _run(device, {"q": q, "k": k, "v": v, "bias": bias, "mask": mask}, body)
+
+
+attention.__doc__ += _CAUSAL_PICTURE
+
+
+def _check_backward_arrays(backend, dout, out, lse, dims, dtype, layout):
+    """dout and out shaped like the output (caller's layout), lse [b, h, s_q]; bshd views back."""
+    dout, out, lse = (backend.take(x) for x in (dout, out, lse))
+    b, sq, h, dv = dims.batch, dims.seqlen_q, dims.heads, dims.head_dim_v
+    out_shape = (b, h, sq, dv) if layout == "bhsd" else (b, sq, h, dv)
+    ck.check_like("dout", dout, out_shape, dtype)
+    ck.check_like("out", out, out_shape, dtype)
+    lse_dtype = np.float64 if dtype == np.float64 else _LSE_DTYPE
+    ck.check_like("lse", lse, (b, h, sq), lse_dtype)
+    return ck.to_bshd("dout", dout, layout), ck.to_bshd("out", out, layout), lse
+
+
+def _backward_bshd(backend, doutb, qb, kb, vb, outb, lse, dims, opts, layout):
+    """(dq, dk, dv) in the caller's layout and dbias in the bias's own shape (or None)."""
+    if backend.where == "gpu":
+        raise NotImplementedError(
+            "attention_backward: the GPU backward kernel is not implemented yet; "
+            "NumPy inputs fall back to the CPU implementation with device='auto', "
+            "GPU arrays can ask for it with device='cpu'")
+    xp = backend.xp
+    if dims.empty or dims.seqlen_k == 0:
+        grads = [xp.zeros_like(x) for x in (qb, kb, vb)]
+        dbias = None if opts.bias is None else xp.zeros(opts.bias.shape, opts.bias.dtype)
+    else:
+        *grads, dbias = cpu.backward(doutb, qb, kb, vb, outb, lse, opts)
+    if layout == "bhsd":
+        grads = [xp.ascontiguousarray(g.transpose(0, 2, 1, 3)) for g in grads]
+    if dbias is not None:
+        dbias = dbias.reshape(opts.bias_shape)
+    return (*grads, dbias)
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, causal_align="bottom_right",
+                       window=None, bias=None, mask=None, softcap=None, alibi_slopes=None,
+                       scale=None, layout="bshd", deterministic=False, device="auto",
+                       allow_tf32=False):
+    """Gradients of ``attention`` (same options) from the forward's ``out`` and ``lse``.
+
+    Parameters
+    ----------
+    dout : array like out: (batch, seqlen_q, heads, head_dim_v) [bshd] or (batch, heads, seqlen_q,
+        head_dim_v) [bhsd], q's dtype.
+    q, k, v : as passed to ``attention``.
+    out : the forward's output.
+    lse : (batch, heads, seqlen_q) float32 (float64 for float64 inputs), from
+        ``attention(..., return_lse=True)``.
+    deterministic : bool
+        Bit-identical results across runs (the GPU backward avoids order-dependent atomics).
+    Other keywords: as ``attention``; pass the same values as the forward.
+
+    Returns
+    -------
+    (dq, dk, dv), shaped and typed like q, k, v; with ``bias`` given, (dq, dk, dv, dbias) where
+    dbias has the bias's own shape (summed over its broadcast dimensions).
+
+    P is never stored: it is recomputed from q, k and lse, block by block.
+    """
+    ck.check_layout(layout)
+
+    def body(backend):
+        qb, kb, vb, dtype = _inputs(backend, q, k, v, layout)
+        dims = ck.check_qkv(qb, kb, vb)
+        doutb, outb, lse_ = _check_backward_arrays(backend, dout, out, lse, dims, dtype, layout)
+        opts = ck.make_options(dims, backend.xp, causal=causal, causal_align=causal_align,
+                               window=window, bias=backend.take(bias), mask=backend.take(mask),
+                               softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
+                               deterministic=deterministic, allow_tf32=allow_tf32)
+        dq, dk, dv, dbias = _backward_bshd(backend, doutb, qb, kb, vb, outb, lse_, dims, opts, layout)
+        grads = tuple(backend.give_back(g) for g in (dq, dk, dv))
+        return grads if bias is None else grads + (backend.give_back(dbias),)
+
+    return _run(device, {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse,
+                         "bias": bias, "mask": mask}, body)
+
+
+def attention_vjp(q, k, v, **options):
+    """Forward now, backward later: ``out, vjp = attention_vjp(q, k, v, **options)``.
+
+    ``options`` are ``attention``'s keywords (``return_lse`` excepted). ``vjp(dout,
+    deterministic=False)`` returns ``attention_backward``'s gradients: (dq, dk, dv), plus dbias
+    when a bias was given. out and the lse are kept for the backward; nothing N×N is.
+
+    Shapes: q (batch, seqlen_q, heads, head_dim), k (batch, seqlen_k, heads_k, head_dim),
+    v (batch, seqlen_k, heads_k, head_dim_v) in "bshd"; out and dout
+    (batch, seqlen_q, heads, head_dim_v) (or the "bhsd" transposes).
+    """
+    if "return_lse" in options:
+        ck.fail(TypeError, "return_lse", "an option of attention_vjp", "attention's other keywords")
+    out, lse = attention(q, k, v, return_lse=True, **options)
+
+    def vjp(dout, deterministic=False):
+        return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
+
+    return out, vjp
+
+
+# ----------------------------------------------------------------------------------------------
+# Variable-length (packed) batches
+# ----------------------------------------------------------------------------------------------
+
+def _varlen_setup(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """Packed inputs as 1-batch bshd views, the sequence boundaries on the host, and Dims."""
+    qb, kb, vb, dtype = _inputs(backend, q, k, v, "bshd", ndim=3)
+    total = ck.check_qkv(qb, kb, vb)
+    bounds = []
+    for name, cu, n in (("cu_seqlens_q", cu_seqlens_q, total.seqlen_q),
+                        ("cu_seqlens_k", cu_seqlens_k, total.seqlen_k)):
+        if cu is None or not hasattr(cu, "dtype"):
+            ck.fail(TypeError, name, type(cu).__name__, "an int32 array (batch + 1,)")
+        cu = backend.take(cu)
+        host = cu if isinstance(cu, np.ndarray) else cu.get()
+        bounds.append(ck.check_cu_seqlens(name, cu, n, host))
+    cq, ckk = bounds
+    if cq.size != ckk.size:
+        ck.fail(ValueError, "cu_seqlens_k", f"{ckk.size - 1} sequences while cu_seqlens_q has {cq.size - 1}",
+                "the same number of sequences in both")
+    ck.check_max_seqlen("max_seqlen_q", max_seqlen_q, np.diff(cq))
+    ck.check_max_seqlen("max_seqlen_k", max_seqlen_k, np.diff(ckk))
+    dims = dataclasses.replace(total, batch=cq.size - 1)
+    return qb, kb, vb, dtype, cq, ckk, dims
+
+
+def _per_sequence(opts, i):
+    """The options of sequence i of a packed batch (its row of (batch, heads) ALiBi slopes)."""
+    slopes = opts.alibi_slopes
+    if slopes is None or slopes.shape[0] == 1:
+        return opts
+    return dataclasses.replace(opts, alibi_slopes=slopes[i:i + 1])
+
+
+def _seq_dims(dims, nq, nk):
+    return dataclasses.replace(dims, batch=1, seqlen_q=nq, seqlen_k=nk)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+                     causal=False, causal_align="bottom_right", window=None, softcap=None,
+                     alibi_slopes=None, scale=None, return_lse=False, device="auto",
+                     allow_tf32=False):
+    """Attention over packed sequences of different lengths, no padding.
+
+    Parameters
+    ----------
+    q : (total_q, heads, head_dim); k : (total_k, heads_k, head_dim); v : (total_k, heads_k,
+        head_dim_v): the sequences one after another.
+    cu_seqlens_q, cu_seqlens_k : int32 (batch + 1,): sequence i is rows cu[i]:cu[i+1]; starts at
+        0, non-decreasing, ends at total. Same kind (NumPy / GPU) as q.
+    max_seqlen_q, max_seqlen_k : int or None: the longest sequence (computed when None).
+    alibi_slopes : (heads,) or (batch, heads).
+    Other keywords as ``attention``; causal and window apply per sequence (bottom-right aligned
+    per sequence by default).
+
+    Returns
+    -------
+    out : (total_q, heads, head_dim_v); and lse : float32 (heads, total_q) when return_lse.
+    A sequence with no keys gives out = 0 and lse = -inf.
+    """
+
+    def body(backend):
+        qb, kb, vb, dtype, cq, ckk, dims = _varlen_setup(
+            backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        opts = ck.make_options(dims, backend.xp, causal=causal, causal_align=causal_align,
+                               window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                               scale=scale, allow_tf32=allow_tf32)
+        xp = backend.xp
+        out = xp.empty((dims.seqlen_q, dims.heads, dims.head_dim_v), dtype)
+        lse = xp.empty((dims.heads, dims.seqlen_q), np.float64 if dtype == np.float64 else _LSE_DTYPE)
+        for i in range(dims.batch):
+            (q0, q1), (k0, k1) = cq[i:i + 2], ckk[i:i + 2]
+            o, l = _forward_bshd(backend, qb[:, q0:q1], kb[:, k0:k1], vb[:, k0:k1],
+                                 _seq_dims(dims, q1 - q0, k1 - k0), _per_sequence(opts, i), dtype, "bshd")
+            out[q0:q1] = o[0]
+            lse[:, q0:q1] = l[0]
+        return (backend.give_back(out), backend.give_back(lse)) if return_lse else backend.give_back(out)
+
+    return _run(device, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
+                         "cu_seqlens_k": cu_seqlens_k}, body)
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                              max_seqlen_q=None, max_seqlen_k=None, *, causal=False,
+                              causal_align="bottom_right", window=None, softcap=None,
+                              alibi_slopes=None, scale=None, deterministic=False, device="auto",
+                              allow_tf32=False):
+    """Gradients of ``attention_varlen`` (same options).
+
+    dout, out : (total_q, heads, head_dim_v); lse : (heads, total_q) from
+    ``attention_varlen(..., return_lse=True)``. Returns (dq, dk, dv) shaped like q, k, v.
+    """
+
+    def body(backend):
+        qb, kb, vb, dtype, cq, ckk, dims = _varlen_setup(
+            backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        d_, o_, l_ = (backend.take(x) for x in (dout, out, lse))
+        packed_out = (dims.seqlen_q, dims.heads, dims.head_dim_v)
+        ck.check_like("dout", d_, packed_out, dtype)
+        ck.check_like("out", o_, packed_out, dtype)
+        ck.check_like("lse", l_, (dims.heads, dims.seqlen_q),
+                      np.float64 if dtype == np.float64 else _LSE_DTYPE)
+        opts = ck.make_options(dims, backend.xp, causal=causal, causal_align=causal_align,
+                               window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                               scale=scale, deterministic=deterministic, allow_tf32=allow_tf32)
+        grads = [backend.xp.zeros_like(x[0]) for x in (qb, kb, vb)]
+        for i in range(dims.batch):
+            (q0, q1), (k0, k1) = cq[i:i + 2], ckk[i:i + 2]
+            sq, sk = slice(q0, q1), slice(k0, k1)
+            dq, dk, dv, _ = _backward_bshd(
+                backend, d_[None, sq], qb[:, sq], kb[:, sk], vb[:, sk], o_[None, sq],
+                backend.xp.ascontiguousarray(l_[None, :, sq]), _seq_dims(dims, q1 - q0, k1 - k0),
+                _per_sequence(opts, i), "bshd")
+            grads[0][sq], grads[1][sk], grads[2][sk] = dq[0], dk[0], dv[0]
+        return tuple(backend.give_back(g) for g in grads)
+
+    return _run(device, {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse,
+                         "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}, body)
