@@ -189,7 +189,11 @@ def broadcast_4d(name: str, x, dims: Dims, kinds: str, dtypes: tuple):
 
 
 def check_alibi(alibi_slopes, dims: Dims, xp):
-    """ALiBi slopes (h,) or (b, h) as a float32 [b or 1, h] array of module ``xp``."""
+    """ALiBi slopes (h,) or (b, h) as a 2-D [b or 1, h] array of module ``xp``.
+
+    float32 for the GPU kernels; float64 on the CPU (NumPy) path, so float64 inputs keep
+    float64 accuracy.
+    """
     if alibi_slopes is None:
         return None
     shape = tuple(np.shape(alibi_slopes))
@@ -199,7 +203,7 @@ def check_alibi(alibi_slopes, dims: Dims, xp):
     dt = np.dtype(getattr(alibi_slopes, "dtype", np.float64))
     if dt.kind not in "fiu":
         fail(TypeError, "alibi_slopes", f"dtype {dt}", accepted)
-    slopes = xp.asarray(alibi_slopes).astype(np.float32)
+    slopes = xp.asarray(alibi_slopes).astype(np.float64 if xp is np else np.float32)
     return xp.ascontiguousarray(slopes.reshape(-1 if len(shape) == 2 else 1, dims.heads))
 
 

@@ -39,7 +39,8 @@ class Options:
     softcap : float
         0.0 means off.
     alibi_slopes : array or None
-        float32 [b or 1, h] in the backend's array module (NumPy or CuPy), already 2-D.
+        [b or 1, h] in the backend's array module, already 2-D: float32 CuPy for the GPU
+        kernels, float64 NumPy on the CPU path.
     bias : array or None
         4-D, each dimension 1 or full, broadcastable to [b, h, s_q, s_k]; float dtype.
     bias_shape : tuple or None

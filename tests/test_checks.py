@@ -199,7 +199,7 @@ def test_options_resolve_defaults():
                            alibi_slopes=[0.5, 0.25, 0.125, 1.0])
     assert opts.scale == pytest.approx(0.25)
     assert opts.causal and not opts.bottom_right and opts.softcap == 0.0
-    assert opts.alibi_slopes.shape == (1, 4) and opts.alibi_slopes.dtype == np.float32
+    assert opts.alibi_slopes.shape == (1, 4) and opts.alibi_slopes.dtype == np.float64
     assert opts.diag_offset(5, 7) == 0
     assert ck.make_options(dims, np).diag_offset(5, 7) == 2
 
