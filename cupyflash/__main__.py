@@ -1,0 +1,137 @@
+"""python -m cupyflash info | demo
+
+info  versions, the GPU and its compute capability, the kernel sources and cache directory.
+demo  one real-size random problem (GPU when present, else the CPU implementation), checked
+      against the float64 reference on a slice; prints time, memory and max error.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import tracemalloc
+
+import ml_dtypes
+import numpy as np
+
+import cupyflash as cf
+from cupyflash import _interop, reference
+
+
+def _kernel_dir() -> str:
+    try:
+        from cupyflash import _modules
+
+        return str(_modules.kernel_dir())
+    except Exception as exc:  # CuPy missing, or the module not importable
+        return f"unavailable ({type(exc).__name__}: {exc})"
+
+
+def info() -> int:
+    """Print what runs where."""
+    print(f"cupyflash   {cf.__version__}  ({os.path.dirname(cf.__file__)})")
+    print(f"python      {sys.version.split()[0]}")
+    print(f"numpy       {np.__version__}")
+    print(f"ml_dtypes   {ml_dtypes.__version__}")
+    cp = _interop.cupy_module()
+    if cp is None:
+        print("cupy        not importable: NumPy inputs run on the CPU implementation")
+        return 0
+    print(f"cupy        {cp.__version__}")
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        print("nvrtc       %d.%d" % nvrtc.getVersion())
+    except Exception as exc:
+        print(f"nvrtc       unavailable ({exc})")
+    print(f"kernels     {_kernel_dir()}")
+    print(f"cache dir   {os.environ.get('CUPY_CACHE_DIR', os.path.expanduser('~/.cupy/kernel_cache'))}")
+    if not _interop.gpu_available():
+        print("gpu         none usable: NumPy inputs run on the CPU implementation")
+        return 0
+    rt = cp.cuda.runtime
+    print(f"cuda        runtime {rt.runtimeGetVersion()}, driver {rt.driverGetVersion()}")
+    for i in range(rt.getDeviceCount()):
+        props = rt.getDeviceProperties(i)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        cc = f"{props['major']}.{props['minor']}"
+        print(f"gpu {i}       {name}, compute capability {cc}, {props['multiProcessorCount']} SMs, "
+              f"{props['totalGlobalMem'] / 2**30:.1f} GiB")
+    return 0
+
+
+def _max_err_on_slice(out, q, k, v, rows: slice) -> float:
+    """max |out - reference| over batch 0, heads 0..1, query rows ``rows`` (float64 reference)."""
+    ref = reference.attention(q[:1, rows, :2], k[:1, :, :2], v[:1, :, :2])
+    return float(np.max(np.abs(np.asarray(out[:1, rows, :2], np.float64) - ref)))
+
+
+def demo(args) -> int:
+    """A random problem at a real size; checked against the reference on a slice."""
+    on_gpu = args.device != "cpu" and _interop.gpu_available()
+    b, s, h, d = (args.batch, args.seqlen, args.heads, args.head_dim) if args.seqlen else (
+        (4, 4096, 16, 128) if on_gpu else (1, 2048, 8, 64))
+    dtype = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16, "fp32": np.float32}[
+        args.dtype or ("bf16" if on_gpu else "fp32")]
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal((b, s, h, d)).astype(dtype) for _ in range(3))
+    where = "GPU" if on_gpu else "CPU"
+    print(f"attention on the {where}: q, k, v ({b}, {s}, {h}, {d}) {np.dtype(dtype).name}")
+    if on_gpu:
+        cp = _interop.cupy_module()
+        qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+        cf.attention(qd, kd, vd)  # warm-up: compile or load the kernel
+        cp.cuda.Device().synchronize()
+        pool = cp.get_default_memory_pool()
+        before = pool.used_bytes()
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        out_d = cf.attention(qd, kd, vd)
+        stop.record()
+        stop.synchronize()
+        ms = cp.cuda.get_elapsed_time(start, stop)
+        extra = pool.used_bytes() - before
+        out = cp.asnumpy(out_d)
+    else:
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        out = cf.attention(q, k, v, device="cpu")
+        ms = (time.perf_counter() - t0) * 1e3
+        extra = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    flops = 4 * b * h * s * s * d
+    rows = slice(s - 64, s)
+    err = _max_err_on_slice(out, q, k, v, rows)
+    scores_bytes = b * h * s * s * 4
+    print(f"time        {ms:.2f} ms  ({flops / ms / 1e9:.1f} TFLOP/s)" if on_gpu else
+          f"time        {ms:.1f} ms  ({flops / ms / 1e6:.2f} GFLOP/s)")
+    print(f"memory      {extra / 2**20:.1f} MiB {'allocated by the call' if on_gpu else 'peak traced'}"
+          f" (the float32 score matrix would be {scores_bytes / 2**20:.0f} MiB)")
+    print(f"max error   {err:.2e} vs the float64 reference (batch 0, heads 0-1, last 64 rows)")
+    tol = {np.dtype(np.float32): 1e-4}.get(np.dtype(dtype), 5e-2)
+    ok = bool(np.isfinite(out).all()) and err <= tol
+    print("check       " + ("ok" if ok else f"FAILED (tolerance {tol})"))
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, GPU, kernels and cache directory")
+    p = sub.add_parser("demo", help="a real-size problem checked against the reference")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seqlen", type=int, default=0, help="0: a default size for the device")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return info()
+    return demo(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
