@@ -28,3 +28,19 @@ def pytest_runtest_makereport(item, call):
         for name, value in item.user_properties:
             if name == "rng_seed":
                 rep.sections.append(("rng seed", f"CUPYFLASH_SEED={value}"))
+
+
+def _gpu_usable() -> bool:
+    from cupyflash._interop import gpu_available
+
+    return gpu_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip (with a reason) where CuPy sees no CUDA device."""
+    if _gpu_usable():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with CuPy (run on the device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
