@@ -1,0 +1,138 @@
+"""The public API on the GPU: array kinds in and out, devices, streams, fallbacks (device only).
+
+Kernel numerics are tested in test_gpu_forward.py; here the plumbing around them.
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cupyflash as cf
+from cupyflash import reference
+
+pytestmark = pytest.mark.gpu
+
+BF16 = ml_dtypes.bfloat16
+
+
+@pytest.fixture
+def cp():
+    import cupy
+
+    return cupy
+
+
+def _qkv(rng, b=2, sq=37, sk=53, h=4, hk=2, d=64, dtype=BF16):
+    return tuple(rng.standard_normal((b, s, n, d)).astype(dtype)
+                 for s, n in ((sq, h), (sk, hk), (sk, hk)))
+
+
+def _close(out, ref, dtype):
+    tol = {np.dtype(BF16): 3e-2, np.dtype(np.float16): 4e-3, np.dtype(np.float32): 1e-5,
+           np.dtype(np.float64): 1e-12}[np.dtype(dtype)]
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32], ids=["fp16", "bf16", "fp32"])
+def test_cupy_in_cupy_out(rng, cp, dtype):
+    q, k, v = _qkv(rng, dtype=dtype)
+    out, lse = cf.attention(*(cp.asarray(x) for x in (q, k, v)), causal=True, return_lse=True)
+    assert isinstance(out, cp.ndarray) and isinstance(lse, cp.ndarray)
+    assert out.dtype == np.dtype(dtype) and lse.dtype == np.float32 and lse.shape == (2, 4, 37)
+    ref, lse_ref = reference.attention(q, k, v, causal=True, return_lse=True)
+    _close(cp.asnumpy(out), ref, dtype)
+    np.testing.assert_allclose(cp.asnumpy(lse), lse_ref, rtol=1e-3, atol=1e-3)
+
+
+def test_numpy_in_numpy_out_on_the_gpu(rng):
+    q, k, v = _qkv(rng)
+    out = cf.attention(q, k, v, device="gpu")
+    assert isinstance(out, np.ndarray) and out.dtype == BF16
+    _close(out, reference.attention(q, k, v), BF16)
+
+
+def test_bhsd_layout_on_the_gpu(rng, cp):
+    q, k, v = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in _qkv(rng))
+    out = cf.attention(*(cp.asarray(x) for x in (q, k, v)), layout="bhsd", window=(5, 3))
+    assert out.shape == (2, 4, 37, 64) and out.flags.c_contiguous
+    ref = reference.attention(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)), window=(5, 3))
+    _close(cp.asnumpy(out), ref.transpose(0, 2, 1, 3), BF16)
+
+
+def test_runs_on_the_current_stream(rng, cp):
+    q, k, v = (cp.asarray(x) for x in _qkv(rng))
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        out = cf.attention(q, k, v)
+        stream.synchronize()
+    _close(cp.asnumpy(out), reference.attention(*(cp.asnumpy(x) for x in (q, k, v))), BF16)
+
+
+def test_float64_cupy_runs_on_the_cpu_and_comes_back_on_the_gpu(rng, cp):
+    q, k, v = _qkv(rng, dtype=np.float64)
+    out = cf.attention(*(cp.asarray(x) for x in (q, k, v)), softcap=3.0)
+    assert isinstance(out, cp.ndarray) and out.dtype == np.float64
+    _close(cp.asnumpy(out), reference.attention(q, k, v, softcap=3.0), np.float64)
+
+
+def test_device_cpu_with_cupy_inputs_returns_cupy(rng, cp):
+    q, k, v = _qkv(rng, dtype=np.float32)
+    out = cf.attention(*(cp.asarray(x) for x in (q, k, v)), device="cpu")
+    assert isinstance(out, cp.ndarray)
+    _close(cp.asnumpy(out), reference.attention(q, k, v), np.float32)
+
+
+def test_backward_of_cupy_inputs_is_refused_until_the_gpu_backward_exists(rng, cp):
+    q, k, v = (cp.asarray(x) for x in _qkv(rng))
+    out, lse = cf.attention(q, k, v, return_lse=True)
+    with pytest.raises(NotImplementedError, match="attention_backward"):
+        cf.attention_backward(out, q, k, v, out, lse)
+
+
+def test_numpy_backward_falls_back_to_the_cpu_under_auto(rng):
+    q, k, v = _qkv(rng, dtype=np.float32)
+    out, vjp = cf.attention_vjp(q, k, v, causal=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    dq, dk, dv = vjp(dout)
+    ref = reference.attention_backward(dout, q, k, v, causal=True)
+    for g, g_ref in zip((dq, dk, dv), ref[:3]):
+        np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_torch_tensors_are_taken_zero_copy(rng, cp):
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.randn(2, 37, 4, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    out = cf.attention(q, k, v)  # DLPack / CUDA array interface
+    assert isinstance(out, cp.ndarray)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(1, 2).float() for x in (q, k, v))).transpose(1, 2)
+    np.testing.assert_allclose(cp.asnumpy(out).astype(np.float32), expected.cpu().numpy(),
+                               rtol=4e-3, atol=4e-3)
+
+
+def test_varlen_on_the_gpu_matches_the_reference(rng, cp):
+    lens_q, lens_k = (5, 1, 0, 130, 64), (7, 65, 3, 129, 0)
+    cu = lambda lens: np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q = rng.standard_normal((sum(lens_q), 4, 64)).astype(np.float16)
+    k = rng.standard_normal((sum(lens_k), 2, 64)).astype(np.float16)
+    v = rng.standard_normal((sum(lens_k), 2, 64)).astype(np.float16)
+    out, lse = cf.attention_varlen(*(cp.asarray(x) for x in (q, k, v, cu(lens_q), cu(lens_k))),
+                                   causal=True, return_lse=True)
+    out, lse = cp.asnumpy(out), cp.asnumpy(lse)
+    for i, (a, b) in enumerate(zip(cu(lens_q)[:-1], cu(lens_k)[:-1])):
+        sq, sk = slice(a, a + lens_q[i]), slice(b, b + lens_k[i])
+        o_ref, l_ref = reference.attention(q[None, sq], k[None, sk], v[None, sk], causal=True,
+                                           return_lse=True)
+        _close(out[sq], o_ref[0], np.float16)
+        np.testing.assert_allclose(lse[:, sq], l_ref[0], rtol=1e-3, atol=1e-3)
+
+
+def test_arrays_on_two_gpus_are_refused(rng, cp):
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    q, k, v = _qkv(rng)
+    with cp.cuda.Device(0):
+        qd = cp.asarray(q)
+    with cp.cuda.Device(1):
+        kd, vd = cp.asarray(k), cp.asarray(v)
+    with pytest.raises(ValueError, match="^k: got an array on GPU 1"):
+        cf.attention(qd, kd, vd)
