@@ -16,7 +16,7 @@ Layout is "bshd" (see docs/internals.md):
 Dtypes: float64 inputs are computed in float64 and give float64 out and lse; float16, bfloat16
 (ml_dtypes) and float32 are computed in float32 and give out in q's dtype and lse float32.
 The backward returns dq, dk, dv in the dtypes of q, k, v, and dbias (reduced to
-``opts.bias.shape``, accumulated in the compute dtype) in the bias's own dtype.
+``opts.bias.shape``, accumulated in float64) in the bias's own dtype.
 
 GQA is handled without repeating K/V: q is viewed as [b, h_k, g, s_q, d] and the g query heads
 of a group are stacked as extra rows of one matmul against their shared K/V block.
@@ -58,10 +58,9 @@ def _heads_major(x, h_k, cdt, scale=None):
     b, s, h, e = x.shape
     y = np.empty((b, h_k, h // h_k, s, e), dtype=cdt)
     src = x.reshape(b, s, h_k, h // h_k, e).transpose(0, 2, 3, 1, 4)
-    if scale is None:
-        y[...] = src
-    else:
-        np.multiply(src, scale, out=y, casting="unsafe")
+    y[...] = src                      # cast first: scaling in float16 / bfloat16 would round
+    if scale is not None:
+        y *= scale
     return y
 
 
@@ -219,8 +218,8 @@ def backward(dout, q, k, v, out, lse, opts: Options, *, block_k=128):
     -------
     dq : [b, s_q, h, d] in q's dtype;  dk : [b, s_k, h_k, d] in k's dtype (summed over the
     query heads of each kv group);  dv : [b, s_k, h_k, d_v] in v's dtype;
-    dbias : ``opts.bias.shape`` in the bias's dtype (accumulated in the compute dtype),
-    or None when opts.bias is None.
+    dbias : ``opts.bias.shape`` in the bias's dtype (accumulated in float64), or None when
+    opts.bias is None.
 
     Math per tile: P = exp(S − lse); dV += Pᵀ dO; dP = dO Vᵀ; dS = P ∘ (dP − D) with
     D = rowsum(dO ∘ O); through softcap dS_raw = dS ∘ (1 − tanh²); dQ += scale · dS_raw K;
@@ -234,7 +233,8 @@ def backward(dout, q, k, v, out, lse, opts: Options, *, block_k=128):
     dq_h = np.zeros((b, h_k, g * s_q, d), dtype=cdt)             # [b, h_k, g*s_q, d]
     dk_h = np.zeros((b, h_k, s_k, d), dtype=cdt)                 # [b, h_k, s_k, d]
     dv_h = np.zeros((b, h_k, s_k, d_v), dtype=cdt)               # [b, h_k, s_k, d_v]
-    dbias = None if opts.bias is None else np.zeros(opts.bias.shape, dtype=cdt)
+    # dbias sums many tiles' dS (all of them for a scalar bias): accumulate in float64
+    dbias = None if opts.bias is None else np.zeros(opts.bias.shape, dtype=np.float64)
 
     if b and h and s_q and s_k:
         qh = _heads_major(q, h_k, cdt, opts.scale)               # [b, h_k, g, s_q, d]  (· scale)
@@ -274,7 +274,8 @@ def backward(dout, q, k, v, out, lse, opts: Options, *, block_k=128):
                 if dbias is not None:
                     # dbias += dS summed over the bias's broadcast dims
                     red = tuple(a for a in range(4) if opts.bias.shape[a] == 1 and ds.shape[a] != 1)
-                    _tile(dbias, i0, i1, j0, j1)[...] += ds.sum(axis=red, keepdims=True) if red else ds
+                    _tile(dbias, i0, i1, j0, j1)[...] += (
+                        ds.sum(axis=red, keepdims=True, dtype=np.float64) if red else ds)
                 if t is not None:
                     # through softcap: d/ds c·tanh(s/c) = 1 − tanh²(s/c)
                     ds = ds * (1.0 - t * t)
