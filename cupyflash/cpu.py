@@ -41,7 +41,7 @@ __all__ = [
 
 #: Elements of one score tile [b, h, block_q, block_k] the query blocking aims for: big enough
 #: for the matmuls to run at BLAS speed, small enough for the tile to stay in cache.
-_TILE_ELEMS = 1 << 18
+_TILE_ELEMS = 1 << 19
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from cupyflash._options import UNBOUNDED, Options
 
 LENGTHS = st.one_of(st.sampled_from([1, 2, 3, 5, 7, 13, 16, 17, 31, 32, 33, 47, 61, 64, 67, 70]),
                     st.integers(1, 70))
-FUZZ = settings(max_examples=300, deadline=None, derandomize=False,
+FUZZ = settings(max_examples=500, deadline=None, derandomize=False,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -186,7 +186,7 @@ def test_fuzz_float64_matches_reference(p):
         np.testing.assert_allclose(dbias, r_dbias, rtol=1e-10, atol=1e-10)
 
 
-@settings(FUZZ, max_examples=200)
+@settings(FUZZ, max_examples=400)
 @given(problems(np.float32))
 def test_fuzz_float32_matches_reference(p):
     out, lse, (dq, dk, dv, dbias) = run_cpu(p)
