@@ -280,7 +280,7 @@ def test_nan_propagates(rng, dtype):
     assert all(g.shape == x.shape for g, x in zip(grads, (q, k, v)))
 
 
-@pytest.mark.parametrize("how", ["mask", "causal_sq_gt_sk", "window"])
+@pytest.mark.parametrize("how", ["mask", "causal_sq_gt_sk", "window_top_left", "neg_inf_bias"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
 def test_fully_masked_rows(rng, how, dtype):
     b, s_q, s_k, h = 2, 23, 17, 2
@@ -292,10 +292,14 @@ def test_fully_masked_rows(rng, how, dtype):
         kw["mask"] = okw["mask"] = mask
     elif how == "causal_sq_gt_sk":          # bottom-right: rows 0..5 see no key
         kw["causal"], okw["window_right"] = True, 0
-    else:                                   # window far right of the diagonal: tail rows empty
-        kw["window"], okw["window_left"], okw["window_right"] = (-3, -1), UNBOUNDED, UNBOUNDED
-        kw["window"] = None
-        kw["mask"] = okw["mask"] = (np.arange(s_k)[None, :] > np.arange(s_q)[:, None] + 2)[None, None]
+    elif how == "window_top_left":          # key j == i only: rows 17..22 see no key
+        kw.update(window=(0, 0), causal_align="top_left")
+        okw.update(window_left=0, window_right=0, bottom_right=False)
+    else:                                   # -inf additive bias acting as a mask
+        bias = rng.standard_normal((1, h, s_q, s_k)).astype(dtype)
+        bias[0, 0, 3:6] = -np.inf
+        bias[0, 1, :, ::2] = -np.inf
+        kw["bias"], okw["bias"], okw["bias_shape"] = bias, bias, bias.shape
     opts = Options(scale=0.4, **okw)
     out, lse = cpu.forward(q, k, v, opts, block_k=8)
     r_out, r_lse = ref.attention(q, k, v, scale=0.4, return_lse=True, **kw)
