@@ -1,0 +1,143 @@
+"""GPU forward launcher: CuPy arrays in, flash_fwd launched on the current device and stream.
+
+The launch path is kept lean for small calls: everything that depends only on the "shape
+signature" (dtypes, shapes, strides, options, device) is planned once and cached (variant,
+compiled function, grid, Params with sizes/scalars filled); a call then copies that Params
+record, writes six pointers and the alignment flag, and launches.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _modules, _plan
+
+try:  # ml_dtypes supplies bfloat16 for NumPy / CuPy
+    import ml_dtypes
+    _BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover
+    _BF16 = None
+
+_DTYPE_NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32"}
+if _BF16 is not None:
+    _DTYPE_NAMES[_BF16] = "bfloat16"
+
+_device_info = {}   # device id -> (compute capability int, smem opt-in bytes)
+_launch_cache = {}  # shape signature -> _Launch
+_VARIANTS_BY_NAME = None
+
+
+class _Launch:
+    __slots__ = ("fn", "grid", "block", "smem", "params", "name", "strides_ok", "alibi_stride_b")
+
+    def __init__(self, fn, plan, strides_ok):
+        self.fn = fn
+        self.grid = plan.grid
+        self.block = plan.block
+        self.smem = plan.smem
+        self.params = plan.params
+        self.name = plan.variant.name
+        self.strides_ok = strides_ok
+
+
+def _info(dev_id):
+    info = _device_info.get(dev_id)
+    if info is None:
+        import cupy
+        dev = cupy.cuda.Device(dev_id)
+        cc = int(dev.compute_capability)
+        smem = int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
+        info = _device_info[dev_id] = (cc, smem)
+    return info
+
+
+def _variant_by_name(name, smem):
+    for v in _plan.all_variants(smem):
+        if v.name == name:
+            return v
+    raise ValueError(f"kernel={name!r}: no such forward variant (see _plan.all_variants())")
+
+
+def _elem_strides(a, what):
+    isz = a.dtype.itemsize
+    st = a.strides
+    if a.shape[-1] > 1 and st[-1] != isz:
+        raise ValueError(f"{what}: the last dimension must be contiguous (strides {st})")
+    if any(s % isz for s in st):
+        raise ValueError(f"{what}: strides {st} are not multiples of the item size {isz}")
+    return tuple(s // isz for s in st)
+
+
+def _build(key, q, k, v, out, lse, opts, kernel, dev_id):
+    cc, smem = _info(dev_id)
+    if cc < 80:
+        raise NotImplementedError(
+            f"GPU forward needs compute capability 8.0 or newer (mma.sync bf16/tf32); device "
+            f"{dev_id} is sm_{cc}")
+    if opts.bias is not None or opts.mask is not None:
+        raise NotImplementedError("GPU forward: bias / mask are not supported yet")
+    name = _DTYPE_NAMES.get(q.dtype)
+    if name is None:
+        raise NotImplementedError(f"GPU forward: dtype {q.dtype} (float16, bfloat16, float32)")
+    for a, w in ((k, "k"), (v, "v"), (out, "out")):
+        if a.dtype != q.dtype:
+            raise ValueError(f"{w} has dtype {a.dtype}, q has {q.dtype}")
+    if lse.dtype != np.float32 or not lse.flags.c_contiguous:
+        raise ValueError("lse must be a contiguous float32 array [b, h, s_q]")
+    b, s_q, h, d = q.shape
+    _, s_k, h_k, _ = k.shape
+    d_v = v.shape[3]
+    has_alibi = opts.alibi_slopes is not None
+    forced = None if kernel == "auto" else _variant_by_name(kernel, smem)
+    plan = _plan.plan_forward(
+        name, b, s_q, s_k, h, h_k, d, d_v, scale=float(opts.scale),
+        window_left=int(opts.window_left), window_right=int(opts.window_right),
+        bottom_right=bool(opts.bottom_right), softcap=float(opts.softcap or 0.0),
+        has_alibi=has_alibi, allow_tf32=bool(opts.allow_tf32), smem_optin=smem,
+        variant=forced)
+    prm = plan.params
+    strides = []
+    for a, t in ((q, "q"), (k, "k"), (v, "v"), (out, "o")):
+        sb, ss, sh, _ = _elem_strides(a, t)
+        prm[f"{t}_stride_b"], prm[f"{t}_stride_s"], prm[f"{t}_stride_h"] = sb, ss, sh
+        strides += [sb, ss, sh]
+    strides_ok = _plan.vec_ok((), strides, q.dtype.itemsize)
+    fn = _modules.get_function(plan.variant, dev_id)
+    return _Launch(fn, plan, strides_ok)
+
+
+def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
+    """out[...] = attention(q, k, v), lse[...] = its log-sum-exp; returns the variant's name.
+
+    q [b, s_q, h, d], k [b, s_k, h_k, d], v [b, s_k, h_k, d_v], out [b, s_q, h, d_v] CuPy arrays
+    of one dtype with a contiguous last dimension; lse float32 [b, h, s_q] contiguous.
+    """
+    import cupy
+    alibi = opts.alibi_slopes
+    key = (q.dtype, q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, out.strides,
+           opts.scale, opts.window_left, opts.window_right, opts.bottom_right, opts.softcap,
+           None if alibi is None else alibi.shape, opts.allow_tf32,
+           opts.bias is not None or opts.mask is not None, kernel,
+           cupy.cuda.runtime.getDevice())
+    ent = _launch_cache.get(key)
+    if ent is None:
+        if q.size == 0 or out.size == 0:
+            return "empty"
+        if k.shape[1] == 0:   # no keys: every row attends to nothing
+            out.fill(0)
+            lse.fill(-math.inf)
+            return "empty"
+        ent = _build(key, q, k, v, out, lse, opts, kernel, key[-1])
+        _launch_cache[key] = ent
+    prm = ent.params.copy()
+    qp, kp, vp, op = q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr
+    prm["q"], prm["k"], prm["v"], prm["o"], prm["lse"] = qp, kp, vp, op, lse.data.ptr
+    if alibi is not None:
+        if alibi.dtype != np.float32 or (alibi.shape[1] > 1 and alibi.strides[1] != 4):
+            alibi = cupy.ascontiguousarray(alibi, dtype=np.float32)
+        prm["alibi"] = alibi.data.ptr
+        prm["alibi_stride_b"] = alibi.strides[0] // 4 if alibi.shape[0] > 1 else 0
+    prm["vec_ok"] = ent.strides_ok and ((qp | kp | vp | op) & 15) == 0
+    ent.fn(ent.grid, ent.block, (prm[()],), shared_mem=ent.smem)
+    return ent.name

@@ -1,0 +1,227 @@
+"""Forward planner: problem description -> kernel variant, tiles, grid, Params. Pure Python.
+
+Nothing here touches a GPU: the launcher (_gpu.py) passes in the device's shared-memory limit,
+so every decision can be tested on a machine without CUDA (tests/test_plan.py).
+
+The kernel is ``flash_fwd<E, D, BM, BN, NW, WINDOW, SCORE_MOD>`` in kernels_cu/fwd.cu:
+
+* E: element tag: ``f16_t``, ``bf16_t``, ``f32x3_t`` (float32 at float32 accuracy, 3xTF32
+  split products) or ``tf32_t`` (float32 on plain TF32, when ``allow_tf32``).
+* D: head-dim bucket covering both d (Q/K) and d_v (V), one of HEAD_DIM_BUCKETS.
+* BM, BN, NW: query tile rows, key tile rows, warps; fixed per (E, D, shared-memory class).
+* WINDOW: causal or sliding window (tiles outside skipped, boundary tiles masked).
+* SCORE_MOD: softcap and/or ALiBi, or a scale <= 0 (scores moved to base-2 units before the max).
+
+``all_variants(smem_optin)`` lists every instantiation the planner can select on a device with
+that shared-memory limit; the compile harness compiles exactly that list.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import numpy as np
+
+#: Head-dim buckets (multiples of 32: the padded shared-memory rows read conflict-free for each).
+HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
+MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
+
+#: Element tags by (dtype name, allow_tf32).
+ELEMS = ("f16_t", "bf16_t", "f32x3_t", "tf32_t")
+_ELEM_SIZE = {"f16_t": 2, "bf16_t": 2, "f32x3_t": 4, "tf32_t": 4}
+
+#: Opt-in shared memory per block at or above which the "big" tile table is used (sm_80, sm_87,
+#: sm_90, sm_100: 163-227 KB); below it (sm_86, sm_89, sm_120: 99 KB) the "small" one.
+BIG_SMEM = 160 * 1024
+
+# (BM, BN, NW) per element size and bucket, for each shared-memory class.
+# 16-bit: 128-row query tiles; at D <= 64 each of 4 warps owns two 16-row slabs (MT=2) so each
+# K fragment read from shared memory feeds two products; larger D uses 8 warps with one slab
+# each (MT=2 spills registers at D=128). float32: one slab per warp, narrower key tiles as D
+# grows (the O accumulator is D/2 registers per lane). Chosen from ptxas register/spill reports.
+_TILES = {
+    ("big", 2): {32: (128, 64, 4), 64: (128, 64, 4), 96: (128, 64, 8), 128: (128, 64, 8),
+                 160: (128, 64, 8), 192: (128, 64, 8), 224: (128, 32, 8), 256: (128, 32, 8)},
+    ("small", 2): {32: (128, 64, 4), 64: (128, 64, 4), 96: (128, 64, 8), 128: (128, 64, 8),
+                   160: (128, 32, 8), 192: (128, 32, 8), 224: (64, 32, 4), 256: (64, 32, 4)},
+    ("big", 4): {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 32, 4), 128: (64, 32, 4),
+                 160: (64, 16, 4), 192: (64, 16, 4), 224: (64, 16, 4), 256: (64, 16, 4)},
+    ("small", 4): {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 32, 4), 128: (64, 32, 4),
+                   160: (64, 16, 4), 192: (64, 16, 4), 224: (64, 16, 4), 256: (64, 16, 4)},
+}
+
+class Variant(NamedTuple):
+    """One template instantiation of flash_fwd."""
+
+    elem: str
+    d: int
+    bm: int
+    bn: int
+    nw: int
+    window: bool
+    score_mod: bool
+
+    @property
+    def name_expression(self) -> str:
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        return (f"flash_fwd<{self.elem}, {self.d}, {self.bm}, {self.bn}, {self.nw}, "
+                f"{b(self.window)}, {b(self.score_mod)}>")
+
+    @property
+    def name(self) -> str:
+        """Short human-readable name, returned by _gpu.forward."""
+        flags = ("_window" if self.window else "") + ("_mod" if self.score_mod else "")
+        return f"fwd_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}w{self.nw}{flags}"
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.nw
+
+    @property
+    def smem_bytes(self) -> int:
+        return smem_bytes(self.elem, self.d, self.bm, self.bn)
+
+
+def smem_bytes(elem: str, d: int, bm: int, bn: int) -> int:
+    """Dynamic shared memory of flash_fwd: Q [BM, D+pad], K [BN, D+pad], V [BN, D+pad'].
+
+    Mirrors Pitch<E, D> in fwd.cu: 16-bit rows padded by 8 elements, float32 Q/K rows by 8 and
+    V rows by 4 floats.
+    """
+    es = _ELEM_SIZE[elem]
+    pqk = d + 8
+    pv = d + 8 if es == 2 else d + 4
+    return (bm * pqk + bn * pqk + bn * pv) * es
+
+
+def smem_class(smem_optin: int) -> str:
+    return "big" if smem_optin >= BIG_SMEM else "small"
+
+
+def head_dim_bucket(d: int, d_v: int) -> int:
+    need = max(d, d_v)
+    for bkt in HEAD_DIM_BUCKETS:
+        if need <= bkt:
+            return bkt
+    raise NotImplementedError(
+        f"head_dim {d} / head_dim_v {d_v}: the GPU forward kernel covers head dims up to "
+        f"{MAX_HEAD_DIM}")
+
+
+def elem_tag(dtype_name: str, allow_tf32: bool) -> str:
+    if dtype_name == "float16":
+        return "f16_t"
+    if dtype_name == "bfloat16":
+        return "bf16_t"
+    if dtype_name == "float32":
+        return "tf32_t" if allow_tf32 else "f32x3_t"
+    raise NotImplementedError(
+        f"dtype {dtype_name}: the GPU forward kernel takes float16, bfloat16 or float32")
+
+
+def tiles(elem: str, d_bucket: int, smem_optin: int) -> Tuple[int, int, int]:
+    return _TILES[(smem_class(smem_optin), _ELEM_SIZE[elem])][d_bucket]
+
+
+def all_variants(smem_optin: int = 227 * 1024):
+    """Every Variant the planner can select on a device with this shared-memory limit."""
+    out = []
+    for elem in ELEMS:
+        for dbk in HEAD_DIM_BUCKETS:
+            bm, bn, nw = tiles(elem, dbk, smem_optin)
+            for window in (False, True):
+                for mod in (False, True):
+                    out.append(Variant(elem, dbk, bm, bn, nw, window, mod))
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Params: mirror of `struct Params` in kernels_cu/common.cuh (same order, same C types).
+# ------------------------------------------------------------------------------------------
+PARAMS_FIELDS = (
+    [(n, np.uint64) for n in ("q", "k", "v", "o", "lse", "alibi")]
+    + [(f"{t}_stride_{a}", np.int64) for t in "qkvo" for a in "bsh"]
+    + [("alibi_stride_b", np.int64)]
+    + [(n, np.int32) for n in ("b", "h", "h_k", "h_per_hk", "s_q", "s_k", "d", "d_v",
+                               "window_left", "window_right", "diag_offset", "vec_ok",
+                               "num_m_blocks", "flags")]
+    + [(n, np.float32) for n in ("scale_log2", "softcap_pre", "softcap_post", "pad0")]
+)
+#: The structured dtype passed by value as the kernel's one argument (C alignment rules).
+PARAMS_DTYPE = np.dtype(PARAMS_FIELDS, align=True)
+PARAMS_NBYTES = 224
+assert PARAMS_DTYPE.itemsize == PARAMS_NBYTES
+
+LOG2E = 1.4426950408889634
+
+
+class Plan(NamedTuple):
+    variant: Variant
+    grid: Tuple[int, int, int]
+    block: Tuple[int, int, int]
+    smem: int
+    params: np.ndarray   # 0-d PARAMS_DTYPE array: sizes and scalars filled, pointers/strides not
+
+
+def plan_forward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, d: int,
+                 d_v: int, *, scale: float, window_left: int = -1, window_right: int = -1,
+                 bottom_right: bool = True, softcap: float = 0.0, has_alibi: bool = False,
+                 allow_tf32: bool = False, smem_optin: int = 227 * 1024,
+                 variant: Optional[Variant] = None) -> Plan:
+    """Choose the kernel variant and launch shape; fill the size/scalar fields of Params."""
+    if h % h_k:
+        raise ValueError(f"heads {h} is not a multiple of heads_k {h_k}")
+    if min(b, s_q, s_k, h, h_k, d, d_v) < 1:
+        raise ValueError("empty problem: the launcher handles zero sizes before planning")
+    elem = elem_tag(dtype_name, allow_tf32)
+    dbk = head_dim_bucket(d, d_v)
+    window = window_left >= 0 or window_right >= 0
+    score_mod = softcap > 0 or has_alibi or not scale > 0
+    if variant is None:
+        bm, bn, nw = tiles(elem, dbk, smem_optin)
+        variant = Variant(elem, dbk, bm, bn, nw, window, score_mod)
+    else:   # forced variant (benchmarks, tests): must still be able to compute this problem
+        if (variant.elem != elem or variant.d < max(d, d_v) or (window and not variant.window)
+                or (score_mod and not variant.score_mod)):
+            raise ValueError(f"kernel {variant.name} cannot compute this problem")
+    if variant.smem_bytes > smem_optin:
+        raise NotImplementedError(
+            f"{variant.name} needs {variant.smem_bytes} bytes of shared memory; the device "
+            f"allows {smem_optin}")
+    num_m = -(-s_q // variant.bm)
+    unbounded = s_q + s_k
+    prm = np.zeros((), PARAMS_DTYPE)
+    prm["b"], prm["h"], prm["h_k"], prm["h_per_hk"] = b, h, h_k, h // h_k
+    prm["s_q"], prm["s_k"], prm["d"], prm["d_v"] = s_q, s_k, d, d_v
+    prm["window_left"] = window_left if window_left >= 0 else unbounded
+    prm["window_right"] = window_right if window_right >= 0 else unbounded
+    prm["diag_offset"] = s_k - s_q if bottom_right else 0
+    prm["num_m_blocks"] = num_m
+    prm["scale_log2"] = scale * LOG2E
+    if softcap > 0:
+        prm["softcap_pre"] = scale / softcap
+        prm["softcap_post"] = softcap * LOG2E
+    if num_m > 2**31 - 1 or h > 65535 or b > 65535:
+        raise NotImplementedError(f"grid ({num_m}, {h}, {b}) exceeds CUDA's grid limits")
+    return Plan(variant, (num_m, h, b), (variant.threads, 1, 1), variant.smem_bytes, prm)
+
+
+def vec_ok(ptrs, strides, itemsize: int) -> bool:
+    """True when every row start is 16-byte aligned: base pointers and all (element) strides."""
+    mask = 15
+    acc = 0
+    for p_ in ptrs:
+        acc |= p_
+    for s_ in strides:
+        acc |= s_ * itemsize
+    return (acc & mask) == 0
+
+
+def flops(b: int, h: int, s_q: int, s_k: int, d: int, d_v: int, causal: bool = False) -> float:
+    """FlashAttention's count: 2·b·h·s_q·s_k·(d + d_v), halved for causal."""
+    f = 2.0 * b * h * s_q * s_k * (d + d_v)
+    return f / 2 if causal else f
+
+
+__all__ = ["Variant", "Plan", "plan_forward", "all_variants", "PARAMS_DTYPE", "PARAMS_FIELDS",
+           "HEAD_DIM_BUCKETS", "head_dim_bucket", "elem_tag", "tiles", "smem_bytes", "vec_ok",
+           "flops"]

@@ -1,0 +1,173 @@
+// cupyflash: shared device code for the sm_80+ (mma.sync) kernels.
+//
+// No CUDA toolkit header is included anywhere: NVRTC alone compiles this (pip-only installs,
+// CI without a GPU). fp16 / bf16 values travel as raw 16-bit patterns and are converted with
+// PTX `cvt`; matrix products, ldmatrix and cp.async are inline PTX.
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+#define CF_INF __int_as_float(0x7f800000)
+#define CF_LOG2E 1.4426950408889634f
+#define CF_LN2 0.6931471805599453f
+
+// ---------------------------------------------------------------------------------------------
+// Params: the whole host-to-kernel interface, passed by value. Mirrored ONCE in
+// cupyflash/_plan.py (PARAMS_FIELDS); keep the two in the same order.
+// Strides are in elements; the last dimension of every tensor is contiguous.
+// ---------------------------------------------------------------------------------------------
+struct Params {
+    const void* q;          // [b, s_q, h, d]
+    const void* k;          // [b, s_k, h_k, d]
+    const void* v;          // [b, s_k, h_k, d_v]
+    void* o;                // [b, s_q, h, d_v]
+    float* lse;             // [b, h, s_q], contiguous, natural log
+    const float* alibi;     // [b or 1, h] slopes, or null
+    i64 q_stride_b, q_stride_s, q_stride_h;
+    i64 k_stride_b, k_stride_s, k_stride_h;
+    i64 v_stride_b, v_stride_s, v_stride_h;
+    i64 o_stride_b, o_stride_s, o_stride_h;
+    i64 alibi_stride_b;     // 0 when the slopes broadcast over the batch
+    int b, h, h_k, h_per_hk;
+    int s_q, s_k, d, d_v;
+    int window_left;        // >= 0; "unbounded" arrives as s_q + s_k
+    int window_right;       // >= 0; likewise
+    int diag_offset;        // diag(i) = i + diag_offset (s_k - s_q bottom-right, 0 top-left)
+    int vec_ok;             // 1: every row start is 16-byte aligned -> 16-byte cp.async
+    int num_m_blocks;       // ceil(s_q / BM)
+    int flags;              // reserved
+    float scale_log2;       // scale * log2(e)
+    float softcap_pre;      // scale / softcap (0 when off)
+    float softcap_post;     // softcap * log2(e)
+    float pad0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Element types. f16_t / bf16_t are stored as 16-bit patterns; the two float32 tags differ only
+// in how products are formed: f32x3_t splits each operand into big + small TF32 parts and sums
+// three products (float32 accuracy), tf32_t uses one plain TF32 product (fast, ~1e-3 relative).
+// ---------------------------------------------------------------------------------------------
+struct f16_t {};
+struct bf16_t {};
+struct f32x3_t {};
+struct tf32_t {};
+
+template <typename E> struct Elem;
+template <> struct Elem<f16_t>  { typedef u16 storage; static constexpr bool is16 = true;  static constexpr bool split = false; };
+template <> struct Elem<bf16_t> { typedef u16 storage; static constexpr bool is16 = true;  static constexpr bool split = false; };
+template <> struct Elem<f32x3_t>{ typedef float storage; static constexpr bool is16 = false; static constexpr bool split = true; };
+template <> struct Elem<tf32_t> { typedef float storage; static constexpr bool is16 = false; static constexpr bool split = false; };
+
+// float pair -> packed 16-bit pair (lo in the low half). cvt puts its first source in the upper half.
+template <typename E> __device__ __forceinline__ u32 pack2(float lo, float hi);
+template <> __device__ __forceinline__ u32 pack2<f16_t>(float lo, float hi) {
+    u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+}
+template <> __device__ __forceinline__ u32 pack2<bf16_t>(float lo, float hi) {
+    u32 r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+}
+
+// float -> stored element
+template <typename E> __device__ __forceinline__ typename Elem<E>::storage from_float(float x);
+template <> __device__ __forceinline__ u16 from_float<f16_t>(float x) {
+    u16 r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x)); return r;
+}
+template <> __device__ __forceinline__ u16 from_float<bf16_t>(float x) {
+    u16 r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x)); return r;
+}
+template <> __device__ __forceinline__ float from_float<f32x3_t>(float x) { return x; }
+template <> __device__ __forceinline__ float from_float<tf32_t>(float x) { return x; }
+
+// float -> TF32 bit pattern (round to nearest, ties away), kept in a 32-bit register
+__device__ __forceinline__ u32 to_tf32(float x) {
+    u32 r; asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x)); return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Special functions
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ float fast_exp2(float x) {   // 2^x, ex2.approx (exp2(-inf) = 0)
+    float r; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core products, D = A B + D with fp32 accumulation.
+// m16n8k16 (f16/bf16): a[4] (16x16 row-major), b[2] (16x8 col-major), c[4] (16x8).
+// m16n8k8 (tf32): a[4] (16x8), b[2] (8x8), c[4].
+// ---------------------------------------------------------------------------------------------
+template <typename E> __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1);
+template <> __device__ __forceinline__ void mma16816<f16_t>(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma16816<bf16_t>(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma1688_tf32(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// float32 product on TF32 units: SPLIT=true sums big*big + big*small + small*big (3xTF32,
+// float32 accuracy); SPLIT=false is one TF32 product.
+template <bool SPLIT>
+__device__ __forceinline__ void mma_f32(float* c, const float* a, float b0, float b1) {
+    u32 a_big[4], b_big0 = to_tf32(b0), b_big1 = to_tf32(b1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a_big[i] = to_tf32(a[i]);
+    if (SPLIT) {
+        u32 a_small[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a_small[i] = to_tf32(a[i] - __uint_as_float(a_big[i]));
+        u32 b_small0 = to_tf32(b0 - __uint_as_float(b_big0));
+        u32 b_small1 = to_tf32(b1 - __uint_as_float(b_big1));
+        mma1688_tf32(c, a_small, b_big0, b_big1);   // small terms first
+        mma1688_tf32(c, a_big, b_small0, b_small1);
+    }
+    mma1688_tf32(c, a_big, b_big0, b_big1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared-memory matrix loads (16-bit elements). Each lane passes one row address.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// cp.async: 16-byte global -> shared copies; src_bytes < 16 zero-fills the rest (0 = all zero).
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+
+// Quad (4 lanes sharing an accumulator row) reductions
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}

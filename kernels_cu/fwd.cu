@@ -1,0 +1,366 @@
+// cupyflash forward kernel, sm_80+ (mma.sync), FlashAttention-2 structure.
+//
+//   O = softmax(scale * Q Kᵀ [softcap, alibi, window/causal masks]) V,   lse = log Σ exp(scores)
+//
+// One thread block = one query tile of BM rows of one (batch, head); NW warps, each warp owns
+// MT = BM / (16 NW) slabs of 16 query rows. The Q tile stays in shared memory; K and V tiles
+// (BN keys) stream through one shared buffer each with cp.async: V(n) is loaded while S = Q K(n)ᵀ
+// runs, K(n-1) while softmax and O += P V(n) run. S lives in registers (the m16n8 accumulator
+// layout), becomes P in place, and is fed to the PV product as its A operand: P never touches
+// shared memory. Online softmax in base 2 with the scale folded into one FFMA.
+//
+// Template arguments (the planner in cupyflash/_plan.py enumerates the instantiated set):
+//   E        f16_t | bf16_t | f32x3_t (float32, 3xTF32) | tf32_t (float32, plain TF32)
+//   D        head-dim bucket (multiple of 32) covering both d and d_v; padding columns are
+//            zero-filled on load and never stored
+//   BM, BN   query / key tile sizes;  NW  warps per block
+//   WINDOW   causal or sliding window: skip tiles outside, mask the boundary tiles
+//   SCORE_MOD softcap and/or ALiBi (or a non-positive scale): scores are transformed to base-2
+//            units before the max
+#include "common.cuh"
+
+// Shared-memory row pitch in elements. Rows are padded by 16 bytes (16-bit types) or 32 / 16
+// bytes (float32 Q,K / V) instead of an XOR swizzle: every bucket (also 96, 160, 224, which a
+// 128-byte XOR swizzle cannot tile) then reads conflict-free with ldmatrix / the float32
+// fragment loads, and cp.async destinations stay 16-byte aligned.
+template <typename E, int D> struct Pitch {
+    static constexpr bool is16 = Elem<E>::is16;
+    static constexpr int QK = is16 ? D + 8 : D + 8;
+    static constexpr int V = is16 ? D + 8 : D + 4;
+};
+
+// Copy a [ROWS, D] tile (rows row0.., columns < cols_valid) from global to shared memory with
+// NT threads. Rows >= rows_valid and columns >= cols_valid are zero-filled.
+template <int ROWS, int D, int PITCH, int NT, typename S>
+__device__ __forceinline__ void load_tile(S* tile_smem,            // [ROWS, PITCH]
+                                          const S* tile_gmem,      // [rows_valid, ., cols_valid]
+                                          i64 row_stride, int rows_valid, int cols_valid,
+                                          bool vec_ok, const void* safe_gmem, int tid) {
+    constexpr int CH = 16 / sizeof(S);           // elements per 16-byte chunk
+    constexpr int CPR = D / CH;                  // chunks per row
+    constexpr int CHUNKS = ROWS * CPR;
+#pragma unroll
+    for (int i = 0; i < (CHUNKS + NT - 1) / NT; ++i) {
+        const int c = tid + i * NT;
+        if (CHUNKS % NT == 0 || c < CHUNKS) {
+            const int r = c / CPR, col = (c % CPR) * CH;
+            S* dst = tile_smem + r * PITCH + col;
+            const S* src = tile_gmem + r * row_stride + col;
+            int valid = cols_valid - col;
+            valid = (r < rows_valid) ? (valid < 0 ? 0 : (valid > CH ? CH : valid)) : 0;
+            if (vec_ok) {
+                cp_async_16(dst, valid ? (const void*)src : safe_gmem, valid * (int)sizeof(S));
+            } else {   // unaligned rows (odd strides or head dims): element copies
+#pragma unroll
+                for (int e = 0; e < CH; ++e) dst[e] = e < valid ? src[e] : S(0);
+            }
+        }
+    }
+}
+
+// S[mt][j] (+)= Q[warp rows] K[j*8 .. j*8+7]ᵀ over the first d columns.
+template <typename E, int D, int BN, int MT>
+__device__ __forceinline__ void gemm_qk(float (&s_frag)[MT][BN / 8][4],
+                                        const typename Elem<E>::storage* q_smem,  // [BM, QK pitch], this warp's first row
+                                        const typename Elem<E>::storage* k_smem,  // [BN, QK pitch]
+                                        int lane, int d) {
+    constexpr int P = Pitch<E, D>::QK;
+    if constexpr (Elem<E>::is16) {
+        // k loop kept rolled: its index only moves addresses, and unrolling it lets the compiler
+        // hoist every K fragment load (register spills at D >= 128)
+#pragma unroll 1
+        for (int kk = 0; kk < D / 16; ++kk) {
+            if (kk * 16 < d) {                       // skip padding-only k-steps
+                u32 q_frag[MT][4];                   // A: 16 rows x 16 cols of Q per slab
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    ldmatrix_x4(q_frag[mt], q_smem + (mt * 16 + (lane & 15)) * P + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+                for (int nn = 0; nn < BN / 16; ++nn) {
+                    u32 k_frag[4];                   // B: keys nn*16.., two n8 tiles x k16
+                    ldmatrix_x4(k_frag, k_smem + (nn * 16 + (lane & 7) + (lane >> 4) * 8) * P
+                                            + kk * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816<E>(s_frag[mt][2 * nn], q_frag[mt], k_frag[0], k_frag[1]);
+                        mma16816<E>(s_frag[mt][2 * nn + 1], q_frag[mt], k_frag[2], k_frag[3]);
+                    }
+                }
+            }
+        }
+    } else {
+        // float32, m16n8k8: the k index of both operands is permuted the same way inside each
+        // 8-column step (logical t <-> column 2t, t+4 <-> 2t+1), so one 8-byte load gives a pair.
+        const int g = lane >> 2, t = lane & 3;
+#pragma unroll 1
+        for (int kk = 0; kk < D / 8; ++kk) {
+            if (kk * 8 < d) {
+                float q_frag[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const float2 lo = *(const float2*)(q_smem + (mt * 16 + g) * P + kk * 8 + 2 * t);
+                    const float2 hi = *(const float2*)(q_smem + (mt * 16 + g + 8) * P + kk * 8 + 2 * t);
+                    q_frag[mt][0] = lo.x; q_frag[mt][1] = hi.x; q_frag[mt][2] = lo.y; q_frag[mt][3] = hi.y;
+                }
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j) {
+                    const float2 kb = *(const float2*)(k_smem + (j * 8 + g) * P + kk * 8 + 2 * t);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+                        mma_f32<Elem<E>::split>(s_frag[mt][j], q_frag[mt], kb.x, kb.y);
+                }
+            }
+        }
+    }
+}
+
+// O[mt] += P[mt] V over the first d_v columns; P is the S accumulator after softmax.
+template <typename E, int D, int BN, int MT>
+__device__ __forceinline__ void gemm_pv(float (&o_frag)[MT][D / 8][4], float (&s_frag)[MT][BN / 8][4],
+                                        const typename Elem<E>::storage* v_smem,  // [BN, V pitch]
+                                        int lane, int d_v) {
+    constexpr int P = Pitch<E, D>::V;
+    if constexpr (Elem<E>::is16) {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            u32 p_frag[MT][4];   // A operand = P for keys kk*16.. (accumulator pairs packed to 16 bits)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                p_frag[mt][0] = pack2<E>(s_frag[mt][2 * kk][0], s_frag[mt][2 * kk][1]);
+                p_frag[mt][1] = pack2<E>(s_frag[mt][2 * kk][2], s_frag[mt][2 * kk][3]);
+                p_frag[mt][2] = pack2<E>(s_frag[mt][2 * kk + 1][0], s_frag[mt][2 * kk + 1][1]);
+                p_frag[mt][3] = pack2<E>(s_frag[mt][2 * kk + 1][2], s_frag[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int dd = 0; dd < D / 16; ++dd) {
+                if (dd * 16 < d_v) {
+                    u32 v_frag[4];   // B: keys kk*16.. x columns dd*16.. (transposed load)
+                    ldmatrix_x4_trans(v_frag, v_smem + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * P
+                                                  + dd * 16 + (lane >> 4) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816<E>(o_frag[mt][2 * dd], p_frag[mt], v_frag[0], v_frag[1]);
+                        mma16816<E>(o_frag[mt][2 * dd + 1], p_frag[mt], v_frag[2], v_frag[3]);
+                    }
+                }
+            }
+        }
+    } else {
+        // float32, m16n8k8: one key step = one S n8 tile; logical k t <-> key 2t, t+4 <-> 2t+1,
+        // so the accumulator registers are the A operand as they stand.
+        const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            float p_frag[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                p_frag[mt][0] = s_frag[mt][j][0]; p_frag[mt][1] = s_frag[mt][j][2];
+                p_frag[mt][2] = s_frag[mt][j][1]; p_frag[mt][3] = s_frag[mt][j][3];
+            }
+#pragma unroll
+            for (int dn = 0; dn < D / 8; ++dn) {
+                if (dn * 8 < d_v) {
+                    const float vb0 = v_smem[(j * 8 + 2 * t) * P + dn * 8 + g];
+                    const float vb1 = v_smem[(j * 8 + 2 * t + 1) * P + dn * 8 + g];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) mma_f32<Elem<E>::split>(o_frag[mt][dn], p_frag[mt], vb0, vb1);
+                }
+            }
+        }
+    }
+}
+
+template <typename E, int D, int BM, int BN, int NW, bool WINDOW, bool SCORE_MOD>
+__global__ void __launch_bounds__(NW * 32)
+flash_fwd(const Params p) {
+    typedef typename Elem<E>::storage S;
+    constexpr int NT = NW * 32;
+    constexpr int MT = BM / (16 * NW);            // 16-row slabs per warp
+    static_assert(MT * 16 * NW == BM, "BM must be a multiple of 16 * NW");
+    constexpr int PQK = Pitch<E, D>::QK, PV = Pitch<E, D>::V;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    S* q_smem = (S*)smem_raw;                      // [BM, PQK]  (reused for O at the end)
+    S* k_smem = q_smem + BM * PQK;                 // [BN, PQK]
+    S* v_smem = k_smem + BN * PQK;                 // [BN, PV]
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;         // accumulator row / column-pair of this lane
+    const int m_block = p.num_m_blocks - 1 - (int)blockIdx.x;   // longest (causal) tiles first
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int head_k = head / p.h_per_hk;          // GQA / MQA
+    const int m0 = m_block * BM;
+    const int m_rows = min(BM, p.s_q - m0);
+
+    const S* q_gmem = (const S*)p.q + batch * p.q_stride_b + head * p.q_stride_h + (i64)m0 * p.q_stride_s;  // [m_rows, d]
+    const S* k_gmem = (const S*)p.k + batch * p.k_stride_b + head_k * p.k_stride_h;                        // [s_k, d]
+    const S* v_gmem = (const S*)p.v + batch * p.v_stride_b + head_k * p.v_stride_h;                        // [s_k, d_v]
+    S* o_gmem = (S*)p.o + batch * p.o_stride_b + head * p.o_stride_h + (i64)m0 * p.o_stride_s;             // [m_rows, d_v]
+    float* lse_gmem = p.lse + ((i64)batch * p.h + head) * p.s_q + m0;                                      // [m_rows]
+
+    // Key range any row of this tile can see: [n_lo, n_hi)
+    int n_lo = 0, n_hi = p.s_k;
+    if (WINDOW) {
+        n_lo = max(0, m0 + p.diag_offset - p.window_left);
+        n_hi = min(p.s_k, m0 + m_rows - 1 + p.diag_offset + p.window_right + 1);
+    }
+    const bool any_key = n_hi > n_lo;
+    const int nb_min = n_lo / BN;
+    const int nb_max = any_key ? (n_hi + BN - 1) / BN : nb_min;
+
+    // Per-lane state. Row r of slab mt: warp * MT * 16 + mt * 16 + g (+8 for the second half).
+    float o_frag[MT][D / 8][4];                    // O accumulator [16 rows, D] per slab
+    float m_row[MT][2], l_row[MT][2];              // running max (raw score units), partial denominator
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) o_frag[mt][j][0] = o_frag[mt][j][1] = o_frag[mt][j][2] = o_frag[mt][j][3] = 0.f;
+        m_row[mt][0] = m_row[mt][1] = -CF_INF;
+        l_row[mt][0] = l_row[mt][1] = 0.f;
+    }
+    const int warp_row0 = warp * MT * 16;          // first tile row of this warp
+    // SCORE_MOD turns scores into base-2 units before the max; otherwise fold scale into exp2.
+    const float sl2 = SCORE_MOD ? 1.f : p.scale_log2;
+    float slope_log2 = 0.f;                         // ALiBi slope in base-2 units
+    if (SCORE_MOD && p.alibi) slope_log2 = p.alibi[batch * p.alibi_stride_b + head] * CF_LOG2E;
+
+    if (nb_max > nb_min) {
+        // Q tile and the last K tile in flight
+        load_tile<BM, D, PQK, NT>(q_smem, q_gmem, p.q_stride_s, m_rows, p.d, p.vec_ok, p.q, tid);
+        {
+            const int n0 = (nb_max - 1) * BN;
+            load_tile<BN, D, PQK, NT>(k_smem, k_gmem + (i64)n0 * p.k_stride_s, p.k_stride_s, p.s_k - n0, p.d, p.vec_ok, p.k, tid);
+        }
+        cp_async_commit();
+
+        for (int nb = nb_max - 1; nb >= nb_min; --nb) {
+            const int n0 = nb * BN;
+            cp_async_wait<0>();
+            __syncthreads();   // K(nb) (and Q) landed for all threads; every warp finished PV on the V buffer
+            load_tile<BN, D, PV, NT>(v_smem, v_gmem + (i64)n0 * p.v_stride_s, p.v_stride_s, p.s_k - n0, p.d_v, p.vec_ok, p.v, tid);
+            cp_async_commit();
+
+            // S = Q K(nb)ᵀ   [16 rows, BN] per slab, fp32
+            float s_frag[MT][BN / 8][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j) s_frag[mt][j][0] = s_frag[mt][j][1] = s_frag[mt][j][2] = s_frag[mt][j][3] = 0.f;
+            gemm_qk<E, D, BN, MT>(s_frag, q_smem + warp_row0 * PQK, k_smem, lane, p.d);
+
+            // Score modifications, in base-2 units: softcap c·tanh(s/c), then ALiBi −slope·|diag − j|
+            if (SCORE_MOD) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            float s = s_frag[mt][j][e];
+                            s = p.softcap_pre > 0.f ? p.softcap_post * tanhf(s * p.softcap_pre) : s * p.scale_log2;
+                            const int row = m0 + warp_row0 + mt * 16 + g + (e >> 1) * 8;
+                            const int col = n0 + j * 8 + 2 * t + (e & 1);
+                            s -= slope_log2 * fabsf((float)(row + p.diag_offset - col));
+                            s_frag[mt][j][e] = s;
+                        }
+            }
+
+            // Mask only the tiles that need it: the ragged last tile, and window / causal edges
+            const bool need_mask = (n0 + BN > p.s_k) ||
+                (WINDOW && (n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
+                            n0 < m0 + m_rows - 1 + p.diag_offset - p.window_left));
+            if (need_mask) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int row = m0 + warp_row0 + mt * 16 + g + (e >> 1) * 8;
+                            const int col = n0 + j * 8 + 2 * t + (e & 1);
+                            const int diag = row + p.diag_offset;
+                            bool keep = col < p.s_k;
+                            if (WINDOW) keep = keep && col >= diag - p.window_left && col <= diag + p.window_right;
+                            if (!keep) s_frag[mt][j][e] = -CF_INF;
+                        }
+            }
+
+            cp_async_wait<0>();
+            __syncthreads();   // V(nb) landed for all threads; every warp finished reading K(nb)
+            if (nb > nb_min) {
+                const int n1 = n0 - BN;
+                load_tile<BN, D, PQK, NT>(k_smem, k_gmem + (i64)n1 * p.k_stride_s, p.k_stride_s, p.s_k - n1, p.d, p.vec_ok, p.k, tid);
+            }
+            cp_async_commit();
+
+            // Online softmax per row: running max m, rescale O and l by 2^(m_old − m_new), P = 2^(s − m)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    float mx = m_row[mt][half];
+#pragma unroll
+                    for (int j = 0; j < BN / 8; ++j)
+                        mx = fmaxf(mx, fmaxf(s_frag[mt][j][2 * half], s_frag[mt][j][2 * half + 1]));
+                    mx = quad_max(mx);                                   // row max over the 4 lanes
+                    const float m_scaled = mx == -CF_INF ? 0.f : mx * sl2;   // fully masked so far: avoid inf − inf
+                    const float alpha = fast_exp2(m_row[mt][half] * sl2 - m_scaled);  // O, l rescale
+                    m_row[mt][half] = mx;
+                    float row_sum = 0.f;
+#pragma unroll
+                    for (int j = 0; j < BN / 8; ++j) {
+                        const float p0 = fast_exp2(s_frag[mt][j][2 * half] * sl2 - m_scaled);
+                        const float p1 = fast_exp2(s_frag[mt][j][2 * half + 1] * sl2 - m_scaled);
+                        s_frag[mt][j][2 * half] = p0;
+                        s_frag[mt][j][2 * half + 1] = p1;
+                        row_sum += p0 + p1;
+                    }
+                    l_row[mt][half] = l_row[mt][half] * alpha + row_sum;   // denominator l (this lane's part)
+#pragma unroll
+                    for (int j = 0; j < D / 8; ++j) {
+                        o_frag[mt][j][2 * half] *= alpha;
+                        o_frag[mt][j][2 * half + 1] *= alpha;
+                    }
+                }
+
+            // O += P V(nb)
+            gemm_pv<E, D, BN, MT>(o_frag, s_frag, v_smem, lane, p.d_v);
+        }
+    }
+
+    // Final O / l and lse = (m·scale + log2 l)·ln 2; rows with no key give O = 0, lse = −inf.
+    S* o_smem = q_smem;   // [BM, PQK]; this warp only touches its own rows, which only it read as Q
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float l = quad_sum(l_row[mt][half]);
+            const float inv_l = l > 0.f ? 1.f / l : 0.f;
+            const int r = warp_row0 + mt * 16 + g + half * 8;
+            if (t == 0 && r < m_rows)
+                lse_gmem[r] = l > 0.f ? (m_row[mt][half] * sl2 + log2f(l)) * CF_LN2 : -CF_INF;
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j) {
+                o_smem[r * PQK + j * 8 + 2 * t] = from_float<E>(o_frag[mt][j][2 * half] * inv_l);
+                o_smem[r * PQK + j * 8 + 2 * t + 1] = from_float<E>(o_frag[mt][j][2 * half + 1] * inv_l);
+            }
+        }
+    cp_async_wait<0>();
+    __syncthreads();   // the whole O tile is in shared memory before the coalesced store
+    constexpr int CH = 16 / sizeof(S), CPR = D / CH;
+#pragma unroll
+    for (int i = 0; i < (BM * CPR + NT - 1) / NT; ++i) {
+        const int c = tid + i * NT;
+        const int r = c / CPR, col = (c % CPR) * CH;
+        if (c < BM * CPR && r < m_rows && col < p.d_v) {
+            const S* src = o_smem + r * PQK + col;
+            S* dst = o_gmem + r * p.o_stride_s + col;
+            if (p.vec_ok && col + CH <= p.d_v) {
+                *(uint4*)dst = *(const uint4*)src;
+            } else {
+#pragma unroll
+                for (int e = 0; e < CH; ++e) if (col + e < p.d_v) dst[e] = src[e];
+            }
+        }
+    }
+}

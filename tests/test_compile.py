@@ -1,0 +1,92 @@
+"""NVRTC compile harness: every forward variant the planner can select, for sm_80 and sm_90a.
+
+Runs without a GPU (NVRTC only, through cupy_backends). Fails on any compile error, and on
+register spills in the main variants (float16 / bfloat16 at head dims 64 and 128). Variants are
+compiled in a few multi-instantiation programs (name expressions), spread over the CPU cores.
+The ptxas report (registers, spills per variant) is printed with `pytest -s`.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing as mp
+import os
+import re
+
+import pytest
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+
+from cupyflash import _modules, _plan  # noqa: E402
+
+ARCHS = ("sm_80", "sm_90a")
+SMEM = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024}
+
+
+def compile_report(arch, variants):
+    """Compile ``variants`` in one NVRTC program; {name_expression: (regs, spill bytes)}."""
+    src, opts, names = _modules.program(variants)
+    prog = nvrtc.createProgram(src, "fwd.cu", [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        try:
+            nvrtc.compileProgram(prog, list(opts) + [f"-arch={arch}", "--ptxas-options=-v"])
+        except Exception as e:  # noqa: BLE001
+            log = nvrtc.getProgramLog(prog).replace("\0", "")
+            raise RuntimeError(f"NVRTC failed for {arch}: {e}\n{log}") from None
+        log = nvrtc.getProgramLog(prog).replace("\0", "")
+        lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
+    finally:
+        nvrtc.destroyProgram(prog)
+    out = {}
+    for m in re.finditer(r"Compiling entry function '(\S+)'.*?(\d+) bytes spill stores.*?"
+                         r"Used (\d+) registers", log, re.S):
+        out[lowered.get(m.group(1), m.group(1))] = (int(m.group(3)), int(m.group(2)))
+    missing = set(names) - set(out)
+    assert not missing, f"no ptxas report for {sorted(missing)}"
+    return out
+
+
+def _job(args):
+    arch, chunk = args
+    return arch, compile_report(arch, chunk)
+
+
+@pytest.fixture(scope="module")
+def reports():
+    jobs = []
+    for arch in ARCHS:
+        vs = _plan.all_variants(SMEM[arch])
+        # one program per (element type, flags): instantiations share the parse, chunks spread
+        for elem in _plan.ELEMS:
+            for flags in ((False, False), (False, True), (True, False), (True, True)):
+                chunk = [v for v in vs if v.elem == elem and (v.window, v.score_mod) == flags]
+                jobs.append((arch, chunk))
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    res = {a: {} for a in ARCHS}
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        for arch, rep in ex.map(_job, jobs):
+            res[arch].update(rep)
+    for arch in ARCHS:
+        print(f"\n{arch}: registers / spill bytes per variant")
+        for v in _plan.all_variants(SMEM[arch]):
+            regs, spill = res[arch][v.name_expression]
+            print(f"  {v.name:40s} {regs:4d} regs {spill:6d} B spill")
+    return res
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_variant_compiles(reports, arch):
+    vs = _plan.all_variants(SMEM[arch])
+    assert set(reports[arch]) == {v.name_expression for v in vs}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_main_variants_do_not_spill(reports, arch):
+    bad = []
+    for v in _plan.all_variants(SMEM[arch]):
+        if v.elem in ("f16_t", "bf16_t") and v.d in (64, 128):
+            regs, spill = reports[arch][v.name_expression]
+            if spill:
+                bad.append(f"{v.name}: {spill} B spilled ({regs} regs)")
+    assert not bad, "\n".join(bad)
