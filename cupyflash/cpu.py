@@ -110,7 +110,7 @@ def _scores_tile(qb, kb, opts, i0, i1, j0, j1, s_q, s_k, b, h, cdt):
     j = np.arange(j0, j1)[None, :]                                        # [1, bk]
     if opts.alibi_slopes is not None:
         # S -= slope[b, h] · |diag − j|
-        slopes = np.asarray(opts.alibi_slopes, dtype=cdt)[:, :, None, None]  # [b|1, h, 1, 1]
+        slopes = np.asarray(opts.alibi_slopes, dtype=cdt).reshape(-1, h)[:, :, None, None]
         s -= slopes * np.abs(diag - j).astype(cdt)
     # masks: the window / causal band (only where it cuts this tile), then the bool mask
     keep = None
@@ -149,7 +149,7 @@ def forward(q, k, v, opts: Options, *, block_k=128):
     """
     b, s_q, h, d = q.shape
     s_k, h_k, d_v = k.shape[1], k.shape[2], v.shape[3]
-    g = h // h_k
+    g = h // h_k if h_k else 1
     cdt = _compute_dtype(q, k, v)
     block_k = max(1, int(block_k))
     out = np.zeros((b, s_q, h, d_v), dtype=q.dtype)
@@ -227,7 +227,7 @@ def backward(dout, q, k, v, out, lse, opts: Options, *, block_k=128):
     """
     b, s_q, h, d = q.shape
     s_k, h_k, d_v = k.shape[1], k.shape[2], v.shape[3]
-    g = h // h_k
+    g = h // h_k if h_k else 1
     cdt = _compute_dtype(q, k, v)
     block_k = max(1, int(block_k))
     dq_h = np.zeros((b, h_k, g * s_q, d), dtype=cdt)             # [b, h_k, g*s_q, d]
