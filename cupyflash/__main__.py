@@ -23,7 +23,7 @@ def _kernel_dir() -> str:
     try:
         from cupyflash import _modules
 
-        return str(_modules.kernel_dir())
+        return str(_modules.kernels_dir())
     except Exception as exc:  # CuPy missing, or the module not importable
         return f"unavailable ({type(exc).__name__}: {exc})"
 
