@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import cupy
 import numpy as np
 
 from . import _modules, _plan
@@ -28,15 +29,33 @@ _launch_cache = {}  # shape signature -> _Launch
 _VARIANTS_BY_NAME = None
 
 
+# Word positions inside the Params record (see _plan.PARAMS_DTYPE): pointers are the first six
+# uint64 words, alibi_stride_b the 19th; vec_ok an int32.
+_PTR_WORDS = slice(0, 5)
+_ALIBI_WORD = 5
+_ALIBI_STRIDE_WORD = _plan.PARAMS_DTYPE.fields["alibi_stride_b"][1] // 8
+_VEC_OK_INT = _plan.PARAMS_DTYPE.fields["vec_ok"][1] // 4
+
+
 class _Launch:
-    __slots__ = ("fn", "grid", "block", "smem", "params", "name", "strides_ok", "alibi_stride_b")
+    """Everything one shape signature needs at launch time.
+
+    ``record`` is the Params record passed by value; ``words`` / ``ints`` are uint64 / int32
+    views of its memory, so a call only writes its pointers in place (the driver copies kernel
+    arguments at launch, so reusing the record is safe on one thread).
+    """
+
+    __slots__ = ("fn", "grid", "block", "smem", "record", "words", "ints", "name", "strides_ok")
 
     def __init__(self, fn, plan, strides_ok):
         self.fn = fn
         self.grid = plan.grid
         self.block = plan.block
         self.smem = plan.smem
-        self.params = plan.params
+        arr = plan.params.reshape(1)
+        self.record = arr[0]               # numpy.void viewing arr's memory
+        self.words = arr.view(np.uint64)
+        self.ints = arr.view(np.int32)
         self.name = plan.variant.name
         self.strides_ok = strides_ok
 
@@ -44,7 +63,6 @@ class _Launch:
 def _info(dev_id):
     info = _device_info.get(dev_id)
     if info is None:
-        import cupy
         dev = cupy.cuda.Device(dev_id)
         cc = int(dev.compute_capability)
         smem = int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
@@ -89,7 +107,10 @@ def _build(key, q, k, v, out, lse, opts, kernel, dev_id):
     _, s_k, h_k, _ = k.shape
     d_v = v.shape[3]
     has_alibi = opts.alibi_slopes is not None
-    forced = None if kernel == "auto" else _variant_by_name(kernel, smem)
+    if isinstance(kernel, _plan.Variant):      # an explicit instantiation (tuning, benchmarks)
+        forced = kernel
+    else:
+        forced = None if kernel == "auto" else _variant_by_name(kernel, smem)
     plan = _plan.plan_forward(
         name, b, s_q, s_k, h, h_k, d, d_v, scale=float(opts.scale),
         window_left=int(opts.window_left), window_right=int(opts.window_right),
@@ -107,19 +128,23 @@ def _build(key, q, k, v, out, lse, opts, kernel, dev_id):
     return _Launch(fn, plan, strides_ok)
 
 
+_get_device = cupy.cuda.runtime.getDevice
+
+
 def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
     """out[...] = attention(q, k, v), lse[...] = its log-sum-exp; returns the variant's name.
 
     q [b, s_q, h, d], k [b, s_k, h_k, d], v [b, s_k, h_k, d_v], out [b, s_q, h, d_v] CuPy arrays
     of one dtype with a contiguous last dimension; lse float32 [b, h, s_q] contiguous.
+    ``kernel``: "auto" (the planner's choice), a variant name from _plan.all_variants(), or a
+    _plan.Variant (any instantiation, for tuning). Runs on the current device and stream.
+    Raises NotImplementedError for bias / mask, head dims > 256, other dtypes, pre-sm_80 GPUs.
     """
-    import cupy
     alibi = opts.alibi_slopes
     key = (q.dtype, q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, out.strides,
            opts.scale, opts.window_left, opts.window_right, opts.bottom_right, opts.softcap,
            None if alibi is None else alibi.shape, opts.allow_tf32,
-           opts.bias is not None or opts.mask is not None, kernel,
-           cupy.cuda.runtime.getDevice())
+           opts.bias is not None or opts.mask is not None, kernel, _get_device())
     ent = _launch_cache.get(key)
     if ent is None:
         if q.size == 0 or out.size == 0:
@@ -130,14 +155,14 @@ def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
             return "empty"
         ent = _build(key, q, k, v, out, lse, opts, kernel, key[-1])
         _launch_cache[key] = ent
-    prm = ent.params.copy()
     qp, kp, vp, op = q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr
-    prm["q"], prm["k"], prm["v"], prm["o"], prm["lse"] = qp, kp, vp, op, lse.data.ptr
+    words = ent.words
+    words[_PTR_WORDS] = (qp, kp, vp, op, lse.data.ptr)
     if alibi is not None:
         if alibi.dtype != np.float32 or (alibi.shape[1] > 1 and alibi.strides[1] != 4):
             alibi = cupy.ascontiguousarray(alibi, dtype=np.float32)
-        prm["alibi"] = alibi.data.ptr
-        prm["alibi_stride_b"] = alibi.strides[0] // 4 if alibi.shape[0] > 1 else 0
-    prm["vec_ok"] = ent.strides_ok and ((qp | kp | vp | op) & 15) == 0
-    ent.fn(ent.grid, ent.block, (prm[()],), shared_mem=ent.smem)
+        words[_ALIBI_WORD] = alibi.data.ptr
+        words[_ALIBI_STRIDE_WORD] = alibi.strides[0] // 4 if alibi.shape[0] > 1 else 0
+    ent.ints[_VEC_OK_INT] = ent.strides_ok and ((qp | kp | vp | op) & 15) == 0
+    ent.fn(ent.grid, ent.block, (ent.record,), shared_mem=ent.smem)
     return ent.name

@@ -48,13 +48,20 @@ def _alloc(shape, dtype, layout, pad=0):
 
 
 def _naive(q, k, v, dtype, scale, keep, softcap, alibi, diag):
-    """Attention computed in `dtype` the naive way on the GPU (matmuls in dtype, softmax fp32)."""
+    """Attention computed in `dtype` the naive way on the GPU, like PyTorch's same-dtype math.
+
+    Each matmul takes dtype operands, accumulates in float32 and rounds its result to dtype
+    (what cuBLAS does for float16 / bfloat16; CuPy's batched matmul has no bfloat16 kernel, so
+    the float32 matmul of the dtype values is rounded here); softmax in float32, P rounded to
+    dtype before P V.
+    """
     h, h_k = q.shape[2], k.shape[2]
     idx = cp.asarray(np.arange(h) // (h // h_k))
-    qt = q.transpose(0, 2, 1, 3)
-    kt = k.transpose(0, 2, 1, 3)[:, idx]
-    vt = v.transpose(0, 2, 1, 3)[:, idx]
-    s = cp.matmul(qt, kt.swapaxes(-1, -2)).astype(cp.float32) * scale      # [b, h, s_q, s_k]
+    f32 = cp.float32
+    qt = q.transpose(0, 2, 1, 3).astype(f32)
+    kt = k.transpose(0, 2, 1, 3)[:, idx].astype(f32)
+    vt = v.transpose(0, 2, 1, 3)[:, idx].astype(f32)
+    s = cp.matmul(qt, kt.swapaxes(-1, -2)).astype(dtype).astype(f32) * scale   # [b, h, s_q, s_k]
     if softcap:
         s = softcap * cp.tanh(s / softcap)
     if alibi is not None:
@@ -67,8 +74,8 @@ def _naive(q, k, v, dtype, scale, keep, softcap, alibi, diag):
     p = cp.exp(s - m)
     l = p.sum(-1, keepdims=True)
     lse = cp.where(l[..., 0] > 0, cp.log(l[..., 0]) + m[..., 0], -cp.inf)
-    p = cp.where(l > 0, p / cp.where(l > 0, l, 1), 0).astype(dtype)
-    out = cp.matmul(p, vt).transpose(0, 2, 1, 3)
+    p = cp.where(l > 0, p / cp.where(l > 0, l, 1), 0).astype(dtype).astype(f32)
+    out = cp.matmul(p, vt).astype(dtype).transpose(0, 2, 1, 3)
     return out, lse
 
 
