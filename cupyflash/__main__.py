@@ -1,8 +1,10 @@
-"""python -m cupyflash info | demo
+"""python -m cupyflash info | demo | bench
 
 info  versions, the GPU and its compute capability, the kernel sources and cache directory.
 demo  one real-size random problem (GPU when present, else the CPU implementation), checked
       against the float64 reference on a slice; prints time, memory and max error.
+bench a sweep over FlashAttention's benchmark shapes beside the peers (plain CuPy; PyTorch SDPA
+      with --peers benchmarks.peers): table, JSON and a PNG plot.
 """
 from __future__ import annotations
 
@@ -127,9 +129,14 @@ def main(argv=None) -> int:
     p.add_argument("--seqlen", type=int, default=0, help="0: a default size for the device")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
+    from cupyflash import _bench
+
+    _bench.add_arguments(sub.add_parser("bench", help="TFLOP/s beside the peers: table, JSON, PNG"))
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
+    if args.command == "bench":
+        return _bench.main(args)
     return demo(args)
 
 

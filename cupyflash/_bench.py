@@ -1,0 +1,231 @@
+"""Benchmark machinery behind ``python -m cupyflash bench`` (and benchmarks/).
+
+Timing: CUDA events around each call on the current stream, warm-up first, median of the
+repeats. FLOPs: FlashAttention's count, 4·b·h·s_q·s_k·d forward (halved for causal), backward
+2.5× the forward. Peers are factories ``peer(q, k, v, causal, direction) -> callable | None``
+taking CuPy bshd arrays; the plain CuPy recipe (matmul, softmax, matmul) is built in. More peers
+(PyTorch SDPA's backends) come from a module named on the command line (``--peers
+benchmarks.peers``): nothing in this package imports PyTorch.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16, "fp32": np.float32}
+TOKENS, HIDDEN = 16384, 2048  # FlashAttention's benchmark shapes: batch·seqlen, heads·head_dim
+
+
+def flops(b, h, sq, sk, d, causal, direction):
+    """FlashAttention's FLOP count of one call."""
+    f = 4.0 * b * h * sq * sk * d / (2 if causal else 1)
+    return f * 2.5 if direction == "bwd" else f
+
+
+def time_ms(fn: Callable, warmup: int = 3, rep: int = 20) -> float:
+    """Median milliseconds of ``fn()`` between CUDA events on the current stream."""
+    import cupy as cp
+
+    for _ in range(warmup):
+        fn()
+    events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(rep)]
+    for start, stop in events:
+        start.record()
+        fn()
+        stop.record()
+    events[-1][1].synchronize()
+    return statistics.median(cp.cuda.get_elapsed_time(a, b) for a, b in events)
+
+
+def cupyflash_peer(q, k, v, causal, direction):
+    """cupyflash itself, through the public API."""
+    import cupyflash as cf
+
+    if direction == "fwd":
+        return lambda: cf.attention(q, k, v, causal=causal)
+    out, lse = cf.attention(q, k, v, causal=causal, return_lse=True)
+    dout = out.copy()
+    try:
+        cf.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    except NotImplementedError:
+        return None
+    return lambda: cf.attention_backward(dout, q, k, v, out, lse, causal=causal)
+
+
+def cupy_peer(q, k, v, causal, direction, max_bytes=24e9):
+    """The plain CuPy recipe: scores = QKᵀ (float32), softmax, P V; forward only."""
+    import cupy as cp
+
+    b, s, h, d = q.shape
+    sk = k.shape[1]
+    if direction != "fwd" or b * h * s * sk * 4 * 3 > max_bytes or k.shape[2] != h:
+        return None
+    qt, kt, vt = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    scale = 1.0 / math.sqrt(d)
+    mask = cp.triu(cp.ones((s, sk), bool), sk - s + 1) if causal else None
+
+    def run():
+        scores = cp.matmul(qt, kt.swapaxes(-1, -2)).astype(cp.float32) * scale
+        if mask is not None:
+            scores = cp.where(mask, -cp.inf, scores)
+        scores -= scores.max(-1, keepdims=True)
+        p = cp.exp(scores)
+        p /= p.sum(-1, keepdims=True)
+        return cp.matmul(p.astype(q.dtype), vt)
+
+    return run
+
+
+BUILTIN_PEERS = {"cupy": cupy_peer}
+
+
+def load_peers(module_names) -> Dict[str, Callable]:
+    """Peers: the built-in ones plus ``PEERS`` (name -> factory) of each module named."""
+    peers = dict(BUILTIN_PEERS)
+    for name in module_names or ():
+        peers.update(importlib.import_module(name).PEERS)
+    return peers
+
+
+@dataclass
+class Row:
+    dtype: str
+    head_dim: int
+    seqlen: int
+    causal: bool
+    direction: str
+    batch: int
+    heads: int
+    tflops: Dict[str, float] = field(default_factory=dict)  # implementation -> TFLOP/s
+
+    def ratio(self, peer: str) -> float:
+        ours, other = self.tflops.get("cupyflash", math.nan), self.tflops.get(peer, math.nan)
+        return ours / other if other and not math.isnan(other) else math.nan
+
+
+def sweep(dtypes, head_dims, seqlens, causals, directions, peers, *, rep=20, progress=print) -> List[Row]:
+    """Time cupyflash and every peer on FlashAttention's benchmark shapes."""
+    import cupy as cp
+
+    rows = []
+    cases = [(dt, hd, s) for dt in dtypes for hd in head_dims for s in seqlens]
+    rng = np.random.default_rng(0)
+    for n, (dt, hd, s) in enumerate(cases, 1):
+        b, h = max(1, TOKENS // s), max(1, HIDDEN // hd)
+        q, k, v = (cp.asarray(rng.standard_normal((b, s, h, hd), np.float32)).astype(DTYPES[dt])
+                   for _ in range(3))
+        for causal in causals:
+            for direction in directions:
+                row = Row(dt, hd, s, causal, direction, b, h)
+                fl = flops(b, h, s, s, hd, causal, direction)
+                for name, factory in [("cupyflash", cupyflash_peer), *peers.items()]:
+                    try:
+                        fn = factory(q, k, v, causal, direction)
+                        row.tflops[name] = fl / time_ms(fn, rep=rep) / 1e9 if fn else math.nan
+                    except Exception as exc:  # a peer refusing a problem is a gap, not a failure
+                        progress(f"  {name} failed on {dt} hd{hd} s{s}: {type(exc).__name__}: {str(exc)[:80]}")
+                        row.tflops[name] = math.nan
+                    cp.get_default_memory_pool().free_all_blocks()
+                rows.append(row)
+        progress(f"[{n}/{len(cases)}] {dt} hd{hd} s{s} done")
+        del q, k, v
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def table(rows: List[Row]) -> str:
+    """The TFLOP/s table with cupyflash's ratio to each peer."""
+    peers = [p for p in rows[0].tflops if p != "cupyflash"] if rows else []
+    head = (f"{'dtype':>5} {'hd':>3} {'seqlen':>6} {'causal':>6} {'dir':>3} | {'cupyflash':>9} "
+            + " ".join(f"{p:>9}" for p in peers) + " | " + " ".join(f"{'/' + p:>9}" for p in peers))
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.dtype:>5} {r.head_dim:>3} {r.seqlen:>6} {str(r.causal):>6} {r.direction:>3} | "
+                     f"{r.tflops['cupyflash']:9.1f} " + " ".join(f"{r.tflops[p]:9.1f}" for p in peers)
+                     + " | " + " ".join(f"{r.ratio(p):9.2f}" for p in peers))
+    return "\n".join(lines)
+
+
+def plot(rows: List[Row], path: str) -> Optional[str]:
+    """TFLOP/s against seqlen per implementation, one panel per (dtype, hd, causal, dir)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    panels = sorted({(r.dtype, r.head_dim, r.causal, r.direction) for r in rows})
+    cols = min(4, len(panels))
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
+    for ax, key in zip(axes.flat, panels):
+        sel = sorted((r for r in rows if (r.dtype, r.head_dim, r.causal, r.direction) == key),
+                     key=lambda r: r.seqlen)
+        for impl in sel[0].tflops:
+            ax.plot([r.seqlen for r in sel], [r.tflops[impl] for r in sel], marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{key[0]} hd{key[1]} {'causal' if key[2] else 'full'} {key[3]}")
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def device_line() -> str:
+    """GPU name, CuPy, CUDA runtime and driver versions: the header of a measured table."""
+    import cupy as cp
+
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    return (f"{name}, CuPy {cp.__version__}, CUDA runtime {cp.cuda.runtime.runtimeGetVersion()}, "
+            f"driver {cp.cuda.runtime.driverGetVersion()}")
+
+
+def main(args) -> int:
+    """``python -m cupyflash bench``: sweep, print the table, write JSON and a PNG."""
+    from ._interop import gpu_available
+
+    if not gpu_available():
+        print("bench needs a CUDA GPU with CuPy", file=sys.stderr)
+        return 2
+    peers = load_peers(args.peers)
+    print(f"# {device_line()}")
+    rows = sweep(args.dtype, args.head_dim, args.seqlen, args.causal, args.direction, peers,
+                 rep=args.rep, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(table(rows))
+    with open(args.json, "w") as f:
+        json.dump({"device": device_line(), "rows": [asdict(r) for r in rows]}, f, indent=1)
+    print(f"# json: {args.json}")
+    png = plot(rows, args.png)
+    print(f"# plot: {png}" if png else "# plot: skipped (matplotlib not installed)")
+    return 0
+
+
+def add_arguments(p) -> None:
+    """The ``bench`` subcommand's options."""
+    p.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["bf16"])
+    p.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
+    p.add_argument("--seqlen", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--causal", nargs="+", type=lambda s: s.lower() in ("1", "true", "yes"),
+                   default=[False, True], help="e.g. --causal false true")
+    p.add_argument("--direction", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"])
+    p.add_argument("--peers", nargs="*", default=[],
+                   help="modules with a PEERS dict of more peers, e.g. benchmarks.peers (PyTorch SDPA)")
+    p.add_argument("--rep", type=int, default=20)
+    p.add_argument("--json", default="cupyflash-bench.json")
+    p.add_argument("--png", default="cupyflash-bench.png")
