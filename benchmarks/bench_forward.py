@@ -100,10 +100,11 @@ def torch_fn(tt, backend, q, k, v, causal):
 
 
 def cupy_naive_fn(q, k, v, causal):
+    """matmul, softmax, matmul in CuPy; float16 operands (CuPy has no bfloat16 batched matmul)."""
     b, s, h, d = q.shape
     if b * h * s * s * 4 * 3 > 24e9:
         return None
-    qt, kt, vt = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    qt, kt, vt = (x.transpose(0, 2, 1, 3).astype(cp.float16) for x in (q, k, v))
     scale = 1 / math.sqrt(d)
     mask = cp.triu(cp.ones((s, s), bool), 1) if causal else None
 
@@ -114,7 +115,7 @@ def cupy_naive_fn(q, k, v, causal):
         sc -= sc.max(-1, keepdims=True)
         p = cp.exp(sc)
         p /= p.sum(-1, keepdims=True)
-        return cp.matmul(p.astype(q.dtype), vt)
+        return cp.matmul(p.astype(cp.float16), vt)
     return run
 
 
@@ -122,8 +123,9 @@ def bench_bf16(tt, quick, rows):
     rng = np.random.default_rng(0)
     seqlens = [512, 2048, 8192] if quick else [512, 1024, 2048, 4096, 8192, 16384]
     hdr = (f"{'hd':>3} {'seqlen':>6} {'causal':>6} | {'ours':>6} {'flash':>6} {'cudnn':>6} "
-           f"{'cupy':>6} | {'ours/flash':>10} {'ours/cudnn':>10}  variant")
-    print("\nbf16 forward, TFLOP/s (batch*seqlen = 16k, hidden 2048)")
+           f"{'cupy*':>6} | {'ours/flash':>10} {'ours/cudnn':>10}  variant")
+    print("\nbf16 forward, TFLOP/s (batch*seqlen = 16k, hidden 2048; cupy* = plain CuPy "
+          "matmul-softmax-matmul on float16 copies, CuPy has no bf16 batched matmul)")
     print(hdr)
     print("-" * len(hdr))
     for hd in (64, 128):
@@ -254,34 +256,49 @@ def bench_compile(rows):
         rows.append(dict(kind="compile", cold=res[0], warm=res[1]))
 
 
-TUNE = {
-    64: [(128, 64, 4), (128, 128, 4), (128, 64, 8), (128, 128, 8), (64, 64, 4)],
-    128: [(128, 64, 8), (128, 64, 4), (128, 128, 8), (64, 64, 4), (128, 32, 4)],
-}
+TUNE = [  # (elem, hd, BM, BN, warps, K stages, QK unroll)
+    ("bf16_t", 64, 128, 64, 4, 1, 2), ("bf16_t", 64, 128, 64, 4, 2, 2),
+    ("bf16_t", 64, 128, 128, 4, 1, 2), ("bf16_t", 64, 128, 128, 4, 2, 2),
+    ("bf16_t", 64, 128, 128, 4, 2, 1),
+    ("bf16_t", 128, 128, 64, 4, 1, 2), ("bf16_t", 128, 128, 64, 4, 2, 2),
+    ("bf16_t", 128, 128, 64, 4, 2, 1), ("bf16_t", 128, 128, 64, 4, 2, 4),
+    ("bf16_t", 128, 128, 32, 4, 2, 2), ("bf16_t", 128, 128, 128, 8, 2, 2),
+    ("f32x3_t", 64, 64, 64, 4, 1, 2), ("f32x3_t", 64, 64, 64, 4, 2, 2),
+    ("f32x3_t", 64, 128, 64, 4, 2, 2),
+    ("f32x3_t", 128, 64, 32, 4, 1, 2), ("f32x3_t", 128, 64, 32, 4, 2, 2),
+    ("f32x3_t", 128, 128, 32, 4, 2, 2), ("f32x3_t", 128, 64, 32, 4, 2, 1),
+]
 
 
 def bench_tune(rows):
-    """Alternative tiles (BM, BN, warps) for the main bf16 cells."""
+    """Alternative tiles (BM, BN, warps) and k-loop unroll for the main cells."""
     rng = np.random.default_rng(3)
-    print("\ntile tuning, bf16 s=4096 b=4 TFLOP/s (non-causal / causal)")
-    for hd, cands in TUNE.items():
+    print("\ntile tuning, s=4096 b=4 hidden 2048, TFLOP/s (non-causal / causal)")
+    inputs = {}
+    for elem, hd, bm, bn, nw, st, unroll in TUNE:
+        dt = BF16 if elem == "bf16_t" else np.float32
+        if (dt, hd) not in inputs:
+            inputs.clear()
+            cp.get_default_memory_pool().free_all_blocks()
+            inputs[(dt, hd)] = make_inputs(4, 4096, 2048 // hd, hd, dt, rng)
+        q, k, v = inputs[(dt, hd)]
         b, s, h = 4, 4096, 2048 // hd
-        q, k, v = make_inputs(b, s, h, hd, BF16, rng)
-        for bm, bn, nw in cands:
-            res = []
-            for causal in (False, True):
-                var = _plan.Variant("bf16_t", hd, bm, bn, nw, causal, False)
-                fn, _, _ = ours_fn(q, k, v, causal, kernel=var)
-                try:
-                    fn()
-                    res.append(_plan.flops(b, h, s, s, hd, hd, causal) / time_cupy(fn) / 1e12)
-                except Exception as e:  # noqa: BLE001
-                    print(f"# {var.name}: {str(e)[:120]}")
-                    res.append(float("nan"))
-            print(f"  hd{hd} {bm}x{bn} w{nw}: {res[0]:6.1f} / {res[1]:6.1f}")
-            rows.append(dict(kind="tune", hd=hd, bm=bm, bn=bn, nw=nw, tflops=res))
-        del q, k, v
-        cp.get_default_memory_pool().free_all_blocks()
+        res = []
+        for causal in (False, True):
+            var = _plan.Variant(elem, hd, bm, bn, nw, causal, False, st)
+            fn, _, _ = ours_fn(q, k, v, causal, kernel=(var, (f"-DQK_UNROLL={unroll}",)))
+            try:
+                fn()
+                res.append(_plan.flops(b, h, s, s, hd, hd, causal) / time_cupy(fn) / 1e12)
+            except Exception as e:  # noqa: BLE001
+                print(f"# {var.name}: {str(e)[:120]}")
+                res.append(float("nan"))
+        print(f"  {elem} hd{hd} {bm}x{bn} w{nw} stages {st} unroll {unroll}: "
+              f"{res[0]:6.1f} / {res[1]:6.1f}")
+        rows.append(dict(kind="tune", elem=elem, hd=hd, bm=bm, bn=bn, nw=nw, stages=st, unroll=unroll,
+                         tflops=res))
+    inputs.clear()
+    cp.get_default_memory_pool().free_all_blocks()
 
 
 def main():

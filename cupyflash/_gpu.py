@@ -107,6 +107,9 @@ def _build(key, q, k, v, out, lse, opts, kernel, dev_id):
     _, s_k, h_k, _ = k.shape
     d_v = v.shape[3]
     has_alibi = opts.alibi_slopes is not None
+    extra = ()
+    if isinstance(kernel, tuple) and len(kernel) == 2 and isinstance(kernel[0], _plan.Variant):
+        kernel, extra = kernel                 # (Variant, extra NVRTC options): tuning only
     if isinstance(kernel, _plan.Variant):      # an explicit instantiation (tuning, benchmarks)
         forced = kernel
     else:
@@ -124,7 +127,7 @@ def _build(key, q, k, v, out, lse, opts, kernel, dev_id):
         prm[f"{t}_stride_b"], prm[f"{t}_stride_s"], prm[f"{t}_stride_h"] = sb, ss, sh
         strides += [sb, ss, sh]
     strides_ok = _plan.vec_ok((), strides, q.dtype.itemsize)
-    fn = _modules.get_function(plan.variant, dev_id)
+    fn = _modules.get_function(plan.variant, dev_id, extra)
     return _Launch(fn, plan, strides_ok)
 
 

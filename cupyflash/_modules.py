@@ -50,18 +50,23 @@ def base_options() -> tuple:
     return ("-std=c++17", f"-I{kernels_dir()}", f"-DCUPYFLASH_SRC_HASH=0x{source_hash()}ULL")
 
 
-def program(variants, file: str = "fwd.cu"):
+def program(variants, file: str = "fwd.cu", extra_options=()):
     """(source text, options, name expressions) compiling ``variants`` (list of _plan.Variant)."""
-    return _source(file), base_options(), [v.name_expression for v in variants]
+    return (_source(file), base_options() + tuple(extra_options),
+            [v.name_expression for v in variants])
 
 
 _lock = threading.Lock()
 _functions = {}   # (device id, variant) -> cupy RawKernel with its smem attribute set
 
 
-def get_function(variant, device_id: int):
-    """The compiled flash_fwd instantiation for ``variant`` on device ``device_id`` (lazy)."""
-    key = (device_id, variant)
+def get_function(variant, device_id: int, extra_options=()):
+    """The compiled flash_fwd instantiation for ``variant`` on device ``device_id`` (lazy).
+
+    ``extra_options`` (e.g. "-DQK_UNROLL=1") are for tuning experiments only.
+    """
+    extra_options = tuple(extra_options)
+    key = (device_id, variant, extra_options)
     fn = _functions.get(key)
     if fn is not None:
         return fn
@@ -69,7 +74,7 @@ def get_function(variant, device_id: int):
         fn = _functions.get(key)
         if fn is None:
             import cupy
-            src, opts, names = program([variant])
+            src, opts, names = program([variant], extra_options=extra_options)
             mod = cupy.RawModule(code=src, options=opts, name_expressions=names)
             fn = mod.get_function(names[0])
             if variant.smem_bytes > 48 * 1024:

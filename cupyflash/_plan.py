@@ -34,20 +34,22 @@ _ELEM_SIZE = {"f16_t": 2, "bf16_t": 2, "f32x3_t": 4, "tf32_t": 4}
 BIG_SMEM = 160 * 1024
 
 # (BM, BN, NW) per element size and bucket, for each shared-memory class.
-# 16-bit: 128-row query tiles; at D <= 64 each of 4 warps owns two 16-row slabs (MT=2) so each
-# K fragment read from shared memory feeds two products; larger D uses 8 warps with one slab
-# each (MT=2 spills registers at D=128). float32: one slab per warp, narrower key tiles as D
-# grows (the O accumulator is D/2 registers per lane). Chosen from ptxas register/spill reports.
+# 16-bit: 128-row query tiles; up to D=128 each of 4 warps owns two 16-row slabs (MT=2) so each
+# K / V fragment read from shared memory feeds two products (MT=1 is bound by shared-memory
+# bandwidth: measured 238 vs 284 TFLOP/s at hd128, docs/kernels.md); larger D uses 8 warps with
+# one slab each (registers). float32: one slab per warp, narrower key tiles as D grows (the O
+# accumulator is D/2 registers per lane).
 _TILES = {
-    ("big", 2): {32: (128, 64, 4), 64: (128, 64, 4), 96: (128, 64, 8), 128: (128, 64, 8),
+    ("big", 2): {32: (128, 128, 4), 64: (128, 128, 4), 96: (128, 64, 4), 128: (128, 64, 4),
                  160: (128, 64, 8), 192: (128, 64, 8), 224: (128, 32, 8), 256: (128, 32, 8)},
-    ("small", 2): {32: (128, 64, 4), 64: (128, 64, 4), 96: (128, 64, 8), 128: (128, 64, 8),
+    ("small", 2): {32: (128, 128, 4), 64: (128, 128, 4), 96: (128, 64, 4), 128: (128, 64, 4),
                    160: (128, 32, 8), 192: (128, 32, 8), 224: (64, 32, 4), 256: (64, 32, 4)},
     ("big", 4): {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 32, 4), 128: (64, 32, 4),
                  160: (64, 16, 4), 192: (64, 16, 4), 224: (64, 16, 4), 256: (64, 16, 4)},
     ("small", 4): {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 32, 4), 128: (64, 32, 4),
                    160: (64, 16, 4), 192: (64, 16, 4), 224: (64, 16, 4), 256: (64, 16, 4)},
 }
+
 
 class Variant(NamedTuple):
     """One template instantiation of flash_fwd."""
@@ -59,18 +61,20 @@ class Variant(NamedTuple):
     nw: int
     window: bool
     score_mod: bool
+    stages: int = 1      # K buffers (KSTAGES)
 
     @property
     def name_expression(self) -> str:
         b = lambda x: "true" if x else "false"  # noqa: E731
         return (f"flash_fwd<{self.elem}, {self.d}, {self.bm}, {self.bn}, {self.nw}, "
-                f"{b(self.window)}, {b(self.score_mod)}>")
+                f"{self.stages}, {b(self.window)}, {b(self.score_mod)}>")
 
     @property
     def name(self) -> str:
         """Short human-readable name, returned by _gpu.forward."""
         flags = ("_window" if self.window else "") + ("_mod" if self.score_mod else "")
-        return f"fwd_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}w{self.nw}{flags}"
+        st = "s2" if self.stages == 2 else ""
+        return f"fwd_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}w{self.nw}{st}{flags}"
 
     @property
     def threads(self) -> int:
@@ -78,11 +82,11 @@ class Variant(NamedTuple):
 
     @property
     def smem_bytes(self) -> int:
-        return smem_bytes(self.elem, self.d, self.bm, self.bn)
+        return smem_bytes(self.elem, self.d, self.bm, self.bn, self.stages)
 
 
-def smem_bytes(elem: str, d: int, bm: int, bn: int) -> int:
-    """Dynamic shared memory of flash_fwd: Q [BM, D+pad], K [BN, D+pad], V [BN, D+pad'].
+def smem_bytes(elem: str, d: int, bm: int, bn: int, stages: int = 1) -> int:
+    """Dynamic shared memory of flash_fwd: Q [BM, D+pad], K [stages, BN, D+pad], V [BN, D+pad'].
 
     Mirrors Pitch<E, D> in fwd.cu: 16-bit rows padded by 8 elements, float32 Q/K rows by 8 and
     V rows by 4 floats.
@@ -90,7 +94,7 @@ def smem_bytes(elem: str, d: int, bm: int, bn: int) -> int:
     es = _ELEM_SIZE[elem]
     pqk = d + 8
     pv = d + 8 if es == 2 else d + 4
-    return (bm * pqk + bn * pqk + bn * pv) * es
+    return (bm * pqk + stages * bn * pqk + bn * pv) * es
 
 
 def smem_class(smem_optin: int) -> str:
@@ -118,8 +122,11 @@ def elem_tag(dtype_name: str, allow_tf32: bool) -> str:
         f"dtype {dtype_name}: the GPU forward kernel takes float16, bfloat16 or float32")
 
 
-def tiles(elem: str, d_bucket: int, smem_optin: int) -> Tuple[int, int, int]:
-    return _TILES[(smem_class(smem_optin), _ELEM_SIZE[elem])][d_bucket]
+def tiles(elem: str, d_bucket: int, smem_optin: int) -> Tuple[int, int, int, int]:
+    """(BM, BN, warps, K stages): two K buffers wherever they fit in shared memory."""
+    bm, bn, nw = _TILES[(smem_class(smem_optin), _ELEM_SIZE[elem])][d_bucket]
+    stages = 2 if smem_bytes(elem, d_bucket, bm, bn, 2) <= smem_optin else 1
+    return bm, bn, nw, stages
 
 
 def all_variants(smem_optin: int = 227 * 1024):
@@ -127,10 +134,10 @@ def all_variants(smem_optin: int = 227 * 1024):
     out = []
     for elem in ELEMS:
         for dbk in HEAD_DIM_BUCKETS:
-            bm, bn, nw = tiles(elem, dbk, smem_optin)
+            bm, bn, nw, st = tiles(elem, dbk, smem_optin)
             for window in (False, True):
                 for mod in (False, True):
-                    out.append(Variant(elem, dbk, bm, bn, nw, window, mod))
+                    out.append(Variant(elem, dbk, bm, bn, nw, window, mod, st))
     return out
 
 
@@ -145,10 +152,16 @@ PARAMS_FIELDS = (
                                "window_left", "window_right", "diag_offset", "vec_ok",
                                "num_m_blocks", "flags")]
     + [(n, np.float32) for n in ("scale_log2", "softcap_pre", "softcap_post", "pad0")]
+    # backward only (kernels_cu/bwd.cu, planned in _gpu_bwd.py)
+    + [(n, np.uint64) for n in ("dout", "dq", "dk", "dv", "dsum", "dq_accum")]
+    + [(f"{t}_stride_{a}", np.int64) for t in ("do", "dq", "dk", "dv") for a in "bsh"]
+    + [("dq_accum_slab", np.int64)]
+    + [(n, np.int32) for n in ("num_n_blocks", "bn", "deterministic")]
+    + [("scale", np.float32)]
 )
 #: The structured dtype passed by value as the kernel's one argument (C alignment rules).
 PARAMS_DTYPE = np.dtype(PARAMS_FIELDS, align=True)
-PARAMS_NBYTES = 224
+PARAMS_NBYTES = 392
 assert PARAMS_DTYPE.itemsize == PARAMS_NBYTES
 
 LOG2E = 1.4426950408889634
@@ -177,8 +190,8 @@ def plan_forward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, 
     window = window_left >= 0 or window_right >= 0
     score_mod = softcap > 0 or has_alibi or not scale > 0
     if variant is None:
-        bm, bn, nw = tiles(elem, dbk, smem_optin)
-        variant = Variant(elem, dbk, bm, bn, nw, window, score_mod)
+        bm, bn, nw, st = tiles(elem, dbk, smem_optin)
+        variant = Variant(elem, dbk, bm, bn, nw, window, score_mod, st)
     else:   # forced variant (benchmarks, tests): must still be able to compute this problem
         if (variant.elem != elem or variant.d < max(d, d_v) or (window and not variant.window)
                 or (score_mod and not variant.score_mod)):

@@ -14,10 +14,18 @@
 //   D        head-dim bucket (multiple of 32) covering both d and d_v; padding columns are
 //            zero-filled on load and never stored
 //   BM, BN   query / key tile sizes;  NW  warps per block
+//   KSTAGES  K buffers: 1 (K(n-1) loaded during softmax + PV) or 2 (K(n-1) issued at the top of
+//            iteration n, a whole iteration ahead)
 //   WINDOW   causal or sliding window: skip tiles outside, mask the boundary tiles
 //   SCORE_MOD softcap and/or ALiBi (or a non-positive scale): scores are transformed to base-2
 //            units before the max
 #include "common.cuh"
+
+// Unroll of the k loop of S = Q Kᵀ (2: the next step's fragment loads overlap this step's
+// products without hoisting every load; tuning builds may pass -DQK_UNROLL=n)
+#ifndef QK_UNROLL
+#define QK_UNROLL 2
+#endif
 
 // Shared-memory row pitch in elements. Rows are padded by 16 bytes (16-bit types) or 32 / 16
 // bytes (float32 Q,K / V) instead of an XOR swizzle: every bucket (also 96, 160, 224, which a
@@ -30,7 +38,9 @@ template <typename E, int D> struct Pitch {
 };
 
 // Copy a [ROWS, D] tile (rows row0.., columns < cols_valid) from global to shared memory with
-// NT threads. Rows >= rows_valid and columns >= cols_valid are zero-filled.
+// NT threads, one 16-byte chunk per thread and pass. Rows >= rows_valid and columns >=
+// cols_valid are zero-filled. When NT is a multiple of the chunks per row, each thread keeps one
+// column and walks rows with a fixed pointer step (few live registers inside the K/V loop).
 template <int ROWS, int D, int PITCH, int NT, typename S>
 __device__ __forceinline__ void load_tile(S* tile_smem,            // [ROWS, PITCH]
                                           const S* tile_gmem,      // [rows_valid, ., cols_valid]
@@ -39,20 +49,40 @@ __device__ __forceinline__ void load_tile(S* tile_smem,            // [ROWS, PIT
     constexpr int CH = 16 / sizeof(S);           // elements per 16-byte chunk
     constexpr int CPR = D / CH;                  // chunks per row
     constexpr int CHUNKS = ROWS * CPR;
+    if constexpr (NT % CPR == 0 && ROWS % (NT / CPR) == 0) {
+        constexpr int RS = NT / CPR;             // rows per pass
+        const int r0 = tid / CPR, col = (tid % CPR) * CH;
+        const S* src = tile_gmem + r0 * row_stride + col;
+        S* dst = tile_smem + r0 * PITCH + col;
+        int valid_col = cols_valid - col;
+        valid_col = valid_col < 0 ? 0 : (valid_col > CH ? CH : valid_col);
 #pragma unroll
-    for (int i = 0; i < (CHUNKS + NT - 1) / NT; ++i) {
-        const int c = tid + i * NT;
-        if (CHUNKS % NT == 0 || c < CHUNKS) {
-            const int r = c / CPR, col = (c % CPR) * CH;
-            S* dst = tile_smem + r * PITCH + col;
-            const S* src = tile_gmem + r * row_stride + col;
-            int valid = cols_valid - col;
-            valid = (r < rows_valid) ? (valid < 0 ? 0 : (valid > CH ? CH : valid)) : 0;
+        for (int i = 0; i < ROWS / RS; ++i) {
+            const int valid = (r0 + i * RS < rows_valid) ? valid_col : 0;
             if (vec_ok) {
-                cp_async_16(dst, valid ? (const void*)src : safe_gmem, valid * (int)sizeof(S));
+                cp_async_16(dst + i * RS * PITCH, valid ? (const void*)src : safe_gmem, valid * (int)sizeof(S));
             } else {   // unaligned rows (odd strides or head dims): element copies
 #pragma unroll
-                for (int e = 0; e < CH; ++e) dst[e] = e < valid ? src[e] : S(0);
+                for (int e = 0; e < CH; ++e) dst[i * RS * PITCH + e] = e < valid ? src[e] : S(0);
+            }
+            src += RS * row_stride;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < (CHUNKS + NT - 1) / NT; ++i) {
+            const int c = tid + i * NT;
+            if (CHUNKS % NT == 0 || c < CHUNKS) {
+                const int r = c / CPR, col = (c % CPR) * CH;
+                S* dst = tile_smem + r * PITCH + col;
+                const S* src = tile_gmem + r * row_stride + col;
+                int valid = cols_valid - col;
+                valid = (r < rows_valid) ? (valid < 0 ? 0 : (valid > CH ? CH : valid)) : 0;
+                if (vec_ok) {
+                    cp_async_16(dst, valid ? (const void*)src : safe_gmem, valid * (int)sizeof(S));
+                } else {
+#pragma unroll
+                    for (int e = 0; e < CH; ++e) dst[e] = e < valid ? src[e] : S(0);
+                }
             }
         }
     }
@@ -66,11 +96,9 @@ __device__ __forceinline__ void gemm_qk(float (&s_frag)[MT][BN / 8][4],
                                         int lane, int d) {
     constexpr int P = Pitch<E, D>::QK;
     if constexpr (Elem<E>::is16) {
-        // k loop kept rolled: its index only moves addresses, and unrolling it lets the compiler
-        // hoist every K fragment load (register spills at D >= 128)
-#pragma unroll 1
+#pragma unroll QK_UNROLL
         for (int kk = 0; kk < D / 16; ++kk) {
-            if (kk * 16 < d) {                       // skip padding-only k-steps
+            {
                 u32 q_frag[MT][4];                   // A: 16 rows x 16 cols of Q per slab
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
@@ -92,9 +120,9 @@ __device__ __forceinline__ void gemm_qk(float (&s_frag)[MT][BN / 8][4],
         // float32, m16n8k8: the k index of both operands is permuted the same way inside each
         // 8-column step (logical t <-> column 2t, t+4 <-> 2t+1), so one 8-byte load gives a pair.
         const int g = lane >> 2, t = lane & 3;
-#pragma unroll 1
+#pragma unroll QK_UNROLL
         for (int kk = 0; kk < D / 8; ++kk) {
-            if (kk * 8 < d) {
+            {
                 float q_frag[MT][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
@@ -121,27 +149,28 @@ __device__ __forceinline__ void gemm_pv(float (&o_frag)[MT][D / 8][4], float (&s
                                         int lane, int d_v) {
     constexpr int P = Pitch<E, D>::V;
     if constexpr (Elem<E>::is16) {
+        // A operand = P, packed to 16-bit pairs first (halves the live registers of S)
+        u32 p_frag[MT][BN / 16][4];
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            u32 p_frag[MT][4];   // A operand = P for keys kk*16.. (accumulator pairs packed to 16 bits)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                p_frag[mt][0] = pack2<E>(s_frag[mt][2 * kk][0], s_frag[mt][2 * kk][1]);
-                p_frag[mt][1] = pack2<E>(s_frag[mt][2 * kk][2], s_frag[mt][2 * kk][3]);
-                p_frag[mt][2] = pack2<E>(s_frag[mt][2 * kk + 1][0], s_frag[mt][2 * kk + 1][1]);
-                p_frag[mt][3] = pack2<E>(s_frag[mt][2 * kk + 1][2], s_frag[mt][2 * kk + 1][3]);
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                p_frag[mt][kk][0] = pack2<E>(s_frag[mt][2 * kk][0], s_frag[mt][2 * kk][1]);
+                p_frag[mt][kk][1] = pack2<E>(s_frag[mt][2 * kk][2], s_frag[mt][2 * kk][3]);
+                p_frag[mt][kk][2] = pack2<E>(s_frag[mt][2 * kk + 1][0], s_frag[mt][2 * kk + 1][1]);
+                p_frag[mt][kk][3] = pack2<E>(s_frag[mt][2 * kk + 1][2], s_frag[mt][2 * kk + 1][3]);
             }
 #pragma unroll
-            for (int dd = 0; dd < D / 16; ++dd) {
-                if (dd * 16 < d_v) {
-                    u32 v_frag[4];   // B: keys kk*16.. x columns dd*16.. (transposed load)
-                    ldmatrix_x4_trans(v_frag, v_smem + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * P
-                                                  + dd * 16 + (lane >> 4) * 8);
+        for (int kk = 0; kk < BN / 16; ++kk) {
 #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma16816<E>(o_frag[mt][2 * dd], p_frag[mt], v_frag[0], v_frag[1]);
-                        mma16816<E>(o_frag[mt][2 * dd + 1], p_frag[mt], v_frag[2], v_frag[3]);
-                    }
+            for (int dd = 0; dd < D / 16; ++dd) {
+                u32 v_frag[4];   // B: keys kk*16.. x columns dd*16.. (transposed load)
+                ldmatrix_x4_trans(v_frag, v_smem + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * P
+                                              + dd * 16 + (lane >> 4) * 8);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma16816<E>(o_frag[mt][2 * dd], p_frag[mt][kk], v_frag[0], v_frag[1]);
+                    mma16816<E>(o_frag[mt][2 * dd + 1], p_frag[mt][kk], v_frag[2], v_frag[3]);
                 }
             }
         }
@@ -170,19 +199,20 @@ __device__ __forceinline__ void gemm_pv(float (&o_frag)[MT][D / 8][4], float (&s
     }
 }
 
-template <typename E, int D, int BM, int BN, int NW, bool WINDOW, bool SCORE_MOD>
+template <typename E, int D, int BM, int BN, int NW, int KSTAGES, bool WINDOW, bool SCORE_MOD>
 __global__ void __launch_bounds__(NW * 32)
 flash_fwd(const Params p) {
     typedef typename Elem<E>::storage S;
     constexpr int NT = NW * 32;
     constexpr int MT = BM / (16 * NW);            // 16-row slabs per warp
     static_assert(MT * 16 * NW == BM, "BM must be a multiple of 16 * NW");
+    static_assert(KSTAGES == 1 || KSTAGES == 2, "one or two K buffers");
     constexpr int PQK = Pitch<E, D>::QK, PV = Pitch<E, D>::V;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     S* q_smem = (S*)smem_raw;                      // [BM, PQK]  (reused for O at the end)
-    S* k_smem = q_smem + BM * PQK;                 // [BN, PQK]
-    S* v_smem = k_smem + BN * PQK;                 // [BN, PV]
+    S* k_smem0 = q_smem + BM * PQK;                // [KSTAGES][BN, PQK]
+    S* v_smem = k_smem0 + KSTAGES * BN * PQK;      // [BN, PV]
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;         // accumulator row / column-pair of this lane
@@ -229,16 +259,27 @@ flash_fwd(const Params p) {
         load_tile<BM, D, PQK, NT>(q_smem, q_gmem, p.q_stride_s, m_rows, p.d, p.vec_ok, p.q, tid);
         {
             const int n0 = (nb_max - 1) * BN;
-            load_tile<BN, D, PQK, NT>(k_smem, k_gmem + (i64)n0 * p.k_stride_s, p.k_stride_s, p.s_k - n0, p.d, p.vec_ok, p.k, tid);
+            load_tile<BN, D, PQK, NT>(k_smem0, k_gmem + (i64)n0 * p.k_stride_s, p.k_stride_s, p.s_k - n0, p.d, p.vec_ok, p.k, tid);
         }
         cp_async_commit();
 
         for (int nb = nb_max - 1; nb >= nb_min; --nb) {
             const int n0 = nb * BN;
+            const int it = nb_max - 1 - nb;        // iteration count; K(nb) sits in buffer it % KSTAGES
+            S* k_smem = k_smem0 + (KSTAGES == 2 ? (it & 1) * BN * PQK : 0);   // [BN, PQK]
             cp_async_wait<0>();
-            __syncthreads();   // K(nb) (and Q) landed for all threads; every warp finished PV on the V buffer
+            __syncthreads();   // K(nb) (and Q) landed for all threads; every warp finished PV on the V
+                               // buffer and S on the other K buffer
             load_tile<BN, D, PV, NT>(v_smem, v_gmem + (i64)n0 * p.v_stride_s, p.v_stride_s, p.s_k - n0, p.d_v, p.vec_ok, p.v, tid);
             cp_async_commit();
+            if (KSTAGES == 2) {   // K(nb-1) into the other buffer: a whole iteration to land
+                if (nb > nb_min) {
+                    const int n1 = n0 - BN;
+                    load_tile<BN, D, PQK, NT>(k_smem0 + ((it + 1) & 1) * BN * PQK, k_gmem + (i64)n1 * p.k_stride_s,
+                                              p.k_stride_s, p.s_k - n1, p.d, p.vec_ok, p.k, tid);
+                }
+                cp_async_commit();   // (possibly empty) group, so the wait below counts right
+            }
 
             // S = Q K(nb)ᵀ   [16 rows, BN] per slab, fp32
             float s_frag[MT][BN / 8][4];
@@ -285,13 +326,18 @@ flash_fwd(const Params p) {
                         }
             }
 
-            cp_async_wait<0>();
-            __syncthreads();   // V(nb) landed for all threads; every warp finished reading K(nb)
-            if (nb > nb_min) {
-                const int n1 = n0 - BN;
-                load_tile<BN, D, PQK, NT>(k_smem, k_gmem + (i64)n1 * p.k_stride_s, p.k_stride_s, p.s_k - n1, p.d, p.vec_ok, p.k, tid);
+            if (KSTAGES == 2) {
+                cp_async_wait<1>();   // V(nb) complete; K(nb-1) may still be in flight
+                __syncthreads();      // V(nb) landed for all threads
+            } else {
+                cp_async_wait<0>();
+                __syncthreads();      // V(nb) landed for all threads; every warp finished reading K(nb)
+                if (nb > nb_min) {
+                    const int n1 = n0 - BN;
+                    load_tile<BN, D, PQK, NT>(k_smem, k_gmem + (i64)n1 * p.k_stride_s, p.k_stride_s, p.s_k - n1, p.d, p.vec_ok, p.k, tid);
+                }
+                cp_async_commit();
             }
-            cp_async_commit();
 
             // Online softmax per row: running max m, rescale O and l by 2^(m_old − m_new), P = 2^(s − m)
 #pragma unroll

@@ -38,7 +38,7 @@ def test_params_dtype_mirrors_c_struct():
             fields.append((name.strip(), ctype[m.group(1)]))
     assert [(n, np.dtype(t)) for n, t in fields] == \
         [(n, np.dtype(t)) for n, t in _plan.PARAMS_FIELDS]
-    assert _plan.PARAMS_DTYPE.itemsize == 224 and _plan.PARAMS_DTYPE.isalignedstruct
+    assert _plan.PARAMS_DTYPE.itemsize == _plan.PARAMS_NBYTES and _plan.PARAMS_DTYPE.isalignedstruct
 
 
 def test_params_dtype_equals_cupy_make_aligned_dtype():
@@ -104,7 +104,7 @@ def test_grid_block_smem():
     v = p.variant
     assert p.grid == (-(-1000 // v.bm), 5, 3)
     assert p.block == (32 * v.nw, 1, 1)
-    assert p.smem == v.smem_bytes == _plan.smem_bytes(v.elem, v.d, v.bm, v.bn)
+    assert p.smem == v.smem_bytes == _plan.smem_bytes(v.elem, v.d, v.bm, v.bn, v.stages)
     assert v.bm % (16 * v.nw) == 0 and v.bn % 16 == 0
 
 
