@@ -42,6 +42,22 @@ struct Params {
     float softcap_pre;      // scale / softcap (0 when off)
     float softcap_post;     // softcap * log2(e)
     float pad0;
+    // ---- backward only (kernels_cu/bwd.cu); the forward never reads these ----
+    const void* dout;       // [b, s_q, h, d_v]
+    void* dq;               // [b, s_q, h, d]
+    void* dk;               // [b, s_k, h_k, d]
+    void* dv;               // [b, s_k, h_k, d_v]
+    float* dsum;            // [b, h, s_q] contiguous: D = rowsum(dO ∘ O)
+    float* dq_accum;        // [b, h, s_q, d] float32 contiguous; num_n_blocks such slabs when deterministic
+    i64 do_stride_b, do_stride_s, do_stride_h;
+    i64 dq_stride_b, dq_stride_s, dq_stride_h;
+    i64 dk_stride_b, dk_stride_s, dk_stride_h;
+    i64 dv_stride_b, dv_stride_s, dv_stride_h;
+    i64 dq_accum_slab;      // elements of one dQ slab: b * h * s_q * d
+    int num_n_blocks;       // ceil(s_k / bn)
+    int bn;                 // key rows per block of flash_bwd
+    int deterministic;      // 1: each key tile stores its dQ part in its own slab; 0: float atomics
+    float scale;            // scale in natural units (the dS multiplier)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -170,4 +186,41 @@ __device__ __forceinline__ float quad_max(float x) {
 __device__ __forceinline__ float quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// =============================================================================================
+// Backward additions (kernels_cu/bwd.cu). Appended; the forward does not use them.
+// =============================================================================================
+
+// stored element -> float
+template <typename E> __device__ __forceinline__ float to_float(typename Elem<E>::storage x);
+template <> __device__ __forceinline__ float to_float<f16_t>(u16 x) {
+    float r; asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(x)); return r;
+}
+template <> __device__ __forceinline__ float to_float<bf16_t>(u16 x) { return __uint_as_float((u32)x << 16); }
+template <> __device__ __forceinline__ float to_float<f32x3_t>(float x) { return x; }
+template <> __device__ __forceinline__ float to_float<tf32_t>(float x) { return x; }
+
+// *addr += v in global memory, no return value (red.global.add.f32)
+__device__ __forceinline__ void red_add_f32(float* addr, float v) {
+    asm volatile("red.global.add.f32 [%0], %1;" :: "l"(addr), "f"(v) : "memory");
+}
+
+// One score through the design.md §1 pipeline, in base-2 units: s = scale·qk, softcap
+// c·tanh(s/c), ALiBi −slope·|diag − col|. Masks are applied by the caller. *ds_dqk receives
+// d s / d(qk) in natural units: scale, times 1 − tanh²(s/c) under softcap.
+template <bool SCORE_MOD>
+__device__ __forceinline__ float score_log2(float qk, const Params& p, float slope_log2, int row,
+                                            int col, float scale, float* ds_dqk) {
+    if (!SCORE_MOD) { *ds_dqk = scale; return qk * p.scale_log2; }
+    float s;
+    if (p.softcap_post > 0.f) {   // softcap on (softcap_pre may be negative with a negative scale)
+        const float th = tanhf(qk * p.softcap_pre);
+        s = p.softcap_post * th;
+        *ds_dqk = scale * (1.f - th * th);
+    } else {
+        s = qk * p.scale_log2;
+        *ds_dqk = scale;
+    }
+    return s - slope_log2 * fabsf((float)(row + p.diag_offset - col));
 }

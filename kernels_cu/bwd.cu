@@ -1,0 +1,459 @@
+// cupyflash backward kernels, sm_80+ (mma.sync), FlashAttention-2 order.
+//
+//   given O, lse from the forward and dO:
+//   D  = rowsum(dO ∘ O)                                   flash_bwd_pre (also zeroes the dQ accumulator)
+//   per key tile (flash_bwd), over every query tile that can see it:
+//     S  = Q Kᵀ,  P = exp(score(S) − lse)                 recomputed, never stored
+//     dV += Pᵀ dO,  dP = dO Vᵀ,  dS = P ∘ (dP − D) · ds/dS_raw
+//     dK += dSᵀ Q,  dQ += dS K  (float32, red.global.add; or a per-key-tile slab when deterministic)
+//   dq = dtype(dQ accumulator)                            flash_bwd_dq (sums the slabs in order)
+//
+// flash_bwd works on the TRANSPOSED scores: warp w owns 16 keys and computes Sᵀ = K Qᵀ and
+// dPᵀ = V dOᵀ for them ([16 keys, BM queries] in the m16n8 accumulator layout). Pᵀ and dSᵀ are
+// then already the A operands of dV += Pᵀ dO and dK += dSᵀ Q (registers, no shared memory), and
+// dK, dV stay in registers for the whole block. Only dS goes through shared memory, for
+// dQ = dS K, where the warps are laid out over query rows instead.
+//
+// Template arguments (cupyflash/_gpu_bwd.py enumerates the instantiated set):
+//   E         f16_t | bf16_t | f32x3_t (float32, 3xTF32) | tf32_t (float32, plain TF32)
+//   D         head-dim bucket (multiple of 32) covering d and d_v; padding zero-filled, never stored
+//   BM        query rows per step;  NW  warps;  WD  warps sharing one 16-key slab, each owning
+//             D / WD columns of dK, dV (large D: Sᵀ and dPᵀ computed WD times, registers bounded)
+//             -> BN = 16 · NW / WD keys per block
+//   NBUF      1 | 2 shared-memory buffers for the Q / dO / lse / D tile (2: next tile prefetched
+//             during the whole step; 1: during the dQ product only)
+//   WINDOW    causal or sliding window: only the query tiles that see the key tile; edges masked
+//   SCORE_MOD softcap and/or ALiBi
+#include "common.cuh"
+
+// Shared-memory row pitch (elements). 16-bit rows padded by 16 bytes: ldmatrix reads
+// conflict-free for every bucket; float32 rows by 16 bytes: the scalar B-fragment loads
+// (rows 2t, columns g) hit 32 distinct banks. Both keep cp.async destinations 16-byte aligned.
+template <typename E, int D> struct BwdPitch {
+    static constexpr int ROW = Elem<E>::is16 ? D + 8 : D + 4;   // Q, K, V, dO rows
+};
+template <typename E, int BM> struct DsPitch {
+    static constexpr int ROW = Elem<E>::is16 ? BM + 8 : BM + 4; // dSᵀ rows (one per key)
+};
+
+// Copy a [ROWS, D] tile (rows < rows_valid, columns < cols_valid) from global to shared memory
+// with NT threads; the rest of the tile is zero-filled. (Same scheme as fwd.cu's load_tile.)
+template <int ROWS, int D, int PITCH, int NT, typename S>
+__device__ __forceinline__ void copy_tile(S* tile_smem,              // [ROWS, PITCH]
+                                          const S* tile_gmem,        // [rows_valid, ., cols_valid]
+                                          i64 row_stride, int rows_valid, int cols_valid,
+                                          bool vec_ok, const void* safe_gmem, int tid) {
+    constexpr int CH = 16 / sizeof(S);           // elements per 16-byte chunk
+    constexpr int CPR = D / CH;                  // chunks per row
+    constexpr int CHUNKS = ROWS * CPR;
+#pragma unroll
+    for (int i = 0; i < (CHUNKS + NT - 1) / NT; ++i) {
+        const int c = tid + i * NT;
+        if (CHUNKS % NT == 0 || c < CHUNKS) {
+            const int r = c / CPR, col = (c % CPR) * CH;
+            S* dst = tile_smem + r * PITCH + col;
+            const S* src = tile_gmem + r * row_stride + col;
+            int valid = cols_valid - col;
+            valid = (r < rows_valid) ? (valid < 0 ? 0 : (valid > CH ? CH : valid)) : 0;
+            if (vec_ok) {
+                cp_async_16(dst, valid ? (const void*)src : safe_gmem, valid * (int)sizeof(S));
+            } else {   // unaligned rows (odd strides or head dims): element copies
+#pragma unroll
+                for (int e = 0; e < CH; ++e) dst[e] = e < valid ? src[e] : S(0);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Warp-level products on one 16-row slab, fp32 accumulators in the m16n8 layout
+// (lane: g = lane / 4 row, t = lane % 4 column pair; c[j] = columns j*8.., rows g and g + 8).
+// float32 (m16n8k8): inside each 8-wide k step the logical k index t <-> 2t, t + 4 <-> 2t + 1 in
+// BOTH operands, so an accumulator pair or an 8-byte row load is an operand as it stands.
+// ---------------------------------------------------------------------------------------------
+
+// C[16, N] += A[16, K] B[N, K]ᵀ;  A, B row-major in shared memory; k steps >= k_valid skipped.
+template <typename E, int N, int KMAX, int PA, int PB>
+__device__ __forceinline__ void mma_nt(float (&c)[N / 8][4],
+                                       const typename Elem<E>::storage* a_smem,   // [16, PA]
+                                       const typename Elem<E>::storage* b_smem,   // [N, PB]
+                                       int lane, int k_valid) {
+    if constexpr (Elem<E>::is16) {
+        // k loop kept rolled: its index only moves addresses (unrolled, every B load is hoisted)
+#pragma unroll 1
+        for (int kk = 0; kk < KMAX / 16; ++kk) {
+            if (kk * 16 < k_valid) {
+                u32 a_frag[4];                       // A: 16 rows x k16
+                ldmatrix_x4(a_frag, a_smem + (lane & 15) * PA + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+                for (int nn = 0; nn < N / 16; ++nn) {
+                    u32 b_frag[4];                   // B: rows nn*16.., two n8 tiles x k16
+                    ldmatrix_x4(b_frag, b_smem + (nn * 16 + (lane & 7) + (lane >> 4) * 8) * PB
+                                            + kk * 16 + ((lane >> 3) & 1) * 8);
+                    mma16816<E>(c[2 * nn], a_frag, b_frag[0], b_frag[1]);
+                    mma16816<E>(c[2 * nn + 1], a_frag, b_frag[2], b_frag[3]);
+                }
+            }
+        }
+    } else {
+        const int g = lane >> 2, t = lane & 3;
+#pragma unroll 1
+        for (int kk = 0; kk < KMAX / 8; ++kk) {
+            if (kk * 8 < k_valid) {
+                const float2 lo = *(const float2*)(a_smem + g * PA + kk * 8 + 2 * t);
+                const float2 hi = *(const float2*)(a_smem + (g + 8) * PA + kk * 8 + 2 * t);
+                const float a_frag[4] = {lo.x, hi.x, lo.y, hi.y};
+#pragma unroll
+                for (int j = 0; j < N / 8; ++j) {
+                    const float2 b = *(const float2*)(b_smem + (j * 8 + g) * PB + kk * 8 + 2 * t);
+                    mma_f32<Elem<E>::split>(c[j], a_frag, b.x, b.y);
+                }
+            }
+        }
+    }
+}
+
+// C[16, NC] += A[16, K] B[K, NC];  A in registers (an accumulator [16, K], rounded to E for
+// 16-bit types), B row-major in shared memory; column groups >= n_valid skipped.
+template <typename E, int K, int NC, int PB>
+__device__ __forceinline__ void mma_rn(float (&c)[NC / 8][4], const float (&a_acc)[K / 8][4],
+                                       const typename Elem<E>::storage* b_smem,   // [K, PB]
+                                       int lane, int n_valid) {
+    if constexpr (Elem<E>::is16) {
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk) {
+            u32 a_frag[4];   // accumulator pairs of columns kk*16.. packed to 16 bits
+            a_frag[0] = pack2<E>(a_acc[2 * kk][0], a_acc[2 * kk][1]);
+            a_frag[1] = pack2<E>(a_acc[2 * kk][2], a_acc[2 * kk][3]);
+            a_frag[2] = pack2<E>(a_acc[2 * kk + 1][0], a_acc[2 * kk + 1][1]);
+            a_frag[3] = pack2<E>(a_acc[2 * kk + 1][2], a_acc[2 * kk + 1][3]);
+#pragma unroll
+            for (int dd = 0; dd < NC / 16; ++dd) {
+                if (dd * 16 < n_valid) {
+                    u32 b_frag[4];   // B: k rows kk*16.. x columns dd*16.. (transposed load)
+                    ldmatrix_x4_trans(b_frag, b_smem + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * PB
+                                                  + dd * 16 + (lane >> 4) * 8);
+                    mma16816<E>(c[2 * dd], a_frag, b_frag[0], b_frag[1]);
+                    mma16816<E>(c[2 * dd + 1], a_frag, b_frag[2], b_frag[3]);
+                }
+            }
+        }
+    } else {
+        const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int j = 0; j < K / 8; ++j) {
+            const float a_frag[4] = {a_acc[j][0], a_acc[j][2], a_acc[j][1], a_acc[j][3]};
+#pragma unroll
+            for (int dn = 0; dn < NC / 8; ++dn) {
+                if (dn * 8 < n_valid) {
+                    const float b0 = b_smem[(j * 8 + 2 * t) * PB + dn * 8 + g];
+                    const float b1 = b_smem[(j * 8 + 2 * t + 1) * PB + dn * 8 + g];
+                    mma_f32<Elem<E>::split>(c[dn], a_frag, b0, b1);
+                }
+            }
+        }
+    }
+}
+
+// C[16, NC] += A[16, K] B[K, NC];  A stored TRANSPOSED in shared memory (At [K, 16 used columns]),
+// B row-major in shared memory; column groups >= n_valid skipped.
+template <typename E, int K, int NC, int PA, int PB>
+__device__ __forceinline__ void mma_tn(float (&c)[NC / 8][4],
+                                       const typename Elem<E>::storage* at_smem,  // [K, PA]
+                                       const typename Elem<E>::storage* b_smem,   // [K, PB]
+                                       int lane, int n_valid) {
+    if constexpr (Elem<E>::is16) {
+#pragma unroll 1
+        for (int kk = 0; kk < K / 16; ++kk) {
+            u32 a_frag[4];   // A: 16 rows x k16, read from At by a transposed load
+            ldmatrix_x4_trans(a_frag, at_smem + (kk * 16 + (lane & 7) + ((lane >> 4) & 1) * 8) * PA
+                                          + ((lane >> 3) & 1) * 8);
+#pragma unroll
+            for (int dd = 0; dd < NC / 16; ++dd) {
+                if (dd * 16 < n_valid) {
+                    u32 b_frag[4];
+                    ldmatrix_x4_trans(b_frag, b_smem + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * PB
+                                                  + dd * 16 + (lane >> 4) * 8);
+                    mma16816<E>(c[2 * dd], a_frag, b_frag[0], b_frag[1]);
+                    mma16816<E>(c[2 * dd + 1], a_frag, b_frag[2], b_frag[3]);
+                }
+            }
+        }
+    } else {
+        const int g = lane >> 2, t = lane & 3;
+#pragma unroll 1
+        for (int kk = 0; kk < K / 8; ++kk) {
+            const float* a0 = at_smem + (kk * 8 + 2 * t) * PA;   // k = 2t row of At
+            const float* a1 = a0 + PA;                          // k = 2t + 1
+            const float a_frag[4] = {a0[g], a0[g + 8], a1[g], a1[g + 8]};
+#pragma unroll
+            for (int dn = 0; dn < NC / 8; ++dn) {
+                if (dn * 8 < n_valid) {
+                    const float b0 = b_smem[(kk * 8 + 2 * t) * PB + dn * 8 + g];
+                    const float b1 = b_smem[(kk * 8 + 2 * t + 1) * PB + dn * 8 + g];
+                    mma_f32<Elem<E>::split>(c[dn], a_frag, b0, b1);
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// D = rowsum(dO ∘ O) per query row (float32), and the dQ accumulator row zeroed (atomic mode).
+// One warp per row (b, h, i); 8 rows per 256-thread block.
+// ---------------------------------------------------------------------------------------------
+template <typename E>
+__global__ void __launch_bounds__(256)
+flash_bwd_pre(const Params p) {
+    typedef typename Elem<E>::storage S;
+    const int lane = threadIdx.x & 31;
+    const i64 row = (i64)blockIdx.x * 8 + (threadIdx.x >> 5);           // (batch * h + head) * s_q + i
+    if (row >= (i64)p.b * p.h * p.s_q) return;
+    const int i = (int)(row % p.s_q);
+    const int head = (int)((row / p.s_q) % p.h), batch = (int)(row / ((i64)p.s_q * p.h));
+    const S* do_gmem = (const S*)p.dout + batch * p.do_stride_b + head * p.do_stride_h + i * p.do_stride_s;  // [d_v]
+    const S* o_gmem = (const S*)p.o + batch * p.o_stride_b + head * p.o_stride_h + i * p.o_stride_s;         // [d_v]
+    float acc = 0.f;
+    for (int c = lane; c < p.d_v; c += 32) acc += to_float<E>(do_gmem[c]) * to_float<E>(o_gmem[c]);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 16);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 8);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 4);
+    acc = quad_sum(acc);
+    if (lane == 0) p.dsum[row] = acc;
+    if (!p.deterministic) {
+        float* dq_row = p.dq_accum + row * p.d;   // [d]
+        for (int c = lane; c < p.d; c += 32) dq_row[c] = 0.f;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Main kernel: one block per (key tile, kv head, batch); loops over the query heads of the
+// group and the query tiles that see the key tile; dK, dV in registers throughout.
+// ---------------------------------------------------------------------------------------------
+template <typename E, int D, int BM, int NW, int WD, int NBUF, bool WINDOW, bool SCORE_MOD>
+__global__ void __launch_bounds__(NW * 32)
+flash_bwd(const Params p) {
+    typedef typename Elem<E>::storage S;
+    constexpr int NT = NW * 32;
+    constexpr int BN = 16 * NW / WD;              // keys per block
+    constexpr int DW = D / WD;                    // dK / dV columns per warp
+    constexpr int WMQ = BM / 16;                  // dQ phase: warps over query rows ...
+    constexpr int WNQ = NW / WMQ;                 // ... times warps over columns
+    constexpr int DQW = D / WNQ;                  // dQ columns per warp
+    constexpr int CG = Elem<E>::is16 ? 16 : 8;    // column granularity of the B-operand loads
+    static_assert(NW % WD == 0 && BN % 16 == 0, "NW must be a multiple of WD");
+    static_assert(BM % 16 == 0 && NW % WMQ == 0, "BM / 16 must divide NW");
+    static_assert(DW % CG == 0 && DQW % CG == 0, "column split must keep whole fragments");
+    static_assert(NBUF == 1 || NBUF == 2, "one or two Q / dO buffers");
+    constexpr int PR = BwdPitch<E, D>::ROW, PDS = DsPitch<E, BM>::ROW;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    S* k_smem = (S*)smem_raw;                     // [BN, PR]
+    S* v_smem = k_smem + BN * PR;                 // [BN, PR]
+    S* q_smem = v_smem + BN * PR;                 // [NBUF][BM, PR]
+    S* do_smem = q_smem + NBUF * BM * PR;         // [NBUF][BM, PR]
+    S* dst_smem = do_smem + NBUF * BM * PR;       // [BN, PDS]  dSᵀ (keys x queries)
+    float* lse2_smem = (float*)(dst_smem + BN * PDS);   // [NBUF][BM]  lse·log2(e); +inf: row contributes nothing
+    float* dsum_smem = lse2_smem + NBUF * BM;            // [NBUF][BM]  D
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;        // accumulator row / column pair of this lane
+    const int n_block = blockIdx.x, head_k = blockIdx.y, batch = blockIdx.z;
+    const int n0 = n_block * BN;
+    const int n_rows = min(BN, p.s_k - n0);
+    const int key0 = (warp / WD) * 16;            // this warp's 16 keys (tile rows)
+    const int col0 = (warp % WD) * DW;            // this warp's dK / dV columns
+    const int qrow0 = (warp % WMQ) * 16;          // dQ phase: this warp's 16 query rows
+    const int qcol0 = (warp / WMQ) * DQW;         //           and columns
+    const float scale = p.scale;
+
+    const S* k_gmem = (const S*)p.k + batch * p.k_stride_b + head_k * p.k_stride_h + (i64)n0 * p.k_stride_s;  // [n_rows, d]
+    const S* v_gmem = (const S*)p.v + batch * p.v_stride_b + head_k * p.v_stride_h + (i64)n0 * p.v_stride_s;  // [n_rows, d_v]
+
+    // Query rows that see some key of this tile: [i_lo, i_hi] (key j kept for row i when
+    // i + diag_offset − left <= j <= i + diag_offset + right)
+    int i_lo = 0, i_hi = p.s_q - 1;
+    if (WINDOW) {
+        i_lo = max(0, n0 - p.diag_offset - p.window_right);
+        i_hi = min(p.s_q - 1, n0 + n_rows - 1 - p.diag_offset + p.window_left);
+    }
+    const int m_first = i_lo / BM;
+    const int num_m = i_hi >= i_lo ? i_hi / BM - m_first + 1 : 0;   // query tiles per head
+    const int total = num_m * p.h_per_hk;                           // steps: (group head, query tile)
+
+    // Step `it` -> query head and first query row
+    auto step_head = [&](int it) { return head_k * p.h_per_hk + it / num_m; };
+    auto step_m0 = [&](int it) { return (m_first + it % num_m) * BM; };
+
+    // Issue the loads of step `it` into buffer `buf`: Q, dO tiles (cp.async), lse·log2(e) and D.
+    auto load_step = [&](int it, int buf) {
+        const int head = step_head(it), m0 = step_m0(it);
+        const int m_rows = min(BM, p.s_q - m0);
+        const S* q_gmem = (const S*)p.q + batch * p.q_stride_b + head * p.q_stride_h + (i64)m0 * p.q_stride_s;          // [m_rows, d]
+        const S* do_gmem = (const S*)p.dout + batch * p.do_stride_b + head * p.do_stride_h + (i64)m0 * p.do_stride_s;  // [m_rows, d_v]
+        copy_tile<BM, D, PR, NT>(q_smem + buf * BM * PR, q_gmem, p.q_stride_s, m_rows, p.d, p.vec_ok, p.q, tid);
+        copy_tile<BM, D, PR, NT>(do_smem + buf * BM * PR, do_gmem, p.do_stride_s, m_rows, p.d_v, p.vec_ok, p.dout, tid);
+        const i64 row0 = ((i64)batch * p.h + head) * p.s_q + m0;   // [b, h, s_q] index of row m0
+        for (int r = tid; r < BM; r += NT) {
+            float l2 = CF_INF, dsum = 0.f;     // rows past s_q and rows with lse = −inf: P = 0
+            if (r < m_rows) {
+                const float l = p.lse[row0 + r];
+                if (l != -CF_INF) l2 = l * CF_LOG2E;
+                dsum = p.dsum[row0 + r];
+            }
+            lse2_smem[buf * BM + r] = l2;
+            dsum_smem[buf * BM + r] = dsum;
+        }
+    };
+
+    float dk_frag[DW / 8][4], dv_frag[DW / 8][4];   // dK, dV [16 keys, DW] of this warp
+#pragma unroll
+    for (int j = 0; j < DW / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk_frag[j][e] = dv_frag[j][e] = 0.f;
+
+    if (total > 0) {
+        // K, V tiles (kept for the whole block) and the first Q / dO tile in flight
+        copy_tile<BN, D, PR, NT>(k_smem, k_gmem, p.k_stride_s, n_rows, p.d, p.vec_ok, p.k, tid);
+        copy_tile<BN, D, PR, NT>(v_smem, v_gmem, p.v_stride_s, n_rows, p.d_v, p.vec_ok, p.v, tid);
+        load_step(0, 0);
+        cp_async_commit();
+    }
+    for (int it = 0; it < total; ++it) {
+        const int buf = NBUF == 2 ? (it & 1) : 0;
+        const int head = step_head(it), m0 = step_m0(it);
+        cp_async_wait<0>();
+        __syncthreads();   // step it's tiles landed for all threads; every warp is done with the other buffer and with dSᵀ
+        if (NBUF == 2 && it + 1 < total) load_step(it + 1, buf ^ 1);
+        cp_async_commit();
+        const S* qb_smem = q_smem + buf * BM * PR;      // [BM, PR]
+        const S* dob_smem = do_smem + buf * BM * PR;    // [BM, PR]
+        const float* lse2b = lse2_smem + buf * BM;      // [BM]
+        const float* dsumb = dsum_smem + buf * BM;      // [BM]
+
+        // dPᵀ = V dOᵀ   [16 keys, BM queries]
+        float dp_frag[BM / 8][4];
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j) dp_frag[j][0] = dp_frag[j][1] = dp_frag[j][2] = dp_frag[j][3] = 0.f;
+        mma_nt<E, BM, D, PR, PR>(dp_frag, v_smem + key0 * PR, dob_smem, lane, p.d_v);
+
+        // Sᵀ = K Qᵀ   [16 keys, BM queries]
+        float s_frag[BM / 8][4];
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j) s_frag[j][0] = s_frag[j][1] = s_frag[j][2] = s_frag[j][3] = 0.f;
+        mma_nt<E, BM, D, PR, PR>(s_frag, k_smem + key0 * PR, qb_smem, lane, p.d);
+
+        // P = exp(score(S) − lse) (masked: 0), dS = P ∘ (dP − D) · ds/dS_raw, in place:
+        // s_frag becomes Pᵀ, dp_frag becomes dSᵀ
+        float slope_log2 = 0.f;
+        if (SCORE_MOD && p.alibi) slope_log2 = p.alibi[batch * p.alibi_stride_b + head] * CF_LOG2E;
+        const bool need_mask = (n0 + BN > p.s_k) ||
+            (WINDOW && (n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
+                        n0 < m0 + BM - 1 + p.diag_offset - p.window_left));
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j) {
+            const float2 l2 = *(const float2*)(lse2b + j * 8 + 2 * t);    // queries j*8 + 2t, +1
+            const float2 dd = *(const float2*)(dsumb + j * 8 + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = n0 + key0 + g + (e >> 1) * 8;
+                const int row = m0 + j * 8 + 2 * t + (e & 1);
+                float ds_dqk;
+                float s = score_log2<SCORE_MOD>(s_frag[j][e], p, slope_log2, row, key, scale, &ds_dqk);
+                if (need_mask) {
+                    const int diag = row + p.diag_offset;
+                    bool keep = key < p.s_k;
+                    if (WINDOW) keep = keep && key >= diag - p.window_left && key <= diag + p.window_right;
+                    if (!keep) s = -CF_INF;
+                }
+                const float pr = fast_exp2(s - ((e & 1) ? l2.y : l2.x));
+                s_frag[j][e] = pr;
+                dp_frag[j][e] = pr * (dp_frag[j][e] - ((e & 1) ? dd.y : dd.x)) * ds_dqk;
+            }
+        }
+
+        // dV += Pᵀ dO   [16 keys, DW]
+        mma_rn<E, BM, DW, PR>(dv_frag, s_frag, dob_smem + col0, lane, p.d_v - col0);
+        // dK += dSᵀ Q   [16 keys, DW]
+        mma_rn<E, BM, DW, PR>(dk_frag, dp_frag, qb_smem + col0, lane, p.d - col0);
+
+        // dSᵀ to shared memory [BN keys, BM queries] (rounded to E like the dK operand)
+        if (col0 == 0) {
+#pragma unroll
+            for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    S* dst = dst_smem + (key0 + g + half * 8) * PDS + j * 8 + 2 * t;
+                    if constexpr (Elem<E>::is16) {
+                        *(u32*)dst = pack2<E>(dp_frag[j][2 * half], dp_frag[j][2 * half + 1]);
+                    } else {
+                        *(float2*)dst = make_float2(dp_frag[j][2 * half], dp_frag[j][2 * half + 1]);
+                    }
+                }
+        }
+        __syncthreads();   // dSᵀ complete (dQ reads every key's row); Q / dO no longer read this step
+        if (NBUF == 1 && it + 1 < total) load_step(it + 1, 0);
+        cp_async_commit();
+
+        // dQ[m tile] += dS K   [16 queries, DQW] per warp, into float32 global memory
+        float dq_frag[DQW / 8][4];
+#pragma unroll
+        for (int j = 0; j < DQW / 8; ++j) dq_frag[j][0] = dq_frag[j][1] = dq_frag[j][2] = dq_frag[j][3] = 0.f;
+        mma_tn<E, BN, DQW, PDS, PR>(dq_frag, dst_smem + qrow0, k_smem + qcol0, lane, p.d - qcol0);
+        float* dq_gmem = p.dq_accum + (p.deterministic ? (i64)n_block * p.dq_accum_slab : 0)
+                         + (((i64)batch * p.h + head) * p.s_q + m0) * p.d;   // [s_q − m0, d]
+#pragma unroll
+        for (int j = 0; j < DQW / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = qrow0 + g + (e >> 1) * 8, c = qcol0 + j * 8 + 2 * t + (e & 1);
+                if (m0 + r < p.s_q && c < p.d) {
+                    float* dst = dq_gmem + (i64)r * p.d + c;
+                    if (p.deterministic) *dst = dq_frag[j][e];   // this slab's element: one writer
+                    else red_add_f32(dst, dq_frag[j][e]);
+                }
+            }
+    }
+
+    // dK, dV [16 keys, DW] of this warp to global memory in E (zeros when no query sees the tile)
+    S* dk_gmem = (S*)p.dk + batch * p.dk_stride_b + head_k * p.dk_stride_h;   // [s_k, d]
+    S* dv_gmem = (S*)p.dv + batch * p.dv_stride_b + head_k * p.dv_stride_h;   // [s_k, d_v]
+#pragma unroll
+    for (int j = 0; j < DW / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = n0 + key0 + g + (e >> 1) * 8, c = col0 + j * 8 + 2 * t + (e & 1);
+            if (key < p.s_k) {
+                if (c < p.d) dk_gmem[(i64)key * p.dk_stride_s + c] = from_float<E>(dk_frag[j][e]);
+                if (c < p.d_v) dv_gmem[(i64)key * p.dv_stride_s + c] = from_float<E>(dv_frag[j][e]);
+            }
+        }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dq = E(dQ accumulator): one thread per element. Deterministic mode sums the slabs of the key
+// tiles that row i can see, in ascending tile order (the others hold nothing for row i).
+// ---------------------------------------------------------------------------------------------
+template <typename E>
+__global__ void __launch_bounds__(256)
+flash_bwd_dq(const Params p) {
+    typedef typename Elem<E>::storage S;
+    const i64 total = (i64)p.b * p.h * p.s_q * p.d;
+    for (i64 idx = (i64)blockIdx.x * 256 + threadIdx.x; idx < total; idx += (i64)gridDim.x * 256) {
+        const int c = (int)(idx % p.d);
+        const i64 row = idx / p.d;                     // (batch * h + head) * s_q + i
+        const int i = (int)(row % p.s_q);
+        const int head = (int)((row / p.s_q) % p.h), batch = (int)(row / ((i64)p.s_q * p.h));
+        float acc;
+        if (p.deterministic) {
+            const int diag = i + p.diag_offset;
+            const int j_lo = max(0, diag - p.window_left), j_hi = min(p.s_k - 1, diag + p.window_right);
+            acc = 0.f;
+            if (j_lo <= j_hi)
+                for (int nb = j_lo / p.bn; nb <= j_hi / p.bn; ++nb) acc += p.dq_accum[nb * p.dq_accum_slab + idx];
+        } else {
+            acc = p.dq_accum[idx];
+        }
+        ((S*)p.dq)[batch * p.dq_stride_b + (i64)i * p.dq_stride_s + head * p.dq_stride_h + c] = from_float<E>(acc);
+    }
+}

@@ -1,0 +1,97 @@
+"""NVRTC compile harness for the backward: every variant the planner (cupyflash._gpu_bwd) can
+select, with its two helper kernels, for sm_80 and sm_90a.
+
+Runs without a GPU (NVRTC only). Fails on any compile error, and on register spills in the main
+variants (float16 / bfloat16 at head dims 64 and 128). The ptxas report (registers, spill bytes,
+shared memory per variant) is printed with `pytest -s`.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing as mp
+import os
+import re
+
+import pytest
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+
+from cupyflash import _gpu_bwd  # noqa: E402
+
+ARCHS = ("sm_80", "sm_90a")
+SMEM = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024}
+
+
+def compile_report(arch, variants):
+    """Compile ``variants`` (+ helpers) in one NVRTC program; {name_expression: (regs, spill)}."""
+    src, opts, names = _gpu_bwd.program(variants)
+    prog = nvrtc.createProgram(src, "bwd.cu", [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        try:
+            nvrtc.compileProgram(prog, list(opts) + [f"-arch={arch}", "--ptxas-options=-v"])
+        except Exception as e:  # noqa: BLE001
+            log = nvrtc.getProgramLog(prog).replace("\0", "")
+            raise RuntimeError(f"NVRTC failed for {arch}: {e}\n{log}") from None
+        log = nvrtc.getProgramLog(prog).replace("\0", "")
+        lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
+    finally:
+        nvrtc.destroyProgram(prog)
+    out = {}
+    for m in re.finditer(r"Compiling entry function '(\S+)'.*?(\d+) bytes spill stores.*?"
+                         r"Used (\d+) registers", log, re.S):
+        out[lowered.get(m.group(1), m.group(1))] = (int(m.group(3)), int(m.group(2)))
+    missing = set(names) - set(out)
+    assert not missing, f"no ptxas report for {sorted(missing)}"
+    return out
+
+
+def _job(args):
+    arch, chunk = args
+    return arch, compile_report(arch, chunk)
+
+
+@pytest.fixture(scope="module")
+def reports():
+    jobs = []
+    for arch in ARCHS:
+        vs = _gpu_bwd.all_variants(SMEM[arch])
+        for elem in _gpu_bwd.ELEMS:   # one program per (arch, element type)
+            jobs.append((arch, [v for v in vs if v.elem == elem]))
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    res = {a: {} for a in ARCHS}
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        for arch, rep in ex.map(_job, jobs):
+            res[arch].update(rep)
+    for arch in ARCHS:
+        print(f"\n{arch}: registers / spill bytes / shared memory per backward variant")
+        for v in _gpu_bwd.all_variants(SMEM[arch]):
+            regs, spill = res[arch][v.name_expression]
+            print(f"  {v.name:48s} {regs:4d} regs {spill:6d} B spill {v.smem_bytes:7d} B smem")
+    return res
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_backward_variant_compiles(reports, arch):
+    vs = _gpu_bwd.all_variants(SMEM[arch])
+    want = {v.name_expression for v in vs} | {v.pre_expression for v in vs} \
+        | {v.dq_expression for v in vs}
+    assert set(reports[arch]) == want
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_main_backward_variants_do_not_spill(reports, arch):
+    bad = []
+    for v in _gpu_bwd.all_variants(SMEM[arch]):
+        if v.elem in ("f16_t", "bf16_t") and v.d in (64, 128):
+            regs, spill = reports[arch][v.name_expression]
+            if spill:
+                bad.append(f"{v.name}: {spill} B spilled ({regs} regs)")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_backward_variants_fit_shared_memory(arch):
+    for v in _gpu_bwd.all_variants(SMEM[arch]):
+        assert v.smem_bytes <= SMEM[arch], v.name

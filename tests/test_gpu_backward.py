@@ -1,0 +1,298 @@
+"""GPU backward (cupyflash._gpu_bwd.backward) against the float64 reference.
+
+out and lse come from the GPU forward (cupyflash._gpu.forward); dq, dk, dv are poisoned with
+NaN before the call; inputs and dout are fresh random normal draws.
+
+Criterion (design.md §4, FlashAttention's own test), per gradient g in (dq, dk, dv):
+- float16 / bfloat16: max|g − ref| <= 2 · max|g_naive − ref| + floor · max(1, max|ref|), where
+  g_naive is the materialized backward done in the input dtype (every matmul takes dtype
+  operands, accumulates in float32 and rounds its result to the dtype; softmax in float32, P
+  and dS rounded to the dtype before their products; GQA group sums in float32), and the
+  floor is 1e-4 (float16) / 1e-3 (bfloat16): a quarter ulp of 1 in each dtype.
+- float32 (3xTF32 default): max|g − ref| <= 5e-5 · max(1, max|ref|); allow_tf32: 5e-3 · (same).
+  Measured on the H200 (docs/backward.md): <= 1e-5 relative up to s = 256; up to 2.8e-5 at
+  s_q, s_k ~ 1k (dK, dV sum ~1k query rows inside the tensor-core accumulator); the max(1, .)
+  covers gradients that are zero in exact arithmetic (every row sees one key: dS = 0) where
+  float32 rounding leaves ~1e-5.
+Rows that see no key (lse = -inf) must give exactly zero dq; deterministic mode must give
+bit-identical dq, dk, dv over three calls.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+from cupyflash import reference  # noqa: E402
+from cupyflash._options import Options  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32)}
+FLOOR = {"float16": 1e-4, "bfloat16": 1e-3}
+
+
+def _alloc(shape, dtype, layout, pad=0):
+    """A CuPy array viewed as bshd `shape`, stored as bshd / bhsd / with a padded last dim."""
+    b, s, h, d = shape
+    if layout == "bhsd":
+        return cp.empty((b, h, s, d), dtype).transpose(0, 2, 1, 3)
+    if layout == "padded":   # row pitch d + pad: unaligned rows when pad is odd
+        return cp.empty((b, s, h, d + pad), dtype)[..., :d]
+    if layout == "sstride":  # every other sequence position of a twice-longer buffer
+        return cp.empty((b, 2 * s, h, d), dtype)[:, ::2]
+    return cp.empty(shape, dtype)
+
+
+def _keep(s_q, s_k, wl, wr, bottom_right):
+    i = np.arange(s_q)
+    diag = i + (s_k - s_q) if bottom_right else i
+    j = np.arange(s_k)[None, :]
+    keep = np.ones((s_q, s_k), bool)
+    if wl >= 0:
+        keep &= j >= diag[:, None] - wl
+    if wr >= 0:
+        keep &= j <= diag[:, None] + wr
+    return keep, diag
+
+
+def _naive_bwd(q, k, v, do, dtype, scale, keep, softcap, alibi, diag):
+    """The materialized backward in `dtype` (see the module docstring); CuPy float32 math on
+    dtype-rounded values, since CuPy's matmul has no bfloat16 kernel."""
+    f32 = cp.float32
+    rnd = lambda x: x.astype(dtype).astype(f32)  # noqa: E731
+    mm = lambda a, b: rnd(cp.matmul(a, b))       # noqa: E731
+    h, h_k = q.shape[2], k.shape[2]
+    grp = h // h_k
+    idx = cp.asarray(np.arange(h) // grp)
+    qt = q.transpose(0, 2, 1, 3).astype(f32)            # [b, h, s_q, d]
+    kt = k.transpose(0, 2, 1, 3)[:, idx].astype(f32)    # [b, h, s_k, d]
+    vt = v.transpose(0, 2, 1, 3)[:, idx].astype(f32)    # [b, h, s_k, d_v]
+    dot = do.transpose(0, 2, 1, 3).astype(f32)          # [b, h, s_q, d_v]
+    raw = mm(qt, kt.swapaxes(-1, -2)) * scale
+    s = raw
+    if softcap:
+        s = softcap * cp.tanh(raw / softcap)
+    if alibi is not None:
+        j = cp.arange(s.shape[-1])[None, :]
+        s = s - alibi[:, :, None, None] * cp.abs(cp.asarray(diag)[:, None] - j)
+    keep = cp.asarray(keep)
+    s = cp.where(keep, s, -cp.inf)
+    m = s.max(-1, keepdims=True)
+    m = cp.where(cp.isfinite(m), m, 0)
+    p = cp.exp(s - m)
+    l = p.sum(-1, keepdims=True)
+    p = cp.where(l > 0, p / cp.where(l > 0, l, 1), 0)
+    p16 = rnd(p)
+    o = mm(p16, vt)
+    dv = cp.matmul(p16.swapaxes(-1, -2), dot)           # [b, h, s_k, d_v] float32
+    dp = mm(dot, vt.swapaxes(-1, -2))
+    dsum = (dot * o).sum(-1, keepdims=True)
+    ds = p * (dp - dsum)
+    if softcap:
+        th = cp.tanh(raw / softcap)
+        ds = ds * (1 - th * th)
+    ds = rnd(ds)
+    dq = rnd(cp.matmul(ds, kt) * scale)
+    dk = cp.matmul(ds.swapaxes(-1, -2), qt) * scale     # [b, h, s_k, d]
+    b_, _, s_k, d = dk.shape
+    dk = rnd(dk.reshape(b_, h_k, grp, s_k, d).sum(2))
+    dv = rnd(dv.reshape(b_, h_k, grp, s_k, -1).sum(2))
+    return (dq.transpose(0, 2, 1, 3), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3))
+
+
+def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False, window=None,
+             bottom_right=True, softcap=0.0, alibi=None, scale=None, layout="bshd", pad=0,
+             allow_tf32=False, deterministic=False, repeats=1):
+    from cupyflash import _gpu, _gpu_bwd
+    d_v = d if d_v is None else d_v
+    dtype = DTYPES[dtype_name]
+    draw = lambda shape: rng.standard_normal(shape, dtype=np.float32).astype(dtype)  # noqa: E731
+    qn, kn, vn = draw((b, s_q, h, d)), draw((b, s_k, h_k, d)), draw((b, s_k, h_k, d_v))
+    don = draw((b, s_q, h, d_v))
+
+    def dev(a, shape=None):
+        x = _alloc(a.shape if shape is None else shape, dtype, layout, pad)
+        if a is not None:
+            x[...] = cp.asarray(a)
+        return x
+
+    q, k, v, dout = dev(qn), dev(kn), dev(vn), dev(don)
+    out = _alloc((b, s_q, h, d_v), dtype, layout, pad)
+    lse = cp.empty((b, h, s_q), cp.float32)
+
+    wl, wr = (-1, -1) if window is None else window
+    if causal:
+        wr = 0
+    scale_ = 1.0 / math.sqrt(d) if scale is None else scale
+    slopes = None
+    if alibi == "bh":
+        slopes = rng.uniform(0.01, 0.5, (b, h)).astype(np.float32)
+    elif alibi == "1h":
+        slopes = rng.uniform(0.01, 0.5, (1, h)).astype(np.float32)
+    opts = Options(scale=scale_, window_left=wl, window_right=wr, bottom_right=bottom_right,
+                   softcap=softcap, alibi_slopes=None if slopes is None else cp.asarray(slopes),
+                   allow_tf32=allow_tf32, deterministic=deterministic)
+    _gpu.forward(q, k, v, out, lse, opts)
+
+    results = []
+    for _ in range(repeats):
+        grads = [_alloc(x.shape, dtype, layout, pad) for x in (q, k, v)]
+        nan = cp.asarray(np.full((), np.nan, np.float32)).astype(dtype)
+        for gr in grads:
+            gr[...] = nan
+        name = _gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts)
+        cp.cuda.get_current_stream().synchronize()
+        results.append([cp.asnumpy(gr).astype(np.float64) for gr in grads])
+    assert isinstance(name, str) and name
+    if repeats > 1:
+        for other in results[1:]:
+            for w, x, y in zip("qkv", results[0], other):
+                assert np.array_equal(x, y, equal_nan=True), f"{name}: d{w} differs between runs"
+    got = results[0]
+
+    ref = reference.attention_backward(
+        don, qn, kn, vn, scale=scale_, window=(wl, wr), softcap=softcap or None,
+        causal_align="bottom_right" if bottom_right else "top_left", bias=None, mask=None,
+        alibi_slopes=None if slopes is None else np.broadcast_to(slopes, (b, h)))[:3]
+    errs = [np.abs(g_ - r).max() for g_, r in zip(got, ref)]
+    scales = [max(np.abs(r).max(), 1e-30) for r in ref]
+    log = os.environ.get("CUPYFLASH_ERRLOG")   # one line per case: the measured errors
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{name} {dtype_name} b{b} sq{s_q} sk{s_k} h{h}/{h_k} d{d}/{d_v} "
+                    f"w({wl},{wr}) br{int(bottom_right)} cap{softcap} alibi{alibi} "
+                    f"{layout}{pad} det{int(deterministic)} | err "
+                    + " ".join(f"{e:.3g}/{sc:.3g}" for e, sc in zip(errs, scales))
+                    + " nan " + " ".join(str(int(np.isnan(g_).sum())) for g_ in got) + "\n")
+    for w, g_ in zip("qkv", got):
+        assert not np.isnan(g_).any(), f"{name}: NaN in d{w} (unwritten or NaN-producing)"
+    dead = np.isneginf(cp.asnumpy(lse))                 # [b, h, s_q]
+    assert (got[0].transpose(0, 2, 1, 3)[dead] == 0).all(), "rows that see no key: dq must be 0"
+    if dtype_name == "float32":
+        tol = 5e-3 if allow_tf32 else 5e-5
+        for w, e, sc in zip("qkv", errs, scales):
+            rel = e / max(1.0, sc)
+            assert rel <= tol, f"{name}: d{w} error {e:.3g} / max(1, max|ref| {sc:.3g}) > {tol}"
+    else:
+        keep, diag = _keep(s_q, s_k, wl, wr, bottom_right)
+        naive = _naive_bwd(cp.asarray(qn), cp.asarray(kn), cp.asarray(vn), cp.asarray(don),
+                           dtype, scale_, keep, softcap,
+                           None if slopes is None else cp.asarray(np.broadcast_to(slopes, (b, h))),
+                           diag)
+        n_errs = [np.abs(cp.asnumpy(n_).astype(np.float64) - r).max() for n_, r in zip(naive, ref)]
+        if log:
+            with open(log, "a") as f:
+                f.write("    naive err " + " ".join(f"{e:.3g}" for e in n_errs) + "\n")
+        for w, e, sc, n_err in zip("qkv", errs, scales, n_errs):
+            tol = 2 * n_err + FLOOR[dtype_name] * max(1.0, sc)
+            assert e <= tol, f"{name}: d{w} err {e:.3g} > {tol:.3g} (naive {n_err:.3g}, max|ref| {sc:.3g})"
+    return name
+
+
+HEAD_DIMS = [32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_dtype_headdim_grid(rng, dtype, d):
+    run_case(rng, dtype, 2, 113, 203, 4, 2, d)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_dtype_headdim_grid_causal(rng, dtype, d):
+    run_case(rng, dtype, 1, 203, 113, 2, 1, d, causal=True)
+
+
+SEQLENS = [(1, 239), (113, 203), (1023, 1024), (1024, 1023)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("s_q,s_k", SEQLENS)
+@pytest.mark.parametrize("dtype,d", [("float16", 64), ("bfloat16", 128), ("float32", 64)])
+def test_seqlens(rng, dtype, d, s_q, s_k, causal):
+    run_case(rng, dtype, 1, s_q, s_k, 2, 1, d, causal=causal)
+
+
+OPTION_SETS = {
+    "window": dict(window=(32, 16)),
+    "window_left_only": dict(window=(50, -1)),
+    "causal_top_left": dict(causal=True, bottom_right=False),
+    "causal_window": dict(causal=True, window=(40, -1)),
+    "softcap": dict(softcap=5.0),
+    "alibi_bh": dict(alibi="bh"),
+    "alibi_1h_causal": dict(alibi="1h", causal=True),
+    "softcap_alibi_window": dict(softcap=8.0, alibi="bh", window=(60, 10)),
+    "negative_scale": dict(scale=-0.1),
+}
+
+
+@pytest.mark.parametrize("opt", list(OPTION_SETS))
+@pytest.mark.parametrize("dtype,d", [("bfloat16", 59), ("float16", 128), ("float32", 96)])
+def test_options(rng, dtype, d, opt):
+    run_case(rng, dtype, 2, 157, 211, 4, 2, d, **OPTION_SETS[opt])
+
+
+@pytest.mark.parametrize("h,h_k", [(8, 1), (8, 2), (6, 3)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gqa_mqa(rng, dtype, h, h_k):
+    run_case(rng, dtype, 2, 130, 190, h, h_k, 64, causal=True)
+
+
+@pytest.mark.parametrize("d,d_v", [(64, 32), (40, 128), (128, 64), (17, 200)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_head_dim_v_differs(rng, dtype, d, d_v):
+    run_case(rng, dtype, 1, 77, 130, 2, 1, d, d_v, causal=True)
+
+
+@pytest.mark.parametrize("layout,pad", [("bhsd", 0), ("padded", 3), ("sstride", 0)])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_strided_views(rng, dtype, layout, pad):
+    run_case(rng, dtype, 2, 150, 170, 4, 2, 64, causal=True, layout=layout, pad=pad)
+    run_case(rng, dtype, 1, 70, 90, 2, 1, 96, 80, layout=layout, pad=pad)
+
+
+def test_tf32_mode(rng):
+    name = run_case(rng, "float32", 2, 100, 150, 2, 2, 128, allow_tf32=True)
+    assert "tf32" in name
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fully_masked_rows(rng, dtype):
+    run_case(rng, dtype, 1, 300, 100, 2, 1, 64, causal=True)          # first 200 rows see nothing
+    run_case(rng, dtype, 1, 260, 110, 2, 2, 64, window=(0, 0))
+    run_case(rng, dtype, 1, 200, 100, 2, 2, 32, window=(5, 3), bottom_right=False)
+
+
+@pytest.mark.parametrize("dtype,kw", [("bfloat16", dict(causal=True)), ("float16", dict()),
+                                      ("float32", dict(window=(30, 20)))])
+def test_deterministic_bit_identical(rng, dtype, kw):
+    name = run_case(rng, dtype, 2, 333, 517, 8, 2, 64, deterministic=True, repeats=3, **kw)
+    assert name
+
+
+def test_empty_and_zero_keys(rng):
+    from cupyflash._gpu_bwd import backward
+    opts = Options(scale=0.125)
+    q = cp.asarray(rng.standard_normal((1, 5, 2, 64), dtype=np.float32)).astype(cp.float16)
+    k = cp.empty((1, 0, 2, 64), cp.float16)
+    dq = cp.full(q.shape, cp.nan, cp.float16)
+    lse = cp.full((1, 2, 5), -cp.inf, cp.float32)
+    backward(q, q, k, k, q, lse, dq, k.copy(), k.copy(), opts)
+    assert (dq == 0).all()
+
+
+def test_not_implemented_bias():
+    from cupyflash._gpu_bwd import backward
+    q = cp.zeros((1, 4, 1, 32), cp.float16)
+    opts = Options(scale=0.1, bias=cp.zeros((1, 1, 4, 4), cp.float32))
+    with pytest.raises(NotImplementedError):
+        backward(q, q, q, q, q, cp.zeros((1, 1, 4), cp.float32), q.copy(), q.copy(), q.copy(),
+                 opts)

@@ -1,0 +1,101 @@
+"""CPU tests of the backward planner (cupyflash._gpu_bwd): no GPU needed."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from cupyflash import _gpu_bwd, _plan
+
+SMEMS = (99 * 1024, 163 * 1024, 227 * 1024)
+
+
+@pytest.mark.parametrize("smem", SMEMS)
+def test_every_variant_fits_and_meets_the_kernel_static_asserts(smem):
+    vs = _gpu_bwd.all_variants(smem)
+    assert len(vs) == len(_plan.ELEMS) * len(_plan.HEAD_DIM_BUCKETS) * 4
+    for v in vs:
+        cg = 16 if v.elem in ("f16_t", "bf16_t") else 8   # column granularity (bwd.cu CG)
+        wmq = v.bm // 16
+        assert v.smem_bytes <= smem, v.name
+        assert v.nw % v.wd == 0 and v.bn % 16 == 0, v.name
+        assert v.bm % 16 == 0 and v.nw % wmq == 0, v.name
+        assert (v.d // v.wd) % cg == 0 and (v.d // (v.nw // wmq)) % cg == 0, v.name
+        assert v.nbuf in (1, 2)
+
+
+def test_smem_formula():
+    # bf16, D=64, BM=64, BN=128, two buffers: K, V 128x72, 2x(Q, dO) 64x72, dSᵀ 128x72, lse/D
+    assert _gpu_bwd.smem_bytes("bf16_t", 64, 64, 128, 2) == \
+        (2 * 128 * 72 + 4 * 64 * 72 + 128 * 72) * 2 + 4 * 64 * 4
+    assert _gpu_bwd.smem_bytes("f32x3_t", 64, 32, 64, 1) == \
+        (2 * 64 * 68 + 2 * 32 * 68 + 64 * 36) * 4 + 2 * 32 * 4
+
+
+def test_plan_fields_and_grid():
+    pl = _gpu_bwd.plan_backward("bfloat16", 2, 100, 300, 8, 2, 64, 64, scale=0.125,
+                                window_right=0, softcap=0.0)
+    v = pl.variant
+    assert v.elem == "bf16_t" and v.d == 64 and v.window and not v.score_mod
+    assert pl.grid == (-(-300 // v.bn), 2, 2)
+    prm = pl.params
+    assert prm["window_left"] == 400 and prm["window_right"] == 0
+    assert prm["diag_offset"] == 200 and prm["h_per_hk"] == 4
+    assert prm["deterministic"] == 0 and prm["bn"] == v.bn
+    assert prm["dq_accum_slab"] == 2 * 8 * 100 * 64 and pl.accum_elems == 2 * 8 * 100 * 64
+    assert np.isclose(prm["scale"], 0.125) and np.isclose(prm["scale_log2"], 0.125 * _plan.LOG2E)
+    assert pl.pre_grid == (-(-2 * 8 * 100 // 8), 1, 1)
+
+
+def test_plan_deterministic_slabs_and_softcap():
+    pl = _gpu_bwd.plan_backward("float32", 1, 50, 1000, 2, 2, 128, 128, scale=0.1,
+                                softcap=5.0, deterministic=True, bottom_right=False)
+    v = pl.variant
+    assert v.elem == "f32x3_t" and v.score_mod and not v.window
+    assert pl.params["deterministic"] == 1 and pl.params["diag_offset"] == 0
+    assert pl.accum_elems == pl.grid[0] * 1 * 2 * 50 * 128
+    assert np.isclose(pl.params["softcap_pre"], 0.1 / 5.0)
+
+
+def test_plan_tf32_alibi_and_errors():
+    pl = _gpu_bwd.plan_backward("float32", 1, 5, 5, 1, 1, 200, 17, scale=1.0, has_alibi=True,
+                                allow_tf32=True)
+    assert pl.variant.elem == "tf32_t" and pl.variant.d == 224 and pl.variant.score_mod
+    with pytest.raises(NotImplementedError):
+        _gpu_bwd.plan_backward("float16", 1, 5, 5, 1, 1, 257, 64, scale=1.0)
+    with pytest.raises(ValueError):
+        _gpu_bwd.plan_backward("float16", 1, 5, 5, 3, 2, 64, 64, scale=1.0)
+    small = _gpu_bwd.all_variants()[0]._replace(elem="f16_t", d=32)
+    with pytest.raises(ValueError):
+        _gpu_bwd.plan_backward("float16", 1, 5, 5, 1, 1, 64, 64, scale=1.0, variant=small)
+
+
+def test_flops_is_2_5x_forward():
+    assert _gpu_bwd.flops(1, 2, 3, 4, 5, 6) == 2.5 * _plan.flops(1, 2, 3, 4, 5, 6)
+    assert _gpu_bwd.flops(1, 2, 8, 8, 5, 5, causal=True) == 2.5 * 2 * 2 * 8 * 8 * 10 / 2
+
+
+@pytest.mark.parametrize("s_q,s_k", [(1, 239), (113, 203), (203, 113), (300, 100), (64, 64)])
+@pytest.mark.parametrize("wl,wr,br", [(-1, -1, True), (-1, 0, True), (-1, 0, False),
+                                      (32, 16, True), (0, 0, True), (5, 3, False), (50, -1, True)])
+def test_tile_skipping_covers_every_kept_pair(s_q, s_k, wl, wr, br):
+    """Every kept (i, j): key tile of j visits i's query tile, and row i's slab range holds j's
+    tile (deterministic dQ); and every visited query tile / summed key tile holds a kept pair."""
+    bm, bn = 32, 64
+    unb = s_q + s_k
+    left, right = (wl if wl >= 0 else unb), (wr if wr >= 0 else unb)
+    off = s_k - s_q if br else 0
+    i = np.arange(s_q)[:, None]
+    j = np.arange(s_k)[None, :]
+    keep = (j >= i + off - left) & (j <= i + off + right)
+    window = wl >= 0 or wr >= 0
+    for nb in range(-(-s_k // bn)):
+        visited = set(_gpu_bwd.query_tiles(nb, bn, bm, s_q, s_k, left, right, off, window))
+        want = {ii // bm for ii, jj in zip(*np.nonzero(keep)) if jj // bn == nb}
+        assert want <= visited
+        if window:
+            assert visited == want or not want and not visited
+    for ii in range(s_q):
+        tiles = set(_gpu_bwd.key_tiles(ii, bn, s_k, left, right, off))
+        assert tiles == {jj // bn for jj in np.nonzero(keep[ii])[0]}
