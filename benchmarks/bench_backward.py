@@ -6,6 +6,7 @@ forward = 4·b·h·s_q·s_k·d (halved for causal). CUDA events around each call
 median of the repeats. PyTorch is a benchmark peer only (imported here, never by cupyflash).
 
     python benchmarks/bench_backward.py [--seqlens 512,1024,...] [--hdims 64,128] [--reps 10]
+        [--tiles BM,NW,WD,NBUF[;...]]  (tuning: force flash_bwd tiles, one extra column each)
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def _time_torch(torch, fn, warmup, reps):
     return statistics.median(times)
 
 
-def bench_ours(b, s, h, d, causal, warmup, reps, deterministic=False):
+def bench_ours(b, s, h, d, causal, warmup, reps, deterministic=False, tiles=None):
     rnd = lambda: cp.random.standard_normal((b, s, h, d), dtype=cp.float32).astype(BF16)  # noqa: E731
     q, k, v, dout = rnd(), rnd(), rnd(), rnd()
     out = cp.empty_like(q)
@@ -64,8 +65,14 @@ def bench_ours(b, s, h, d, causal, warmup, reps, deterministic=False):
                    deterministic=deterministic)
     _gpu.forward(q, k, v, out, lse, opts)
     dq, dk, dv = cp.empty_like(q), cp.empty_like(k), cp.empty_like(v)
+    kernel = None
+    if tiles is not None:   # same element type / bucket / flags as the planner's, other tiles
+        auto = _gpu_bwd.plan_backward("bfloat16", b, s, s, h, h, d, d, scale=1.0,
+                                      window_right=0 if causal else -1).variant
+        kernel = auto._replace(bm=tiles[0], nw=tiles[1], wd=tiles[2], nbuf=tiles[3])
     name = []
-    fn = lambda: name.append(_gpu_bwd.backward(dout, q, k, v, out, lse, dq, dk, dv, opts))  # noqa: E731
+    fn = lambda: name.append(_gpu_bwd.backward(dout, q, k, v, out, lse, dq, dk, dv, opts,  # noqa: E731
+                                               kernel=kernel))
     ms = _time_cupy(fn, warmup, reps)
     return ms, name[-1]
 
@@ -90,6 +97,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--tiles", default="", help="extra flash_bwd tile sets BM,NW,WD,NBUF;...")
     args = ap.parse_args(argv)
     torch = None
     if not args.no_torch:
@@ -124,6 +132,14 @@ def main(argv=None):
                 line = (f"{d:4d} {s:6d} {str(causal):>6} | {ms:8.3f} {tf(ms):6.1f} | "
                         f"{fms:8.3f} {tf(fms):6.1f} | {cms:8.3f} {tf(cms):6.1f} | "
                         f"{fms / ms:7.2f}x | {name}")
+                for ts in filter(None, args.tiles.split(";")):
+                    t4 = tuple(int(x) for x in ts.split(","))
+                    try:
+                        tms, tname = bench_ours(b, s, h, d, causal, args.warmup, args.reps,
+                                                tiles=t4)
+                        line += f" | {tname} {tms:.3f} ms {tf(tms):.1f}"
+                    except Exception as e:  # noqa: BLE001
+                        line += f" | {ts}: {type(e).__name__}"
                 rows.append(line)
                 print(line, flush=True)
                 cp.get_default_memory_pool().free_all_blocks()
