@@ -21,10 +21,11 @@
 //            units before the max
 #include "common.cuh"
 
-// Unroll of the k loop of S = Q Kᵀ (2: the next step's fragment loads overlap this step's
-// products without hoisting every load; tuning builds may pass -DQK_UNROLL=n)
+// Unroll of the k loop of S = Q Kᵀ: 1 for 16-bit types at D <= 64, else 2 (the next step's loads
+// overlap this step's products without hoisting every load; measured, docs/kernels.md).
+// Tuning builds may pass -DQK_UNROLL=n.
 #ifndef QK_UNROLL
-#define QK_UNROLL 2
+#define QK_UNROLL (Elem<E>::is16 && D <= 64 ? 1 : 2)
 #endif
 
 // Shared-memory row pitch in elements. Rows are padded by 16 bytes (16-bit types) or 32 / 16

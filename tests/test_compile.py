@@ -1,9 +1,13 @@
 """NVRTC compile harness: every forward variant the planner can select, for sm_80 and sm_90a.
 
 Runs without a GPU (NVRTC only, through cupy_backends). Fails on any compile error, and on
-register spills in the main variants (float16 / bfloat16 at head dims 64 and 128). Variants are
-compiled in a few multi-instantiation programs (name expressions), spread over the CPU cores.
-The ptxas report (registers, spills per variant) is printed with `pytest -s`.
+register spills above SPILL_BUDGET bytes in the main variants (float16 / bfloat16, head dims 64
+and 128, plain and causal/window; not the softcap/ALiBi ones). The budget is not zero: the
+fastest tiles (4 warps x two 16-row slabs, 255 registers) spill 12-36 bytes, and were measured
+faster than the spill-free ones (hd128 289 vs 273 TFLOP/s, hd64 284 vs 263 on the H200;
+docs/kernels.md). A larger spill means a real register-pressure regression.
+Variants are compiled in a few multi-instantiation programs (name expressions), spread over the
+CPU cores. The ptxas report (registers, spills per variant) is printed with `pytest -s`.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 from cupyflash import _modules, _plan  # noqa: E402
 
 ARCHS = ("sm_80", "sm_90a")
+SPILL_BUDGET = 64   # bytes per main variant, see the module docstring
 SMEM = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024}
 
 
@@ -85,8 +90,8 @@ def test_every_variant_compiles(reports, arch):
 def test_main_variants_do_not_spill(reports, arch):
     bad = []
     for v in _plan.all_variants(SMEM[arch]):
-        if v.elem in ("f16_t", "bf16_t") and v.d in (64, 128):
+        if v.elem in ("f16_t", "bf16_t") and v.d in (64, 128) and not v.score_mod:
             regs, spill = reports[arch][v.name_expression]
-            if spill:
+            if spill > SPILL_BUDGET:
                 bad.append(f"{v.name}: {spill} B spilled ({regs} regs)")
     assert not bad, "\n".join(bad)
