@@ -8,6 +8,7 @@ record, writes six pointers and the alignment flag, and launches.
 from __future__ import annotations
 
 import math
+import threading
 
 import cupy
 import numpy as np
@@ -26,6 +27,8 @@ if _BF16 is not None:
 
 _device_info = {}   # device id -> (compute capability int, smem opt-in bytes)
 _launch_cache = {}  # shape signature -> _Launch
+_LAUNCH_CACHE_MAX = 4096
+_record_lock = threading.Lock()
 _VARIANTS_BY_NAME = None
 
 
@@ -42,7 +45,7 @@ class _Launch:
 
     ``record`` is the Params record passed by value; ``words`` / ``ints`` are uint64 / int32
     views of its memory, so a call only writes its pointers in place (the driver copies kernel
-    arguments at launch, so reusing the record is safe on one thread).
+    arguments at launch; writes and launch happen under _record_lock, so threads may share it).
     """
 
     __slots__ = ("fn", "grid", "block", "smem", "record", "words", "ints", "name", "strides_ok")
@@ -157,15 +160,20 @@ def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
             lse.fill(-math.inf)
             return "empty"
         ent = _build(key, q, k, v, out, lse, opts, kernel, key[-1])
+        if len(_launch_cache) >= _LAUNCH_CACHE_MAX:  # e.g. varlen: one signature per length
+            _launch_cache.clear()
         _launch_cache[key] = ent
     qp, kp, vp, op = q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr
-    words = ent.words
-    words[_PTR_WORDS] = (qp, kp, vp, op, lse.data.ptr)
-    if alibi is not None:
-        if alibi.dtype != np.float32 or (alibi.shape[1] > 1 and alibi.strides[1] != 4):
-            alibi = cupy.ascontiguousarray(alibi, dtype=np.float32)
-        words[_ALIBI_WORD] = alibi.data.ptr
-        words[_ALIBI_STRIDE_WORD] = alibi.strides[0] // 4 if alibi.shape[0] > 1 else 0
-    ent.ints[_VEC_OK_INT] = ent.strides_ok and ((qp | kp | vp | op) & 15) == 0
-    ent.fn(ent.grid, ent.block, (ent.record,), shared_mem=ent.smem)
+    if alibi is not None and (alibi.dtype != np.float32 or (alibi.shape[1] > 1 and alibi.strides[1] != 4)):
+        alibi = cupy.ascontiguousarray(alibi, dtype=np.float32)
+    # The record is shared by every call of this signature: write it and launch under a lock
+    # (the launch copies the argument, so the next call may rewrite it right after).
+    with _record_lock:
+        words = ent.words
+        words[_PTR_WORDS] = (qp, kp, vp, op, lse.data.ptr)
+        if alibi is not None:
+            words[_ALIBI_WORD] = alibi.data.ptr
+            words[_ALIBI_STRIDE_WORD] = alibi.strides[0] // 4 if alibi.shape[0] > 1 else 0
+        ent.ints[_VEC_OK_INT] = ent.strides_ok and ((qp | kp | vp | op) & 15) == 0
+        ent.fn(ent.grid, ent.block, (ent.record,), shared_mem=ent.smem)
     return ent.name
