@@ -208,17 +208,19 @@ def _check_backward_arrays(backend, dout, out, lse, dims, dtype, layout):
 
 def _backward_bshd(backend, doutb, qb, kb, vb, outb, lse, dims, opts, layout):
     """(dq, dk, dv) in the caller's layout and dbias in the bias's own shape (or None)."""
-    if backend.where == "gpu":
-        raise NotImplementedError(
-            "attention_backward: the GPU backward kernel is not implemented yet; "
-            "NumPy inputs fall back to the CPU implementation with device='auto', "
-            "GPU arrays can ask for it with device='cpu'")
     xp = backend.xp
     if dims.empty or dims.seqlen_k == 0:
         grads = [xp.zeros_like(x) for x in (qb, kb, vb)]
         dbias = None if opts.bias is None else xp.zeros(opts.bias.shape, opts.bias.dtype)
-    else:
+    elif backend.where == "cpu":
         *grads, dbias = cpu.backward(doutb, qb, kb, vb, outb, lse, opts)
+    else:
+        from . import _gpu_bwd  # imports CuPy: only on the GPU path
+
+        doutb, qb, kb, vb, outb = (_last_dim_contiguous(backend, x) for x in (doutb, qb, kb, vb, outb))
+        grads = [xp.empty_like(x) for x in (qb, kb, vb)]  # bshd, written by the kernels
+        _gpu_bwd.backward(doutb, qb, kb, vb, outb, xp.ascontiguousarray(lse), *grads, opts)
+        dbias = None
     if layout == "bhsd":
         grads = [xp.ascontiguousarray(g.transpose(0, 2, 1, 3)) for g in grads]
     if dbias is not None:

@@ -81,11 +81,23 @@ def test_device_cpu_with_cupy_inputs_returns_cupy(rng, cp):
     _close(cp.asnumpy(out), reference.attention(q, k, v), np.float32)
 
 
-def test_backward_of_cupy_inputs_is_refused_until_the_gpu_backward_exists(rng, cp):
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_backward_of_cupy_inputs_runs_on_the_gpu(rng, cp, layout):
+    q, k, v = _qkv(rng, dtype=np.float16)
+    dout = rng.standard_normal((2, 37, 4, 64)).astype(np.float16)
+    to = (lambda x: np.ascontiguousarray(x.transpose(0, 2, 1, 3))) if layout == "bhsd" else (lambda x: x)
+    out, vjp = cf.attention_vjp(*(cp.asarray(to(x)) for x in (q, k, v)), causal=True, layout=layout)
+    grads = vjp(cp.asarray(to(dout)))
+    refs = reference.attention_backward(dout, q, k, v, causal=True)[:3]
+    for g, g_ref, x in zip(grads, refs, (q, k, v)):
+        assert isinstance(g, cp.ndarray) and g.shape == to(x).shape and g.dtype == np.float16
+        np.testing.assert_allclose(cp.asnumpy(g).astype(np.float64), to(g_ref), rtol=2e-2, atol=2e-2)
+
+
+def test_bias_on_cupy_inputs_is_refused_until_the_gpu_kernels_take_it(rng, cp):
     q, k, v = (cp.asarray(x) for x in _qkv(rng))
-    out, lse = cf.attention(q, k, v, return_lse=True)
-    with pytest.raises(NotImplementedError, match="attention_backward"):
-        cf.attention_backward(out, q, k, v, out, lse)
+    with pytest.raises(NotImplementedError, match="bias"):
+        cf.attention(q, k, v, bias=cp.zeros((53,), cp.float32))
 
 
 def test_numpy_backward_falls_back_to_the_cpu_under_auto(rng):
