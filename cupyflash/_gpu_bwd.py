@@ -265,6 +265,9 @@ def precompile(variants, workers: int = 8):
 # ------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------
+_NUM_SMS = {}   # device id -> multiprocessor count
+
+
 def _elem_strides(a, what):
     isz = a.dtype.itemsize
     st = a.strides
@@ -316,7 +319,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None) -> str:
     if cc < 80:
         raise NotImplementedError(
             f"GPU backward needs compute capability 8.0 or newer; device {dev_id} is sm_{cc}")
-    num_sms = cupy.cuda.Device(dev_id).attributes["MultiProcessorCount"]
+    num_sms = _NUM_SMS.get(dev_id)
+    if num_sms is None:   # Device.attributes queries every attribute: once per device
+        num_sms = _NUM_SMS[dev_id] = cupy.cuda.Device(dev_id).attributes["MultiProcessorCount"]
     plan = plan_backward(
         name, b, s_q, s_k, h, h_k, d, d_v, scale=float(opts.scale),
         window_left=int(opts.window_left), window_right=int(opts.window_right),
