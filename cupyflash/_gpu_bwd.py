@@ -244,22 +244,10 @@ def get_functions(variant: BwdVariant, device_id: int):
     return fns
 
 
-def _compile_one(variant):
-    import cupy
-    src, opts, names = program([variant])
-    cupy.RawModule(code=src, options=opts, name_expressions=names).compile()
-    return variant
-
-
 def precompile(variants, workers: int = 8):
     """Fill CuPy's disk cache for ``variants`` (same programs as get_functions) in processes."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-    variants = list(variants)
-    if workers <= 1:
-        return [_compile_one(v) for v in variants]
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        return list(ex.map(_compile_one, variants))
+    from . import _modules
+    return _modules.precompile(variants, workers, program_fn=program)
 
 
 # ------------------------------------------------------------------------------------------
@@ -269,15 +257,11 @@ _NUM_SMS = {}   # device id -> multiprocessor count
 
 
 def _elem_strides(a, what):
-    isz = a.dtype.itemsize
-    st = a.strides
+    """(batch, seq, head) strides in elements of a 4-D bshd array with a unit last stride."""
+    from . import _gpu
     if a.ndim != 4:
         raise ValueError(f"{what}: expected a 4-D bshd array, got shape {a.shape}")
-    if a.shape[-1] > 1 and st[-1] != isz:
-        raise ValueError(f"{what}: the last dimension must be contiguous (strides {st})")
-    if any(s % isz for s in st):
-        raise ValueError(f"{what}: strides {st} are not multiples of the item size {isz}")
-    return tuple(s // isz for s in st[:3])
+    return _gpu._elem_strides(a, what)[:3]
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None) -> str:

@@ -89,19 +89,58 @@ def clear_memory_cache():
         _functions.clear()
 
 
-def _compile_one(variant):
+def _compile_one(job):
+    program_fn, variant = job
     import cupy
-    src, opts, names = program([variant])
+    src, opts, names = program_fn([variant])
     cupy.RawModule(code=src, options=opts, name_expressions=names).compile()
     return variant
 
 
-def precompile(variants, workers: int = 8):
-    """Fill CuPy's disk cache for ``variants`` using ``workers`` processes (spawned)."""
+def precompile(variants, workers: int = 8, program_fn=None):
+    """Fill CuPy's disk cache for ``variants`` using ``workers`` processes (spawned).
+
+    ``program_fn(variants) -> (source, options, names)`` builds each variant's program: the
+    forward's ``program`` by default, ``_gpu_bwd.program`` for the backward.
+    """
     import concurrent.futures as cf
     import multiprocessing as mp
-    variants = list(variants)
+    jobs = [(program_fn or program, v) for v in variants]
     if workers <= 1:
-        return [_compile_one(v) for v in variants]
+        return [_compile_one(j) for j in jobs]
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        return list(ex.map(_compile_one, variants))
+        return list(ex.map(_compile_one, jobs))
+
+
+def nvrtc_report(parts, arch: str, filename: str) -> dict:
+    """Compile ``parts`` = (source, options, name expressions) for ``arch`` with NVRTC alone
+    (no GPU needed); returns {name expression: (registers, spill store bytes)} from ptxas.
+
+    Raises RuntimeError with NVRTC's log on a compile error. Used by the compile harness.
+    """
+    import re
+
+    from cupy_backends.cuda.libs import nvrtc
+
+    src, opts, names = parts
+    prog = nvrtc.createProgram(src, filename, [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        try:
+            nvrtc.compileProgram(prog, list(opts) + [f"-arch={arch}", "--ptxas-options=-v"])
+        except Exception as e:  # noqa: BLE001
+            log = nvrtc.getProgramLog(prog).replace("\0", "")
+            raise RuntimeError(f"NVRTC failed for {arch}: {e}\n{log}") from None
+        log = nvrtc.getProgramLog(prog).replace("\0", "")
+        lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
+    finally:
+        nvrtc.destroyProgram(prog)
+    out = {}
+    for m in re.finditer(r"Compiling entry function '(\S+)'.*?(\d+) bytes spill stores.*?"
+                         r"Used (\d+) registers", log, re.S):
+        out[lowered.get(m.group(1), m.group(1))] = (int(m.group(3)), int(m.group(2)))
+    missing = set(names) - set(out)
+    if missing:
+        raise RuntimeError(f"no ptxas report for {sorted(missing)}")
+    return out

@@ -10,41 +10,20 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing as mp
 import os
-import re
 
 import pytest
 
-nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
-from cupyflash import _gpu_bwd  # noqa: E402
+from cupyflash import _gpu_bwd, _modules  # noqa: E402
 
 ARCHS = ("sm_80", "sm_90a")
 SMEM = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024}
 
 
 def compile_report(arch, variants):
-    """Compile ``variants`` (+ helpers) in one NVRTC program; {name_expression: (regs, spill)}."""
-    src, opts, names = _gpu_bwd.program(variants)
-    prog = nvrtc.createProgram(src, "bwd.cu", [], [])
-    try:
-        for n in names:
-            nvrtc.addNameExpression(prog, n)
-        try:
-            nvrtc.compileProgram(prog, list(opts) + [f"-arch={arch}", "--ptxas-options=-v"])
-        except Exception as e:  # noqa: BLE001
-            log = nvrtc.getProgramLog(prog).replace("\0", "")
-            raise RuntimeError(f"NVRTC failed for {arch}: {e}\n{log}") from None
-        log = nvrtc.getProgramLog(prog).replace("\0", "")
-        lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
-    finally:
-        nvrtc.destroyProgram(prog)
-    out = {}
-    for m in re.finditer(r"Compiling entry function '(\S+)'.*?(\d+) bytes spill stores.*?"
-                         r"Used (\d+) registers", log, re.S):
-        out[lowered.get(m.group(1), m.group(1))] = (int(m.group(3)), int(m.group(2)))
-    missing = set(names) - set(out)
-    assert not missing, f"no ptxas report for {sorted(missing)}"
-    return out
+    """Compile ``variants`` in one NVRTC program; {name_expression: (regs, spill bytes)}."""
+    return _modules.nvrtc_report(_gpu_bwd.program(variants), arch, "bwd.cu")
 
 
 def _job(args):
