@@ -10,16 +10,7 @@ say() { echo "== $*" | tee -a "$OUT/misc.log"; }
 say info; python -m cupyflash info >> "$OUT/misc.log" 2>&1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv >> "$OUT/misc.log" 2>&1
 say precompile
-timeout 150 python - >> "$OUT/misc.log" 2>&1 <<'PY'
-import time
-import cupy
-from cupyflash import _gpu_bwd, _modules, _plan
-smem = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
-t = time.time()
-_modules.precompile(_plan.all_variants(smem), 16)
-_gpu_bwd.precompile(_gpu_bwd.all_variants(smem), 16)
-print(f"precompiled every forward and backward variant in {time.time() - t:.1f} s")
-PY
+timeout 150 python -m cupyflash precompile --workers 16 >> "$OUT/misc.log" 2>&1
 tail -1 "$OUT/misc.log"
 
 say "GPU tests"

@@ -1,8 +1,9 @@
-"""python -m cupyflash info | demo | bench
+"""python -m cupyflash info | demo | precompile | bench
 
 info  versions, the GPU and its compute capability, the kernel sources and cache directory.
 demo  one real-size random problem (GPU when present, else the CPU implementation), checked
       against the float64 reference on a slice; prints time, memory and max error.
+precompile  compile every kernel variant for this GPU into CuPy's disk cache (parallel).
 bench a sweep over FlashAttention's benchmark shapes beside the peers (plain CuPy; PyTorch SDPA
       with --peers benchmarks.peers): table, JSON and a PNG plot.
 """
@@ -117,6 +118,23 @@ def demo(args) -> int:
     return 0 if ok else 1
 
 
+def precompile(args) -> int:
+    """Fill CuPy's disk cache with every forward and backward variant the planner can pick here."""
+    if not _interop.gpu_available():
+        print("precompile needs a CUDA GPU with CuPy", file=sys.stderr)
+        return 2
+    from cupyflash import _gpu_bwd, _modules, _plan
+
+    cp = _interop.cupy_module()
+    smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    t0 = time.perf_counter()
+    fwd = _modules.precompile(_plan.all_variants(smem), args.workers)
+    bwd = _gpu_bwd.precompile(_gpu_bwd.all_variants(smem), args.workers)
+    print(f"compiled {len(fwd)} forward and {len(bwd)} backward variants in "
+          f"{time.perf_counter() - t0:.1f} s ({args.workers} processes)")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -129,6 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--seqlen", type=int, default=0, help="0: a default size for the device")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
+    p = sub.add_parser("precompile", help="compile every kernel variant for this GPU (disk cache)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     from cupyflash import _bench
 
     _bench.add_arguments(sub.add_parser("bench", help="TFLOP/s beside the peers: table, JSON, PNG"))
@@ -137,6 +157,8 @@ def main(argv=None) -> int:
         return info()
     if args.command == "bench":
         return _bench.main(args)
+    if args.command == "precompile":
+        return precompile(args)
     return demo(args)
 
 
