@@ -25,8 +25,9 @@ for name, make in (("cupyflash", lambda: (lambda: cf.attention(q, k, v))),
     before = pool.total_bytes()
     out = fn()
     cp.cuda.Device().synchronize()
-    ms = _bench.time_ms(fn, warmup=1, rep=5)
-    print(f"{name:26s} peak extra {(pool.total_bytes() - before) / 2**20:9.0f} MiB, {ms:8.2f} ms, "
-          f"{_bench.flops(b, h, s, s, d, False, 'fwd') / ms / 1e9:6.1f} TFLOP/s")
+    extra = pool.total_bytes() - before
     del out
+    ms = _bench.time_ms(fn, warmup=1, rep=5)
+    print(f"{name:26s} peak extra {extra / 2**20:9.0f} MiB, {ms:8.2f} ms, "
+          f"{_bench.flops(b, h, s, s, d, False, 'fwd') / ms / 1e9:6.1f} TFLOP/s")
     pool.free_all_blocks()
