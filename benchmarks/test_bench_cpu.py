@@ -74,6 +74,8 @@ def best_time(fn, *args, repeat=3):
 
 
 def test_bench_cpu_forward(benchmark, problem):
+    if benchmark.disabled:
+        pytest.skip("timing needs pytest-benchmark enabled (the memory bound has its own test)")
     benchmark.group = f"forward b={B} h={H} s={S} d={D} float32"
     out, _ = benchmark.pedantic(run_cpu, args=(problem,), rounds=3, iterations=1, warmup_rounds=1)
     peak = peak_traced_bytes(run_cpu, problem)
@@ -91,6 +93,8 @@ def test_bench_cpu_forward(benchmark, problem):
 
 
 def test_bench_naive(benchmark, problem):
+    if benchmark.disabled:
+        pytest.skip("timing needs pytest-benchmark enabled (the memory bound has its own test)")
     benchmark.group = f"forward b={B} h={H} s={S} d={D} float32"
     benchmark.pedantic(run_naive, args=(problem,), rounds=3, iterations=1, warmup_rounds=1)
     peak = peak_traced_bytes(run_naive, problem)
