@@ -195,3 +195,49 @@ def test_gradient_descent_with_vjp_lowers_the_loss(rng):
         dq, dk, dv = vjp(2 * diff)
         q, k, v = q - 0.2 * dq, k - 0.2 * dk, v - 0.2 * dv
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+# ---- the validated-call cache -------------------------------------------------------------------
+
+def test_repeated_call_reuses_its_validation_and_stays_correct(rng):
+    from cupyflash import api
+
+    q, k, v = _qkv(rng)
+    api._CALLS.clear()
+    first = cf.attention(q, k, v, causal=True, device="cpu")
+    assert len(api._CALLS) == 1
+    q2, k2, v2 = _qkv(rng)  # fresh values, same signature: a cache hit
+    second = cf.attention(q2, k2, v2, causal=True, device="cpu")
+    assert len(api._CALLS) == 1
+    np.testing.assert_allclose(first, reference.attention(q, k, v, causal=True), **F32_TOL)
+    np.testing.assert_allclose(second, reference.attention(q2, k2, v2, causal=True), **F32_TOL)
+    # another option value, stride or layout is another signature
+    cf.attention(q, k, v, causal=False, device="cpu")
+    cf.attention(q[:, ::2], k, v, causal=True, device="cpu")
+    assert len(api._CALLS) == 3
+
+
+@pytest.mark.parametrize("bad, exc, name", [
+    (dict(window=(True, 2)), ValueError, "window"),
+    (dict(window=(1.0, 2)), ValueError, "window"),
+    (dict(causal=1), TypeError, "causal"),
+    (dict(layout="nope"), ValueError, "layout"),
+], ids=["window-bool", "window-float", "causal-int", "layout"])
+def test_cached_signature_does_not_let_a_bad_option_through(rng, bad, exc, name):
+    q, k, v = _qkv(rng)
+    good = {"window": (1, 2), "causal": True, "layout": "bshd"}
+    cf.attention(q, k, v, device="cpu", **good)
+    cf.attention(q, k, v, device="cpu", **good)  # cached now
+    with pytest.raises(exc, match=f"^{name}: got"):
+        cf.attention(q, k, v, device="cpu", **{**good, **bad})
+
+
+def test_failed_validation_is_not_cached(rng):
+    from cupyflash import api
+
+    q, k, v = _qkv(rng)
+    api._CALLS.clear()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="^softcap: got"):
+            cf.attention(q, k, v, softcap=-1.0, device="cpu")
+    assert not api._CALLS
