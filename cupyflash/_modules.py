@@ -144,3 +144,23 @@ def nvrtc_report(parts, arch: str, filename: str) -> dict:
     if missing:
         raise RuntimeError(f"no ptxas report for {sorted(missing)}")
     return out
+
+
+def _report_job(job):
+    arch, program_fn, variants, filename = job
+    return arch, nvrtc_report(program_fn(variants), arch, filename)
+
+
+def nvrtc_reports(jobs, workers=None) -> dict:
+    """Run ``nvrtc_report`` for ``jobs`` = [(arch, program_fn, variants, filename), ...] in spawned
+    processes; returns {arch: {name expression: (registers, spill bytes)}} (the compile harness)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    import os
+
+    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
+    res = {}
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        for arch, rep in ex.map(_report_job, jobs):
+            res.setdefault(arch, {}).update(rep)
+    return res

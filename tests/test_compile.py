@@ -11,10 +11,6 @@ CPU cores. The ptxas report (registers, spills per variant) is printed with `pyt
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
-import multiprocessing as mp
-import os
-
 import pytest
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
@@ -26,16 +22,6 @@ SPILL_BUDGET = 64   # bytes per main variant, see the module docstring
 SMEM = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024}
 
 
-def compile_report(arch, variants):
-    """Compile ``variants`` in one NVRTC program; {name_expression: (regs, spill bytes)}."""
-    return _modules.nvrtc_report(_modules.program(variants), arch, "fwd.cu")
-
-
-def _job(args):
-    arch, chunk = args
-    return arch, compile_report(arch, chunk)
-
-
 @pytest.fixture(scope="module")
 def reports():
     jobs = []
@@ -45,12 +31,8 @@ def reports():
         for elem in _plan.ELEMS:
             for flags in ((False, False), (False, True), (True, False), (True, True)):
                 chunk = [v for v in vs if v.elem == elem and (v.window, v.score_mod) == flags]
-                jobs.append((arch, chunk))
-    workers = max(1, min(len(jobs), os.cpu_count() or 1))
-    res = {a: {} for a in ARCHS}
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        for arch, rep in ex.map(_job, jobs):
-            res[arch].update(rep)
+                jobs.append((arch, _modules.program, chunk, "fwd.cu"))
+    res = _modules.nvrtc_reports(jobs)
     for arch in ARCHS:
         print(f"\n{arch}: registers / spill bytes per variant")
         for v in _plan.all_variants(SMEM[arch]):

@@ -7,10 +7,6 @@ shared memory per variant) is printed with `pytest -s`.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
-import multiprocessing as mp
-import os
-
 import pytest
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
@@ -21,28 +17,14 @@ ARCHS = ("sm_80", "sm_90a")
 SMEM = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024}
 
 
-def compile_report(arch, variants):
-    """Compile ``variants`` in one NVRTC program; {name_expression: (regs, spill bytes)}."""
-    return _modules.nvrtc_report(_gpu_bwd.program(variants), arch, "bwd.cu")
-
-
-def _job(args):
-    arch, chunk = args
-    return arch, compile_report(arch, chunk)
-
-
 @pytest.fixture(scope="module")
 def reports():
     jobs = []
     for arch in ARCHS:
         vs = _gpu_bwd.all_variants(SMEM[arch])
         for elem in _gpu_bwd.ELEMS:   # one program per (arch, element type)
-            jobs.append((arch, [v for v in vs if v.elem == elem]))
-    workers = max(1, min(len(jobs), os.cpu_count() or 1))
-    res = {a: {} for a in ARCHS}
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        for arch, rep in ex.map(_job, jobs):
-            res[arch].update(rep)
+            jobs.append((arch, _gpu_bwd.program, [v for v in vs if v.elem == elem], "bwd.cu"))
+    res = _modules.nvrtc_reports(jobs)
     for arch in ARCHS:
         print(f"\n{arch}: registers / spill bytes / shared memory per backward variant")
         for v in _gpu_bwd.all_variants(SMEM[arch]):
