@@ -61,7 +61,23 @@ def info() -> int:
         cc = f"{props['major']}.{props['minor']}"
         print(f"gpu {i}       {name}, compute capability {cc}, {props['multiProcessorCount']} SMs, "
               f"{props['totalGlobalMem'] / 2**30:.1f} GiB")
+        print(f"  forward   {_forward_kernels(props['major'] * 10 + props['minor'])}")
     return 0
+
+
+def _forward_kernels(cc: int) -> str:
+    """Which forward kernel the planner runs on a device of compute capability ``cc``."""
+    from cupyflash import _plan
+
+    if cc < 80:
+        return "none (the GPU kernels need compute capability 8.0+): the CPU implementation"
+    why = _plan.sm90_unsupported("bfloat16", 128, 128, scale=1.0, softcap=0.0, has_alibi=False,
+                                 cc=cc, smem_optin=227 * 1024)
+    if why is not None:
+        return "portable kernel (fwd.cu, mma.sync) for every call"
+    return ("Hopper kernel (fwd_sm90.cu: TMA + wgmma) for float16 / bfloat16, head dim "
+            f"{' / '.join(map(str, _plan.SM90_HEAD_DIMS))} = head_dim_v, no ALiBi, TMA-aligned "
+            "strides; the portable kernel (fwd.cu) otherwise")
 
 
 def _max_err_on_slice(out, q, k, v, rows: slice) -> float:
@@ -128,7 +144,10 @@ def precompile(args) -> int:
     cp = _interop.cupy_module()
     smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
     t0 = time.perf_counter()
-    fwd = _modules.precompile(_plan.all_variants(smem), args.workers)
+    fwd = list(_plan.all_variants(smem))
+    if int(cp.cuda.Device().compute_capability) == 90:
+        fwd += _plan.sm90_variants()
+    fwd = _modules.precompile(fwd, args.workers)
     bwd = _gpu_bwd.precompile(_gpu_bwd.all_variants(smem), args.workers)
     print(f"compiled {len(fwd)} forward and {len(bwd)} backward variants in "
           f"{time.perf_counter() - t0:.1f} s ({args.workers} processes)")

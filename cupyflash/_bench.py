@@ -90,15 +90,33 @@ def cupy_peer(q, k, v, causal, direction, max_bytes=24e9):
     return run
 
 
-BUILTIN_PEERS = {"cupy": cupy_peer}
+def portable_peer(q, k, v, causal, direction):
+    """cupyflash's portable (mma.sync) forward kernel, forced through the launcher: shown beside
+    "cupyflash" on a Hopper card, where the planner runs fwd_sm90.cu instead."""
+    import cupy as cp
+
+    from . import _gpu
+    from ._options import Options
+
+    if direction != "fwd" or int(cp.cuda.Device().compute_capability) != 90:
+        return None
+    b, s, h, d = q.shape
+    out = cp.empty(q.shape[:3] + (v.shape[3],), q.dtype)
+    lse = cp.empty((b, h, s), cp.float32)
+    opts = Options(scale=1.0 / math.sqrt(d), window_right=0 if causal else -1)
+    return lambda: _gpu.forward(q, k, v, out, lse, opts, kernel="portable")
 
 
-def load_peers(module_names) -> Dict[str, Callable]:
-    """Peers: the built-in ones plus ``PEERS`` (name -> factory) of each module named."""
+BUILTIN_PEERS = {"cupy": cupy_peer, "portable": portable_peer}
+
+
+def load_peers(module_names, skip=()) -> Dict[str, Callable]:
+    """Peers: the built-in ones plus ``PEERS`` (name -> factory) of each module named, less
+    those named in ``skip``."""
     peers = dict(BUILTIN_PEERS)
     for name in module_names or ():
         peers.update(importlib.import_module(name).PEERS)
-    return peers
+    return {n: f for n, f in peers.items() if n not in skip}
 
 
 @dataclass
@@ -209,7 +227,7 @@ def main(args) -> int:
     if not gpu_available():
         print("bench needs a CUDA GPU with CuPy", file=sys.stderr)
         return 2
-    peers = load_peers(args.peers)
+    peers = load_peers(args.peers, args.skip_peers)
     print(f"# {device_line()}")
     rows = sweep(args.dtype, args.head_dim, args.seqlen, args.causal, args.direction, peers,
                  rep=args.rep, progress=lambda m: print(m, file=sys.stderr, flush=True))
@@ -232,6 +250,8 @@ def add_arguments(p) -> None:
     p.add_argument("--direction", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"])
     p.add_argument("--peers", nargs="*", default=[],
                    help="modules with a PEERS dict of more peers, e.g. benchmarks.peers (PyTorch SDPA)")
+    p.add_argument("--skip-peers", nargs="*", default=[],
+                   help="peers to leave out, e.g. cupy (slow at long sequences) or portable")
     p.add_argument("--rep", type=int, default=20)
     p.add_argument("--json", default="cupyflash-bench.json")
     p.add_argument("--png", default="cupyflash-bench.png")

@@ -47,13 +47,21 @@ def _source(name: str) -> str:
 
 def base_options() -> tuple:
     """NVRTC options shared by CuPy's RawModule and the compile harness (no -arch)."""
-    return ("-std=c++17", f"-I{kernels_dir()}", f"-DCUPYFLASH_SRC_HASH=0x{source_hash()}ULL")
+    from ._plan import PARAMS_NBYTES  # the kernels check sizeof(Params) against it
+
+    return ("-std=c++17", f"-I{kernels_dir()}", f"-DCUPYFLASH_SRC_HASH=0x{source_hash()}ULL",
+            f"-DCUPYFLASH_PARAMS_NBYTES={PARAMS_NBYTES}")
 
 
-def program(variants, file: str = "fwd.cu", extra_options=()):
-    """(source text, options, name expressions) compiling ``variants`` (list of _plan.Variant)."""
-    return (_source(file), base_options() + tuple(extra_options),
-            [v.name_expression for v in variants])
+def program(variants, file: str = None, extra_options=()):
+    """(source text, options, name expressions) compiling ``variants`` (of one kind: a list of
+    _plan.Variant, or of _plan.Sm90Variant, whose ``file`` and ``arch_options`` say which source
+    and target they need: -arch=sm_90a goes before the -arch CuPy appends, as in the device
+    spike that ran wgmma through CuPy's RawModule, see ../shared/hopper-notes.md)."""
+    first = variants[0]
+    file = file or getattr(first, "file", "fwd.cu")
+    opts = base_options() + tuple(getattr(first, "arch_options", ())) + tuple(extra_options)
+    return _source(file), opts, [v.name_expression for v in variants]
 
 
 _lock = threading.Lock()
@@ -123,6 +131,7 @@ def nvrtc_report(parts, arch: str, filename: str) -> dict:
     from cupy_backends.cuda.libs import nvrtc
 
     src, opts, names = parts
+    opts = [o for o in opts if not o.startswith("-arch")]   # the harness names the target
     prog = nvrtc.createProgram(src, filename, [], [])
     try:
         for n in names:

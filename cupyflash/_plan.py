@@ -160,9 +160,30 @@ PARAMS_FIELDS = (
     + [(n, np.int32) for n in ("num_n_blocks", "bn", "deterministic")]
     + [("scale", np.float32)]
 )
+#: Hopper forward only: three 128-byte TMA descriptors (struct TmaDesc, 64-byte aligned).
+PARAMS_TMA_FIELDS = ("tma_q", "tma_k", "tma_v")
+TMA_DESC_BYTES = 128
+
+
+def _params_dtype() -> np.dtype:
+    """C layout of Params: natural alignment for PARAMS_FIELDS, then the TmaDesc members at the
+    next 64-byte boundary; the struct's size is a multiple of its 64-byte alignment."""
+    head = np.dtype(PARAMS_FIELDS, align=True)
+    names = list(head.names)
+    formats = [head.fields[n][0] for n in names]
+    offsets = [head.fields[n][1] for n in names]
+    off = -(-head.itemsize // 64) * 64
+    for n in PARAMS_TMA_FIELDS:
+        names.append(n)
+        formats.append((np.uint64, TMA_DESC_BYTES // 8))
+        offsets.append(off)
+        off += TMA_DESC_BYTES
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": off})
+
+
 #: The structured dtype passed by value as the kernel's one argument (C alignment rules).
-PARAMS_DTYPE = np.dtype(PARAMS_FIELDS, align=True)
-PARAMS_NBYTES = 392
+PARAMS_DTYPE = _params_dtype()
+PARAMS_NBYTES = 448 + 3 * TMA_DESC_BYTES
 assert PARAMS_DTYPE.itemsize == PARAMS_NBYTES
 
 LOG2E = 1.4426950408889634
@@ -201,7 +222,16 @@ def plan_forward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, 
         raise NotImplementedError(
             f"{variant.name} needs {variant.smem_bytes} bytes of shared memory; the device "
             f"allows {smem_optin}")
-    num_m = -(-s_q // variant.bm)
+    prm, grid = _sizes_and_scalars(variant.bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left,
+                                   window_right, bottom_right, softcap)
+    return Plan(variant, grid, (variant.threads, 1, 1), variant.smem_bytes, prm)
+
+
+def _sizes_and_scalars(bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left, window_right,
+                       bottom_right, softcap):
+    """A Params record with the sizes / scalars of one problem filled, and the grid
+    (ceil(s_q / bm), h, b) of a forward kernel with bm query rows per block."""
+    num_m = -(-s_q // bm)
     unbounded = s_q + s_k
     prm = np.zeros((), PARAMS_DTYPE)
     prm["b"], prm["h"], prm["h_k"], prm["h_per_hk"] = b, h, h_k, h // h_k
@@ -216,7 +246,139 @@ def plan_forward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, 
         prm["softcap_post"] = softcap * LOG2E
     if num_m > 2**31 - 1 or h > 65535 or b > 65535:
         raise NotImplementedError(f"grid ({num_m}, {h}, {b}) exceeds CUDA's grid limits")
-    return Plan(variant, (num_m, h, b), (variant.threads, 1, 1), variant.smem_bytes, prm)
+    return prm, (num_m, h, b)
+
+
+# ------------------------------------------------------------------------------------------
+# Hopper (sm_90a) forward: flash_fwd_sm90<E, D, BN, STAGES, WINDOW, SOFTCAP> in
+# kernels_cu/fwd_sm90.cu (TMA + wgmma, one producer and two consumer warpgroups, BM = 128).
+# Chosen on compute capability 9.0 wherever it covers the call (sm90_unsupported() is None);
+# everything else runs the portable kernel above.
+# ------------------------------------------------------------------------------------------
+SM90_BM = 128
+SM90_THREADS = 384
+SM90_HEAD_DIMS = (64, 128, 256)
+#: (BN, STAGES) per head dim: K/V tiles of BN keys in a ring of STAGES buffers.
+SM90_TILES = {64: (128, 2), 128: (128, 2), 256: (64, 2)}
+#: Largest stride TMA takes (bytes, exclusive), and the alignment it needs of strides and bases.
+TMA_MAX_STRIDE = 1 << 40
+TMA_ALIGN = 16
+
+
+class Sm90Variant(NamedTuple):
+    """One template instantiation of flash_fwd_sm90."""
+
+    elem: str
+    d: int
+    bn: int
+    stages: int
+    window: bool
+    softcap: bool
+
+    file = "fwd_sm90.cu"
+    arch_options = ("-arch=sm_90a",)   # wgmma / setmaxnreg need the arch-specific target
+    bm = SM90_BM
+    threads = SM90_THREADS
+
+    @property
+    def name_expression(self) -> str:
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        return (f"flash_fwd_sm90<{self.elem}, {self.d}, {self.bn}, {self.stages}, "
+                f"{b(self.window)}, {b(self.softcap)}>")
+
+    @property
+    def name(self) -> str:
+        flags = ("_window" if self.window else "") + ("_softcap" if self.softcap else "")
+        return f"fwd90_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}s{self.stages}{flags}"
+
+    @property
+    def smem_bytes(self) -> int:
+        return sm90_smem_bytes(self.d, self.bn, self.stages)
+
+
+def sm90_smem_bytes(d: int, bn: int, stages: int) -> int:
+    """Mirrors sm90::Layout in fwd_sm90.cu: Q [128, d], K and V [stages, bn, d] (16-bit), the
+    mbarriers, and 1024 bytes of slack to align the swizzled panels."""
+    return 2 * d * (SM90_BM + 2 * stages * bn) + 8 * (1 + 3 * stages) + 1024
+
+
+def sm90_variants():
+    """Every Sm90Variant the planner can select (compiled by the harness for sm_90a)."""
+    return [Sm90Variant(elem, d, *SM90_TILES[d], window, cap)
+            for elem in ("f16_t", "bf16_t") for d in SM90_HEAD_DIMS
+            for window in (False, True) for cap in (False, True)]
+
+
+def tma_strides_ok(shape, strides, itemsize: int) -> bool:
+    """True when TMA can address a bshd tensor of ``shape`` with these element ``strides``:
+    a contiguous last dimension, other strides positive 16-byte multiples below 2**40 (a
+    dimension of size 1 has no stride that matters)."""
+    if strides[3] != 1 and shape[3] > 1:
+        return False
+    for n, st in zip(shape[:3], strides[:3]):
+        nbytes = st * itemsize
+        if n > 1 and not (0 < nbytes < TMA_MAX_STRIDE and nbytes % TMA_ALIGN == 0):
+            return False
+    return True
+
+
+def tma_tensor(shape, strides, itemsize: int, box_rows: int):
+    """(dims, byte strides, box) of the rank-4 tensor map over a bshd tensor: dims innermost
+    first (d, s, h, b); the box is 64 columns (128 bytes: the swizzle width) x box_rows rows of
+    one head of one batch. Strides of size-1 dimensions (never stepped over) are replaced by a
+    valid stand-in."""
+    b, s, h, d = shape
+    sb, ss, sh = (st * itemsize for st in strides[:3])
+    stand_in = -(-d * itemsize // TMA_ALIGN) * TMA_ALIGN
+    dims = (d, s, h, b)
+    byte_strides = tuple(st if n > 1 else stand_in for n, st in ((s, ss), (h, sh), (b, sb)))
+    return dims, byte_strides, (64, box_rows, 1, 1)
+
+
+def sm90_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: float,
+                     has_alibi: bool, cc: int, smem_optin: int, tensors=()) -> Optional[str]:
+    """Why the Hopper kernel cannot run this call (None when it can).
+
+    ``tensors``: (shape, element strides) of q, k, v and out, checked against what TMA accepts.
+    Base-pointer alignment is checked at launch (the launcher falls back when it fails).
+    """
+    if cc != 90:
+        return f"compute capability {cc / 10:.1f} (the Hopper kernel needs 9.0)"
+    if dtype_name not in ("float16", "bfloat16"):
+        return f"dtype {dtype_name} (the Hopper kernel takes float16 / bfloat16)"
+    if d != d_v or d not in SM90_HEAD_DIMS:
+        return f"head dims {d} / {d_v} (the Hopper kernel takes d = d_v in {SM90_HEAD_DIMS})"
+    if has_alibi:
+        return "alibi_slopes (not in the Hopper kernel yet)"
+    if not (scale > 0 or softcap > 0):
+        return f"scale {scale} <= 0 without softcap"
+    if sm90_smem_bytes(d, *SM90_TILES[d]) > smem_optin:
+        return f"shared memory {smem_optin} bytes"
+    for shape, strides in tensors:
+        if not tma_strides_ok(shape, strides, 2):
+            return f"strides {tuple(strides)} of a {tuple(shape)} tensor (TMA needs 16-byte multiples)"
+    return None
+
+
+def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, d: int,
+                      d_v: int, *, scale: float, window_left: int = -1, window_right: int = -1,
+                      bottom_right: bool = True, softcap: float = 0.0,
+                      variant: Optional[Sm90Variant] = None) -> Plan:
+    """Plan the Hopper kernel for a call that sm90_unsupported() accepted."""
+    if h % h_k:
+        raise ValueError(f"heads {h} is not a multiple of heads_k {h_k}")
+    if min(b, s_q, s_k, h, h_k, d, d_v) < 1:
+        raise ValueError("empty problem: the launcher handles zero sizes before planning")
+    elem = elem_tag(dtype_name, False)
+    window = window_left >= 0 or window_right >= 0
+    if variant is None:
+        variant = Sm90Variant(elem, d, *SM90_TILES[d], window, softcap > 0)
+    elif variant.elem != elem or variant.d != d or d_v != d or (window and not variant.window) \
+            or (softcap > 0) != variant.softcap:
+        raise ValueError(f"kernel {variant.name} cannot compute this problem")
+    prm, grid = _sizes_and_scalars(SM90_BM, b, s_q, s_k, h, h_k, d, d_v, scale, window_left,
+                                   window_right, bottom_right, softcap)
+    return Plan(variant, grid, (SM90_THREADS, 1, 1), variant.smem_bytes, prm)
 
 
 def vec_ok(ptrs, strides, itemsize: int) -> bool:
@@ -236,6 +398,7 @@ def flops(b: int, h: int, s_q: int, s_k: int, d: int, d_v: int, causal: bool = F
     return f / 2 if causal else f
 
 
-__all__ = ["Variant", "Plan", "plan_forward", "all_variants", "PARAMS_DTYPE", "PARAMS_FIELDS",
+__all__ = ["Variant", "Plan", "plan_forward", "all_variants", "Sm90Variant", "sm90_variants",
+           "sm90_unsupported", "plan_forward_sm90", "tma_tensor", "tma_strides_ok", "PARAMS_DTYPE", "PARAMS_FIELDS",
            "HEAD_DIM_BUCKETS", "head_dim_bucket", "elem_tag", "tiles", "smem_bytes", "vec_ok",
            "flops"]

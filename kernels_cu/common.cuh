@@ -18,6 +18,9 @@ typedef long long i64;
 // cupyflash/_plan.py (PARAMS_FIELDS); keep the two in the same order.
 // Strides are in elements; the last dimension of every tensor is contiguous.
 // ---------------------------------------------------------------------------------------------
+// An opaque CUtensorMap (the driver's TMA descriptor): 128 bytes, 64-byte aligned.
+struct __align__(64) TmaDesc { unsigned long long bits[16]; };
+
 struct Params {
     const void* q;          // [b, s_q, h, d]
     const void* k;          // [b, s_k, h_k, d]
@@ -58,7 +61,17 @@ struct Params {
     int bn;                 // key rows per block of flash_bwd
     int deterministic;      // 1: each key tile stores its dQ part in its own slab; 0: float atomics
     float scale;            // scale in natural units (the dS multiplier)
+    // ---- Hopper forward only (kernels_cu/fwd_sm90.cu): TMA descriptors built by the host
+    // (cupyflash/_tma.py) per call; each is a 128-byte CUtensorMap over a rank-4 view
+    // (d, s, heads, b) of q / k / v, read through the kernel parameter (__grid_constant__) ----
+    TmaDesc tma_q;          // q [b, s_q, h, d]: box [64 columns, 128 rows]
+    TmaDesc tma_k;          // k [b, s_k, h_k, d]: box [64 columns, BN rows]
+    TmaDesc tma_v;          // v [b, s_k, h_k, d_v]: box [64 columns, BN rows]
 };
+#ifdef CUPYFLASH_PARAMS_NBYTES   // passed by cupyflash/_modules.py from the Python mirror
+static_assert(sizeof(Params) == CUPYFLASH_PARAMS_NBYTES,
+              "struct Params differs from its mirror PARAMS_DTYPE in cupyflash/_plan.py");
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Element types. f16_t / bf16_t are stored as 16-bit patterns; the two float32 tags differ only

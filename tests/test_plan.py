@@ -27,10 +27,13 @@ def test_params_dtype_mirrors_c_struct():
     body = re.search(r"struct Params \{(.*?)\n\};", src, re.S).group(1)
     ctype = {"const void*": np.uint64, "void*": np.uint64, "float*": np.uint64,
              "const float*": np.uint64, "i64": np.int64, "int": np.int32, "float": np.float32}
-    fields = []
+    fields, tma = [], []
     for line in body.splitlines():
         line = line.split("//")[0].strip().rstrip(";")
         if not line:
+            continue
+        if line.startswith("TmaDesc "):
+            tma.append(line.split()[1])
             continue
         m = re.match(r"(const void\*|void\*|const float\*|float\*|i64|int|float)\s+(.*)", line)
         assert m, line
@@ -38,12 +41,19 @@ def test_params_dtype_mirrors_c_struct():
             fields.append((name.strip(), ctype[m.group(1)]))
     assert [(n, np.dtype(t)) for n, t in fields] == \
         [(n, np.dtype(t)) for n, t in _plan.PARAMS_FIELDS]
-    assert _plan.PARAMS_DTYPE.itemsize == _plan.PARAMS_NBYTES and _plan.PARAMS_DTYPE.isalignedstruct
+    assert tuple(tma) == _plan.PARAMS_TMA_FIELDS
+    assert _plan.PARAMS_DTYPE.itemsize == _plan.PARAMS_NBYTES
+    # the TMA descriptors start on a 64-byte boundary and the size is a multiple of 64
+    assert _plan.PARAMS_DTYPE.fields["tma_q"][1] % 64 == 0 and _plan.PARAMS_NBYTES % 64 == 0
+    # and the kernels check sizeof(Params) against the mirror at compile time
+    assert "static_assert(sizeof(Params) == CUPYFLASH_PARAMS_NBYTES" in src
 
 
 def test_params_dtype_equals_cupy_make_aligned_dtype():
     cupy = pytest.importorskip("cupy")
-    assert cupy.make_aligned_dtype(_plan.PARAMS_FIELDS) == _plan.PARAMS_DTYPE
+    head = cupy.make_aligned_dtype(_plan.PARAMS_FIELDS)
+    for name in head.names:
+        assert head.fields[name] == _plan.PARAMS_DTYPE.fields[name]
 
 
 @pytest.mark.parametrize("d,bucket", [(1, 32), (32, 32), (33, 64), (59, 64), (64, 64), (80, 96),

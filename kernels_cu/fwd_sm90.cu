@@ -1,0 +1,287 @@
+// cupyflash: Hopper (sm_90a) attention forward: TMA loads, wgmma products, warp specialization.
+//
+//   O = softmax(scale · Q Kᵀ) V per (batch, head), computed 128 query rows x BN keys at a time with
+//   the online-softmax recurrence (running max m, denominator l, O rescaled, one final O / l).
+//
+// Block of 384 threads = three warpgroups (grid: query tile, head, batch):
+//   warpgroup 0, producer: one thread issues TMA copies of the Q tile once and of K / V tiles
+//     into a STAGES-deep ring of shared-memory buffers (K and V on separate mbarriers, so S = Q Kᵀ
+//     starts before V has landed); it keeps 24 registers (setmaxnreg), giving the rest to
+//   warpgroups 1 and 2, consumers: 64 query rows each. Per key tile: S = Q Kᵀ (wgmma, both
+//     operands in shared memory), softcap / masks, online softmax in registers, O += P V (wgmma
+//     with P straight from registers: the fp32 S accumulator layout packed to 16-bit pairs is the
+//     A-fragment layout). The two consumers take turns on the tensor cores (named barriers,
+//     "pingpong"): while one runs its softmax, the other's GEMMs run.
+//
+// Shared memory holds 128-byte swizzled panels of 64 columns: a [rows, D] tile is D / 64 panels
+// of [rows, 64], each written by one TMA box and read by wgmma through a descriptor.
+// Ragged tails come from the rank-4 tensor maps (d, s, heads, b): rows past s_q / s_k read as
+// zeros, keys past s_k are masked, rows past s_q are not stored.
+// Covered (the planner routes the rest to fwd.cu): float16 / bfloat16, d = d_v in {64, 128, 256},
+// causal / sliding window (either alignment), softcap, GQA / MQA, any s_q, s_k, scale > 0 (or any
+// scale with softcap), tensors whose strides TMA accepts (16-byte multiples).
+#include "common.cuh"
+#include "sm90.cuh"
+#include "wgmma.cuh"
+
+namespace sm90 {
+
+constexpr int BM = 128;              // query rows per block: two consumer warpgroups x 64
+constexpr int THREADS = 384;
+constexpr int PRODUCER_REGS = 24;
+constexpr int CONSUMER_REGS = 240;   // 24·128 + 240·256 <= 64K registers per SM
+constexpr int TURN_BAR = 1;          // named barriers 1, 2: consumer 0's / 1's turn on the tensor cores
+constexpr int PANEL_COLS = 64;       // 64 16-bit columns = one 128-byte swizzle row
+
+// Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
+// cupyflash/_plan.py: sm90_smem_bytes.
+template <int D, int BN, int STAGES>
+struct Layout {
+    static constexpr int PANELS = D / PANEL_COLS;
+    static constexpr int Q_PANEL = BM * 128;                 // bytes of q_smem [BM, 64]
+    static constexpr int KV_PANEL = BN * 128;                // bytes of k_smem / v_smem [BN, 64]
+    static constexpr int KV_TILE = PANELS * KV_PANEL;        // one stage of K (or V)
+    static constexpr int Q = 0;                              // q_smem [PANELS][BM][64]
+    static constexpr int K = Q + PANELS * Q_PANEL;           // k_smem [STAGES][PANELS][BN][64]
+    static constexpr int V = K + STAGES * KV_TILE;           // v_smem [STAGES][PANELS][BN][64]
+    static constexpr int BARS = V + STAGES * KV_TILE;        // q_full, k_full[S], v_full[S], kv_empty[S]
+    static constexpr int BYTES = BARS + 8 * (1 + 3 * STAGES);
+};
+
+}  // namespace sm90
+
+template <typename E, int D, int BN, int STAGES, bool WINDOW, bool SOFTCAP>
+__global__ void __launch_bounds__(sm90::THREADS, 1)
+flash_fwd_sm90(const __grid_constant__ Params p) {
+    using namespace sm90;
+    using L = Layout<D, BN, STAGES>;
+    typedef typename Elem<E>::storage S;
+    static_assert(Elem<E>::is16, "the Hopper path takes float16 / bfloat16");
+    static_assert(D % PANEL_COLS == 0 && D <= 256 && BN % 16 == 0 && BN <= 256, "tile shape");
+    constexpr int NS = BN / 2;       // S accumulator registers per lane: [64, BN] over 128 lanes
+    constexpr int NO = D / 2;        // O accumulator registers per lane: [64, D]
+
+    extern __shared__ unsigned char smem_raw[];
+    // The planner (_plan.sm90_smem_bytes) sizes the launch: stop loudly if it disagrees with Layout
+    u32 smem_given;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_given));
+    if (smem_given < L::BYTES + 1024) __trap();
+    // 128-byte swizzled tiles need 1024-byte aligned panels (the swizzle pattern repeats every 8 rows)
+    const u32 smem = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const u32 q_smem = smem + L::Q, k_smem = smem + L::K, v_smem = smem + L::V;
+    const u32 q_full = smem + L::BARS;                 // Q tile landed
+    const u32 k_full = q_full + 8;                     // [STAGES]: K tile of the stage landed
+    const u32 v_full = k_full + 8 * STAGES;            // [STAGES]: V tile landed
+    const u32 kv_empty = v_full + 8 * STAGES;          // [STAGES]: both consumers are done with it
+
+    const int m_block = p.num_m_blocks - 1 - (int)blockIdx.x;   // longest causal tiles first
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int kv_head = head / p.h_per_hk;                       // GQA / MQA
+    const int m0 = m_block * BM;
+    const int m_last = min(m0 + BM, p.s_q) - 1;
+
+    // Keys this query tile can see: [n_lo, n_hi); tiles wholly outside the band are never visited.
+    int n_lo = 0, n_hi = p.s_k;
+    if (WINDOW) {
+        n_lo = max(0, m0 + p.diag_offset - p.window_left);
+        n_hi = min(p.s_k, m_last + p.diag_offset + p.window_right + 1);
+    }
+    const int t_first = n_lo / BN;
+    const int n_tiles = n_hi > n_lo ? (n_hi + BN - 1) / BN - t_first : 0;
+
+    const int wg = threadIdx.x / 128;      // 0 producer, 1 and 2 consumers
+    const int t = threadIdx.x % 128;       // lane within the warpgroup
+    const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8
+    const int col_in_8 = 2 * (t % 4);                      // accumulator columns col_in_8, +1 (of 8)
+
+    float* lse_bh = p.lse + ((i64)batch * p.h + head) * p.s_q;                 // [s_q]
+    S* o_bh = (S*)p.o + batch * p.o_stride_b + head * p.o_stride_h;             // [s_q, d_v]
+
+    if (n_tiles == 0) {   // every row of this tile attends to nothing: out = 0, lse = -inf
+        if (wg > 0) {
+            for (int i = (wg - 1) * 128 + t; i < BM * D; i += 256) {
+                const int r = m0 + i / D;
+                if (r < p.s_q) o_bh[r * p.o_stride_s + i % D] = from_float<E>(0.f);
+            }
+            if (wg == 1 && m0 + t < p.s_q) lse_bh[m0 + t] = -CF_INF;
+        }
+        return;
+    }
+
+    if (threadIdx.x == 0) {
+        mbar_init(q_full, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(k_full + 8 * s, 1);      // the producer's expect_tx arrival (+ bytes)
+            mbar_init(v_full + 8 * s, 1);
+            mbar_init(kv_empty + 8 * s, 2);    // one arrival per consumer warpgroup
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();   // barriers initialised before anyone waits on them
+
+    if (wg == 0) {
+        // ================================ producer ================================
+        regs_release<PRODUCER_REGS>();
+        if (t == 0) {
+            tma_prefetch_desc(&p.tma_q);
+            tma_prefetch_desc(&p.tma_k);
+            tma_prefetch_desc(&p.tma_v);
+            // Q tile [BM, D], once
+            mbar_arrive_expect_tx(q_full, BM * D * 2);
+#pragma unroll
+            for (int c = 0; c < L::PANELS; ++c)
+                tma_load_4d(q_smem + c * L::Q_PANEL, &p.tma_q, q_full, c * PANEL_COLS, m0, head, batch);
+            // K, V tiles [BN, D], right to left through the band, STAGES buffers deep
+            for (int it = 0; it < n_tiles; ++it) {
+                const int n0 = (t_first + n_tiles - 1 - it) * BN;
+                const int s = it % STAGES;
+                if (it >= STAGES) mbar_wait(kv_empty + 8 * s, ((it / STAGES) - 1) & 1);  // buffer free
+                mbar_arrive_expect_tx(k_full + 8 * s, BN * D * 2);
+#pragma unroll
+                for (int c = 0; c < L::PANELS; ++c)
+                    tma_load_4d(k_smem + s * L::KV_TILE + c * L::KV_PANEL, &p.tma_k, k_full + 8 * s,
+                                c * PANEL_COLS, n0, kv_head, batch);
+                mbar_arrive_expect_tx(v_full + 8 * s, BN * D * 2);
+#pragma unroll
+                for (int c = 0; c < L::PANELS; ++c)
+                    tma_load_4d(v_smem + s * L::KV_TILE + c * L::KV_PANEL, &p.tma_v, v_full + 8 * s,
+                                c * PANEL_COLS, n0, kv_head, batch);
+            }
+        }
+        return;
+    }
+
+    // ================================ consumers ================================
+    regs_acquire<CONSUMER_REGS>();
+    const int cw = wg - 1;                       // consumer 0 or 1: query rows m0 + 64·cw ..
+    const int row0 = m0 + cw * 64 + row_in_wg;   // this lane's two rows: row0, row0 + 8
+    const float sl2 = SOFTCAP ? 1.f : p.scale_log2;   // score -> base-2 exponent factor
+
+    float o_acc[NO];        // O [64, D] of this warpgroup, fp32
+#pragma unroll
+    for (int i = 0; i < NO; ++i) o_acc[i] = 0.f;
+    float m_run[2] = {-CF_INF, -CF_INF};   // running row max (raw scores; base-2 with softcap)
+    float l_run[2] = {0.f, 0.f};           // running denominators (this lane's columns only)
+
+    const u32 q_wg = q_smem + cw * 64 * 128;     // this warpgroup's 64 rows of each Q panel
+    mbar_wait(q_full, 0);
+    // Pingpong: consumer 0 takes the first turn (its own arrival + sync complete barrier 1).
+    if (cw == 0) named_bar_arrive(TURN_BAR, 256);
+    named_bar_sync(TURN_BAR + cw, 256);
+
+    for (int it = 0; it < n_tiles; ++it) {
+        const int n0 = (t_first + n_tiles - 1 - it) * BN;
+        const int s = it % STAGES;
+        const u32 phase = (it / STAGES) & 1;
+        const u32 k_tile = k_smem + s * L::KV_TILE, v_tile = v_smem + s * L::KV_TILE;
+
+        // ---- S = Q Kᵀ  [64, BN], fp32, k-steps of 16 columns through the D / 64 panels
+        float s_acc[NS];
+        mbar_wait(k_full + 8 * s, phase);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u32 off = (kk % 4) * 32;    // 16 columns = 32 bytes within a 128-byte panel row
+            wgmma_ss<E, BN>(s_acc, smem_desc(q_wg + (kk / 4) * L::Q_PANEL + off, 16, 1024),
+                            smem_desc(k_tile + (kk / 4) * L::KV_PANEL + off, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+        named_bar_arrive(TURN_BAR + 1 - cw, 256);   // the other consumer may issue its GEMMs
+        wgmma_wait<0>();
+        fence_regs<NS>(s_acc);
+
+        // ---- softcap: s = c·tanh(scale·qk / c), kept in base-2 units (sl2 = 1)
+        if (SOFTCAP) {
+#pragma unroll
+            for (int i = 0; i < NS; ++i) s_acc[i] = p.softcap_post * tanh_fast(s_acc[i] * p.softcap_pre);
+        }
+        // ---- masks (only tiles that cross the ragged end or a band edge): key j kept when
+        //      j < s_k and diag(i) - left <= j <= diag(i) + right
+        bool need_mask = n0 + BN > p.s_k;
+        if (WINDOW)
+            need_mask |= n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
+                         n0 < m_last + p.diag_offset - p.window_left;
+        if (need_mask) {
+#pragma unroll
+            for (int i = 0; i < NS; ++i) {
+                const int j = n0 + (i / 4) * 8 + col_in_8 + (i % 2);
+                const int diag = row0 + ((i % 4) >= 2 ? 8 : 0) + p.diag_offset;
+                bool keep = j < p.s_k;
+                if (WINDOW) keep = keep && j <= diag + p.window_right && j >= diag - p.window_left;
+                if (!keep) s_acc[i] = -CF_INF;
+            }
+        }
+
+        // ---- running max m (rows row0, row0 + 8: quad of 4 lanes per row)
+        float m_new[2] = {m_run[0], m_run[1]};
+#pragma unroll
+        for (int i = 0; i < NS; i += 4) {
+            m_new[0] = fmaxf(m_new[0], fmaxf(s_acc[i], s_acc[i + 1]));
+            m_new[1] = fmaxf(m_new[1], fmaxf(s_acc[i + 2], s_acc[i + 3]));
+        }
+        float alpha[2], shift[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            m_new[r] = quad_max(m_new[r]);
+            // exponent shift m·scale·log2e; 0 while the row has seen no key (no inf - inf)
+            shift[r] = m_new[r] == -CF_INF ? 0.f : m_new[r] * sl2;
+            alpha[r] = fast_exp2(m_run[r] * sl2 - shift[r]);   // O, l rescale; 0 on the first key
+            m_run[r] = m_new[r];
+            l_run[r] *= alpha[r];
+        }
+
+        // ---- P = exp2(s·scale·log2e − shift), denominator l, P packed to 16-bit A fragments
+        u32 p_frag[NS / 2];
+#pragma unroll
+        for (int i = 0; i < NS; i += 4) {
+            const float p0 = fast_exp2(s_acc[i] * sl2 - shift[0]);
+            const float p1 = fast_exp2(s_acc[i + 1] * sl2 - shift[0]);
+            const float p2 = fast_exp2(s_acc[i + 2] * sl2 - shift[1]);
+            const float p3 = fast_exp2(s_acc[i + 3] * sl2 - shift[1]);
+            l_run[0] += p0 + p1;
+            l_run[1] += p2 + p3;
+            p_frag[i / 2] = pack2<E>(p0, p1);
+            p_frag[i / 2 + 1] = pack2<E>(p2, p3);
+        }
+        // ---- O rescale by alpha (the previous O += P V has completed: waited below)
+#pragma unroll
+        for (int i = 0; i < NO; i += 4) {
+            o_acc[i] *= alpha[0];
+            o_acc[i + 1] *= alpha[0];
+            o_acc[i + 2] *= alpha[1];
+            o_acc[i + 3] *= alpha[1];
+        }
+
+        // ---- O += P V  [64, D]: V read MN-major (LBO = bytes between 64-column panels)
+        mbar_wait(v_full + 8 * s, phase);
+        named_bar_sync(TURN_BAR + cw, 256);     // our turn on the tensor cores
+        fence_regs<NO>(o_acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)     // 16 keys = 16 rows of 128 bytes per k-step
+            wgmma_rs<E, D>(o_acc, p_frag + 4 * kk, smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs<NO>(o_acc);
+        if (t == 0) mbar_arrive(kv_empty + 8 * s);   // this warpgroup is done with stage s
+    }
+    named_bar_arrive(TURN_BAR + 1 - cw, 256);   // release the other consumer's last wait
+
+    // ---- final O / l and lse = (m·scale·log2e + log2 l)·ln 2; rows past s_q are not stored
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float l = quad_sum(l_run[r]);
+        const int row = row0 + 8 * r;
+        const float inv_l = l > 0.f ? 1.f / l : 0.f;   // a row that saw no key: out = 0
+        if (row < p.s_q) {
+            S* o_row = o_bh + row * p.o_stride_s;
+#pragma unroll
+            for (int i = 0; i < NO; i += 4) {
+                const int col = (i / 4) * 8 + col_in_8;
+                *(u32*)(o_row + col) = pack2<E>(o_acc[i + 2 * r] * inv_l, o_acc[i + 2 * r + 1] * inv_l);
+            }
+            if (t % 4 == 0)
+                lse_bh[row] = l > 0.f ? (m_run[r] * sl2 + log2f(l)) * CF_LN2 : -CF_INF;
+        }
+    }
+}

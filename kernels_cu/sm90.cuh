@@ -1,0 +1,98 @@
+// cupyflash: sm_90a (Hopper) building blocks for kernels_cu/fwd_sm90.cu: mbarriers, TMA tile
+// loads, wgmma shared-memory descriptors and fences, named barriers, register reallocation.
+// Inline PTX only (no CUDA toolkit header), like common.cuh. Needs -arch=sm_90a.
+#pragma once
+
+typedef unsigned long long u64;
+
+// ---------------------------------------------------------------------------------------------
+// mbarrier (shared-memory transaction barrier). `bar` is a shared-memory address (u32).
+// A phase completes when `count` arrivals happened and every expected byte of TMA traffic landed.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_fence_init() {   // make the inits visible to the async proxy
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// one arrival that also announces `bytes` of incoming TMA traffic for this phase
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+// spin until the phase with this parity has completed
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n.reg .pred done;\n"
+                 "MBAR_WAIT:\n"   // a label local to this { } scope: each inlined copy has its own
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra MBAR_WAIT;\n}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// TMA: one box of a rank-4 tensor map (coordinates innermost first: column, row, head, batch)
+// into shared memory; completion is counted in bytes on `bar`. Out-of-bounds elements are zeros.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* map, u32 bar, int c0, int c1,
+                                            int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%3, %4, %5, %6}], [%2];"
+                 :: "r"(dst), "l"((u64)map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
+    asm volatile("prefetch.tensormap [%0];" :: "l"((u64)map) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// wgmma shared-memory matrix descriptor, 128-byte swizzle: start address >> 4 (bits 0-13),
+// leading byte offset >> 4 (16-29), stride byte offset >> 4 (32-45), swizzle mode 1 (62-63).
+// K-major tile (rows of 128 bytes): SBO = 1024 (8 rows); LBO unused. MN-major tile: LBO = bytes
+// between 64-column panels, SBO = 1024.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) |
+           (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {      // registers written before -> visible to wgmma
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {        // at most N groups still in flight
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+// Pin accumulator registers at this point of the program: the compiler must not move their reads
+// or writes across an asynchronous wgmma's issue or its wait.
+template <int N>
+__device__ __forceinline__ void fence_regs(float* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Named barriers (ids 1..15; 0 is __syncthreads) over `threads` threads, and warpgroup
+// register reallocation.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+template <int R> __device__ __forceinline__ void regs_release() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(R));
+}
+template <int R> __device__ __forceinline__ void regs_acquire() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(R));
+}
+
+// tanh(x) = 1 - 2 / (2^(2x·log2 e) + 1): ex2.approx and a fast divide, ~1e-7 absolute error
+// (tanh.approx.f32 is ~5e-4, too coarse once multiplied by a softcap of 30 or 50)
+__device__ __forceinline__ float tanh_fast(float x) {
+    return 1.f - __fdividef(2.f, fast_exp2(x * (2.f * CF_LOG2E)) + 1.f);
+}

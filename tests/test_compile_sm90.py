@@ -1,0 +1,54 @@
+"""NVRTC compile harness for the Hopper forward kernel (kernels_cu/fwd_sm90.cu), sm_90a.
+
+Every variant of _plan.sm90_variants() compiles without a GPU (NVRTC only), with no register
+spills and no ptxas warning (a "wgmma ... serialized" warning would mean the products run one at a
+time). The entry register count is the 384-thread cap (168); setmaxnreg then moves registers from
+the producer warpgroup (24) to the two consumers (240).
+"""
+from __future__ import annotations
+
+import pytest
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+
+from cupyflash import _modules, _plan  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def reports():
+    jobs = []
+    vs = _plan.sm90_variants()
+    for elem in ("f16_t", "bf16_t"):
+        for window in (False, True):
+            chunk = [v for v in vs if v.elem == elem and v.window == window]
+            jobs.append(("sm_90a", _modules.program, chunk, "fwd_sm90.cu"))
+    res = _modules.nvrtc_reports(jobs)["sm_90a"]
+    print("\nsm_90a: registers / spill bytes per Hopper variant")
+    for v in vs:
+        regs, spill = res[v.name_expression]
+        print(f"  {v.name:45s} {regs:4d} regs {spill:6d} B spill")
+    return res
+
+
+def test_every_variant_compiles_without_spills(reports):
+    vs = _plan.sm90_variants()
+    assert set(reports) == {v.name_expression for v in vs}
+    bad = [f"{v.name}: {reports[v.name_expression]}" for v in vs
+           if reports[v.name_expression][1] > 0]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_ptxas_warnings():
+    """ptxas warns when wgmma products get serialized or setmaxnreg is ignored: fail on any."""
+    v = _plan.Sm90Variant("bf16_t", 128, 128, 2, True, True)
+    src, opts, names = _modules.program([v])
+    prog = nvrtc.createProgram(src, "fwd_sm90.cu", [], [])
+    try:
+        nvrtc.addNameExpression(prog, names[0])
+        nvrtc.compileProgram(prog, [o for o in opts if not o.startswith("-arch")]
+                             + ["-arch=sm_90a", "--ptxas-options=-v"])
+        log = nvrtc.getProgramLog(prog).replace("\0", "")
+    finally:
+        nvrtc.destroyProgram(prog)
+    warnings = [ln for ln in log.splitlines() if "warning" in ln.lower()]
+    assert not warnings, "\n".join(warnings)

@@ -1,0 +1,149 @@
+"""Hopper forward kernel (kernels_cu/fwd_sm90.cu) against the float64 reference.
+
+Same criterion and harness as tests/test_gpu_forward.py (``run_case``: NaN-poisoned outputs,
+fresh random inputs, max error <= 2x the naive same-dtype computation + floor), with the Hopper
+kernel forced (``kernel="sm90"``: a ValueError if the planner would not take the call). Skipped
+on GPUs other than compute capability 9.0. Also checks the planner's choice under "auto".
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+from test_gpu_forward import run_case  # noqa: E402  (pytest puts tests/ on sys.path)
+
+from cupyflash._options import Options  # noqa: E402
+
+
+def _cc():
+    try:
+        return int(cp.cuda.Device().compute_capability)
+    except Exception:  # noqa: BLE001  (no usable device: the gpu marker skips anyway)
+        return 0
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(_cc() != 90, reason="the Hopper kernel needs compute capability 9.0")]
+
+DTYPES = ["float16", "bfloat16"]
+HEAD_DIMS = [64, 128, 256]
+
+
+def sm90(rng, *args, **kw):
+    name = run_case(rng, *args, kernel="sm90", **kw)
+    assert name.startswith("fwd90_"), name
+    return name
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtype_headdim_grid(rng, dtype, d):
+    sm90(rng, dtype, 2, 113, 203, 4, 2, d)
+    sm90(rng, dtype, 1, 203, 113, 2, 1, d, causal=True)
+
+
+SEQLENS = [(1, 239), (239, 1), (113, 203), (1023, 1024), (1024, 1023), (128, 128), (257, 63),
+           (3, 3), (640, 2048)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("s_q,s_k", SEQLENS)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_seqlens(rng, dtype, d, s_q, s_k, causal):
+    sm90(rng, dtype, 1, s_q, s_k, 2, 2, d, causal=causal)
+
+
+OPTION_SETS = {
+    "window": dict(window=(32, 16)),
+    "window_left_only": dict(window=(50, -1)),
+    "window_wide": dict(window=(300, 200)),
+    "causal_top_left": dict(causal=True, bottom_right=False),
+    "causal_window": dict(causal=True, window=(40, -1)),
+    "softcap": dict(softcap=5.0),
+    "softcap_causal": dict(softcap=30.0, causal=True),
+    "softcap_negative_scale": dict(softcap=8.0, scale=-0.2),
+    "scale": dict(scale=0.37),
+}
+
+
+@pytest.mark.parametrize("opt", list(OPTION_SETS))
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_options(rng, dtype, d, opt):
+    sm90(rng, dtype, 2, 157, 411, 4, 2, d, **OPTION_SETS[opt])
+
+
+@pytest.mark.parametrize("h,h_k", [(8, 1), (8, 2), (6, 3)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gqa_mqa(rng, dtype, h, h_k):
+    sm90(rng, dtype, 2, 130, 390, h, h_k, 128, causal=True)
+
+
+@pytest.mark.parametrize("layout,pad", [("bhsd", 0), ("padded", 8), ("sstride", 0)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_views(rng, dtype, layout, pad):
+    sm90(rng, dtype, 2, 150, 170, 4, 2, 64, causal=True, layout=layout, pad=pad)
+    sm90(rng, dtype, 1, 300, 290, 2, 1, 128, layout=layout, pad=pad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fully_masked_rows(rng, dtype):
+    sm90(rng, dtype, 1, 300, 100, 2, 1, 64, causal=True)            # rows before the diagonal
+    sm90(rng, dtype, 1, 260, 110, 2, 2, 128, window=(0, 0))         # empty windows
+    sm90(rng, dtype, 1, 200, 100, 2, 2, 64, window=(5, 3), bottom_right=False)
+    sm90(rng, dtype, 1, 700, 100, 2, 2, 128, causal=True)            # whole query tiles see nothing
+
+
+def test_long_sequence(rng):
+    """Several pipeline wraps of the K/V ring and both consumers' turn-taking over many tiles."""
+    sm90(rng, "bfloat16", 1, 2048, 4096, 2, 1, 128)
+    sm90(rng, "float16", 1, 1500, 3001, 2, 2, 64, causal=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner's choice under kernel="auto"
+# ---------------------------------------------------------------------------------------------
+def _auto_name(dtype, d, d_v=None, *, offset=0, layout="bshd", scale=None, **opts):
+    """The kernel _gpu.forward(kernel="auto") runs for a small problem of this kind."""
+    from cupyflash import _gpu
+    d_v = d if d_v is None else d_v
+    base = cp.random.standard_normal(64 * 2 * d + offset).astype(dtype)
+    q = base[offset:].reshape(1, 64, 2, d)          # offset > 0: not 16-byte aligned
+    if layout == "bhsd":
+        q = cp.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    k = cp.random.standard_normal((1, 64, 2, d)).astype(dtype)
+    v = cp.random.standard_normal((1, 64, 2, d_v)).astype(dtype)
+    out = cp.empty((1, 64, 2, d_v), dtype)
+    lse = cp.empty((1, 2, 64), cp.float32)
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    return _gpu.forward(q, k, v, out, lse, Options(scale=scale, **opts))
+
+
+@pytest.mark.parametrize("case,expect", [
+    (dict(dtype=np.float16, d=64), "fwd90_f16_d64"),
+    (dict(dtype=np.float16, d=128, window_left=10, window_right=0), "fwd90_f16_d128"),
+    (dict(dtype=np.float16, d=256, softcap=10.0), "fwd90_f16_d256"),
+    (dict(dtype=np.float16, d=128, layout="bhsd"), "fwd90_f16_d128"),
+    (dict(dtype=np.float16, d=96), "fwd_f16_d96"),                  # head dim not covered
+    (dict(dtype=np.float16, d=128, d_v=64), "fwd_f16_d128"),         # d != d_v
+    (dict(dtype=np.float32, d=128), "fwd_f32x3_d128"),              # float32
+    (dict(dtype=np.float16, d=64, offset=1), "fwd_f16_d64"),        # q not 16-byte aligned
+    (dict(dtype=np.float16, d=64, scale=-0.5), "fwd_f16_d64"),      # scale <= 0, no softcap
+], ids=["d64", "d128_window", "d256_softcap", "bhsd", "d96", "dv_differs", "fp32",
+        "misaligned", "negative_scale"])
+def test_planner_picks_sm90_where_covered(case, expect):
+    name = _auto_name(**case)
+    assert name.startswith(expect), name
+
+
+def test_forcing_sm90_on_an_uncovered_call_is_an_error():
+    from cupyflash import _gpu
+    q = cp.random.standard_normal((1, 16, 1, 96)).astype(cp.float16)
+    with pytest.raises(ValueError, match="Hopper kernel cannot run this call.*head dims 96"):
+        _gpu.forward(q, q, q, cp.empty_like(q), cp.empty((1, 1, 16), cp.float32),
+                     Options(scale=0.1), kernel="sm90")

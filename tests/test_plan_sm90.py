@@ -1,0 +1,122 @@
+"""Planner of the Hopper forward kernel (pure Python, no GPU): coverage, tiles, TMA geometry."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cupyflash import _plan
+
+ROOT = Path(__file__).resolve().parent.parent
+H200_SMEM = 227 * 1024
+
+
+def _unsupported(dtype="bfloat16", d=128, d_v=None, *, scale=0.1, softcap=0.0, has_alibi=False,
+                 cc=90, smem=H200_SMEM, tensors=()):
+    return _plan.sm90_unsupported(dtype, d, d if d_v is None else d_v, scale=scale,
+                                  softcap=softcap, has_alibi=has_alibi, cc=cc, smem_optin=smem,
+                                  tensors=tensors)
+
+
+def _contig(shape):
+    b, s, h, d = shape
+    return shape, (s * h * d, h * d, d, 1)
+
+
+def test_variants_fit_and_are_distinct():
+    vs = _plan.sm90_variants()
+    assert len(vs) == 2 * 3 * 2 * 2
+    assert len({v.name for v in vs}) == len(vs) == len({v.name_expression for v in vs})
+    for v in vs:
+        assert v.smem_bytes <= H200_SMEM, v
+        assert v.bn % 16 == 0 and v.d % 64 == 0
+        assert v.file == "fwd_sm90.cu" and "-arch=sm_90a" in v.arch_options
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(), None),
+    (dict(dtype="float16", d=64), None),
+    (dict(d=256, softcap=30.0), None),
+    (dict(scale=-0.5, softcap=5.0), None),
+    (dict(cc=80), "compute capability 8.0"),
+    (dict(cc=120), "compute capability 12.0"),
+    (dict(dtype="float32"), "dtype float32"),
+    (dict(d=96), "head dims 96"),
+    (dict(d=128, d_v=64), "head dims 128 / 64"),
+    (dict(has_alibi=True), "alibi"),
+    (dict(scale=0.0), "scale 0.0"),
+    (dict(smem=99 * 1024), "shared memory"),
+], ids=["bf16_d128", "f16_d64", "d256_softcap", "negative_scale_softcap", "sm80", "sm120",
+        "float32", "d96", "dv_differs", "alibi", "zero_scale", "small_smem"])
+def test_coverage(kw, why):
+    got = _unsupported(**kw)
+    if why is None:
+        assert got is None
+    else:
+        assert got is not None and why in got
+
+
+def test_strides_tma_accepts():
+    bshd = _contig((2, 100, 4, 128))
+    assert _unsupported(tensors=[bshd]) is None
+    # bhsd storage viewed as bshd
+    b, s, h, d = 2, 100, 4, 128
+    assert _unsupported(tensors=[((b, s, h, d), (h * s * d, d, s * d, 1))]) is None
+    # a row pitch of d + 3 elements: 262-byte rows are not 16-byte multiples
+    bad = ((b, s, h, d), (s * h * (d + 3), h * (d + 3), d + 3, 1))
+    assert "strides" in _unsupported(tensors=[bad])
+    # size-1 dimensions may have any stride
+    assert _unsupported(tensors=[((1, 1, 1, 128), (7, 5, 3, 1))]) is None
+    # a broadcast (zero-stride) sequence dimension cannot be described
+    assert "strides" in _unsupported(tensors=[((1, 10, 1, 128), (0, 0, 0, 1))])
+    # a non-contiguous last dimension
+    assert not _plan.tma_strides_ok((1, 10, 1, 128), (2560, 256, 128, 2), 2)
+
+
+def test_tma_tensor_geometry():
+    dims, strides, box = _plan.tma_tensor((2, 100, 4, 128), (51200, 512, 128, 1), 2, 128)
+    assert dims == (128, 100, 4, 2)                   # innermost first: d, s, h, b
+    assert strides == (1024, 256, 102400)             # bytes of s, h, b
+    assert box == (64, 128, 1, 1)                     # 128-byte rows (the swizzle width)
+    dims, strides, box = _plan.tma_tensor((1, 1, 1, 64), (9, 9, 9, 1), 2, 64)
+    assert all(st % 16 == 0 and st > 0 for st in strides)   # stand-ins for size-1 dims
+    assert box == (64, 64, 1, 1)
+
+
+def test_plan_fills_params_and_grid():
+    plan = _plan.plan_forward_sm90("bfloat16", 3, 1000, 777, 8, 2, 128, 128, scale=0.125,
+                                   window_left=-1, window_right=0, softcap=0.0)
+    v = plan.variant
+    assert isinstance(v, _plan.Sm90Variant) and v.window and not v.softcap
+    assert plan.grid == (8, 8, 3) and plan.block == (384, 1, 1) and plan.smem == v.smem_bytes
+    prm = plan.params
+    assert prm["h_per_hk"] == 4 and prm["diag_offset"] == 777 - 1000
+    assert prm["window_right"] == 0 and prm["window_left"] == 1000 + 777
+    assert prm["num_m_blocks"] == 8
+    assert np.isclose(prm["scale_log2"], 0.125 * _plan.LOG2E)
+
+
+def test_plan_rejects_a_forced_variant_that_cannot_compute():
+    v = _plan.Sm90Variant("bf16_t", 128, 128, 2, False, False)
+    with pytest.raises(ValueError, match="cannot compute"):
+        _plan.plan_forward_sm90("bfloat16", 1, 10, 10, 1, 1, 128, 128, scale=0.1,
+                                window_left=5, variant=v)
+    with pytest.raises(ValueError, match="cannot compute"):
+        _plan.plan_forward_sm90("bfloat16", 1, 10, 10, 1, 1, 128, 128, scale=0.1, softcap=3.0,
+                                variant=v)
+
+
+def test_wgmma_header_is_generated_and_current():
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_wgmma.py"), "--check"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_smem_layout_mirror():
+    """sm90_smem_bytes mirrors sm90::Layout in fwd_sm90.cu (the kernel traps on a mismatch)."""
+    src = (ROOT / "kernels_cu" / "fwd_sm90.cu").read_text()
+    assert "BARS + 8 * (1 + 3 * STAGES)" in src and "if (smem_given < L::BYTES + 1024) __trap();" in src
+    assert _plan.sm90_smem_bytes(128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 8 * 7 + 1024
