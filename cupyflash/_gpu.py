@@ -2,12 +2,15 @@
 
 The launch path is kept lean for small calls: everything that depends only on the "shape
 signature" (dtypes, shapes, strides, options, device) is planned once and cached (variant,
-compiled function, grid, Params with sizes/scalars filled); a call then copies that Params
-record, writes six pointers and the alignment flag, and launches.
+compiled function, grid, Params with sizes/scalars filled); a call then writes its pointers and
+the alignment flag into that cached Params record (struct.pack_into, under a lock) and launches.
+The public API keeps the ``_Launch`` of a repeated call itself (api._FAST) and calls
+``_Launch.launch`` directly, skipping this module's signature key.
 """
 from __future__ import annotations
 
 import math
+import struct
 import threading
 
 import cupy
@@ -32,35 +35,56 @@ _record_lock = threading.Lock()
 _VARIANTS_BY_NAME = None
 
 
-# Word positions inside the Params record (see _plan.PARAMS_DTYPE): pointers are the first six
-# uint64 words, alibi_stride_b the 19th; vec_ok an int32.
-_PTR_WORDS = slice(0, 5)
-_ALIBI_WORD = 5
-_ALIBI_STRIDE_WORD = _plan.PARAMS_DTYPE.fields["alibi_stride_b"][1] // 8
-_VEC_OK_INT = _plan.PARAMS_DTYPE.fields["vec_ok"][1] // 4
+# Byte offsets inside the Params record (see _plan.PARAMS_DTYPE): the six pointers q, k, v, o,
+# lse, alibi are its first six uint64 words; alibi_stride_b an int64, vec_ok an int32.
+_F = _plan.PARAMS_DTYPE.fields
+assert [_F[n][1] for n in ("q", "k", "v", "o", "lse", "alibi")] == [0, 8, 16, 24, 32, 40]
+_PUT_PTRS = struct.Struct("<6Q").pack_into                  # q, k, v, o, lse, alibi
+_PUT_I64 = struct.Struct("<q").pack_into
+_PUT_I32 = struct.Struct("<i").pack_into
+_ALIBI_STRIDE_AT = _F["alibi_stride_b"][1]
+_VEC_OK_AT = _F["vec_ok"][1]
+
+try:  # a raw host pointer as a kernel argument: the launch reads the Params bytes from there
+    from cupy.cuda.function import CPointer as _CPointer
+except ImportError:  # pragma: no cover - other CuPy versions: pass the numpy.void record
+    _CPointer = None
 
 
 class _Launch:
     """Everything one shape signature needs at launch time.
 
-    ``record`` is the Params record passed by value; ``words`` / ``ints`` are uint64 / int32
-    views of its memory, so a call only writes its pointers in place (the driver copies kernel
-    arguments at launch; writes and launch happen under _record_lock, so threads may share it).
+    ``arr`` is the 1-element Params array passed by value (sizes, scalars and strides filled at
+    build time); ``mem`` a writable byte view of it and ``args`` the kernel's argument tuple: a
+    CuPy ``CPointer`` to its bytes (or the numpy.void record). A call writes its pointers into
+    ``arr`` and launches under _record_lock, so threads may share one entry (the driver copies
+    the argument bytes at launch, the next call may rewrite them right after).
     """
 
-    __slots__ = ("fn", "grid", "block", "smem", "record", "words", "ints", "name", "strides_ok")
+    __slots__ = ("fn", "grid", "block", "smem", "arr", "mem", "args", "name", "strides_ok")
 
     def __init__(self, fn, plan, strides_ok):
-        self.fn = fn
+        self.fn = getattr(fn, "kernel", fn)  # RawKernel -> its Function on the current device
         self.grid = plan.grid
         self.block = plan.block
         self.smem = plan.smem
-        arr = plan.params.reshape(1)
-        self.record = arr[0]               # numpy.void viewing arr's memory
-        self.words = arr.view(np.uint64)
-        self.ints = arr.view(np.int32)
+        self.arr = plan.params.reshape(1)   # view of plan.params (kept alive here)
+        self.mem = memoryview(self.arr.view(np.uint8))
+        self.args = (_CPointer(self.arr.ctypes.data) if _CPointer is not None else self.arr[0],)
         self.name = plan.variant.name
         self.strides_ok = strides_ok
+
+    def launch(self, qp, kp, vp, op, lp, alibi_ptr=0, alibi_stride_b=0):
+        """Write this call's pointers (device addresses, ints) into Params and launch on the
+        current stream: q [b, s_q, h, d], k / v [b, s_k, h_k, d(_v)], out [b, s_q, h, d_v],
+        lse [b, h, s_q], alibi [b or 1, h] (0 when none)."""
+        with _record_lock:
+            mem = self.mem
+            _PUT_PTRS(mem, 0, qp, kp, vp, op, lp, alibi_ptr)
+            if alibi_ptr:
+                _PUT_I64(mem, _ALIBI_STRIDE_AT, alibi_stride_b)
+            _PUT_I32(mem, _VEC_OK_AT, self.strides_ok and ((qp | kp | vp | op) & 15) == 0)
+            self.fn(self.grid, self.block, self.args, shared_mem=self.smem)
 
 
 def _info(dev_id):
@@ -137,6 +161,15 @@ def _build(key, q, k, v, out, lse, opts, kernel, dev_id):
 _get_device = cupy.cuda.runtime.getDevice
 
 
+def _key(q, k, v, out, opts, kernel):
+    """The shape signature of one launch (the device is the current one)."""
+    alibi = opts.alibi_slopes
+    return (q.dtype, q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, out.strides,
+            opts.scale, opts.window_left, opts.window_right, opts.bottom_right, opts.softcap,
+            None if alibi is None else alibi.shape, opts.allow_tf32,
+            opts.bias is not None or opts.mask is not None, kernel, _get_device())
+
+
 def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
     """out[...] = attention(q, k, v), lse[...] = its log-sum-exp; returns the variant's name.
 
@@ -147,10 +180,7 @@ def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
     Raises NotImplementedError for bias / mask, head dims > 256, other dtypes, pre-sm_80 GPUs.
     """
     alibi = opts.alibi_slopes
-    key = (q.dtype, q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, out.strides,
-           opts.scale, opts.window_left, opts.window_right, opts.bottom_right, opts.softcap,
-           None if alibi is None else alibi.shape, opts.allow_tf32,
-           opts.bias is not None or opts.mask is not None, kernel, _get_device())
+    key = _key(q, k, v, out, opts, kernel)
     ent = _launch_cache.get(key)
     if ent is None:
         if q.size == 0 or out.size == 0:
@@ -163,17 +193,22 @@ def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
         if len(_launch_cache) >= _LAUNCH_CACHE_MAX:  # e.g. varlen: one signature per length
             _launch_cache.clear()
         _launch_cache[key] = ent
-    qp, kp, vp, op = q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr
-    if alibi is not None and (alibi.dtype != np.float32 or (alibi.shape[1] > 1 and alibi.strides[1] != 4)):
+    if alibi is None:
+        ent.launch(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
+        return ent.name
+    if alibi.dtype != np.float32 or (alibi.shape[1] > 1 and alibi.strides[1] != 4):
         alibi = cupy.ascontiguousarray(alibi, dtype=np.float32)
-    # The record is shared by every call of this signature: write it and launch under a lock
-    # (the launch copies the argument, so the next call may rewrite it right after).
-    with _record_lock:
-        words = ent.words
-        words[_PTR_WORDS] = (qp, kp, vp, op, lse.data.ptr)
-        if alibi is not None:
-            words[_ALIBI_WORD] = alibi.data.ptr
-            words[_ALIBI_STRIDE_WORD] = alibi.strides[0] // 4 if alibi.shape[0] > 1 else 0
-        ent.ints[_VEC_OK_INT] = ent.strides_ok and ((qp | kp | vp | op) & 15) == 0
-        ent.fn(ent.grid, ent.block, (ent.record,), shared_mem=ent.smem)
+    ent.launch(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, alibi.data.ptr,
+               alibi.strides[0] // 4 if alibi.shape[0] > 1 else 0)
     return ent.name
+
+
+def cached_launch(q, k, v, out, opts):
+    """The cached ``_Launch`` that ``forward(q, k, v, out, lse, opts)`` just used, or None.
+
+    For the API's repeated-call cache: an entry whose launch needs nothing but the five pointers
+    (no ALiBi slopes, nothing empty). Call on the device ``forward`` ran on.
+    """
+    if opts.alibi_slopes is not None:
+        return None
+    return _launch_cache.get(_key(q, k, v, out, opts, "auto"))

@@ -241,3 +241,53 @@ def test_failed_validation_is_not_cached(rng):
         with pytest.raises(ValueError, match="^softcap: got"):
             cf.attention(q, k, v, softcap=-1.0, device="cpu")
     assert not api._CALLS
+
+
+# ---- the GPU fast path's key (pure: stand-in arrays) ---------------------------------------------
+
+def _stand_in(shape=(2, 13, 4, 24), strides=None, dtype=np.float16, device_id=0):
+    """Just what _fast_key reads of a CuPy array: shape, strides, dtype, data.device_id."""
+    from types import SimpleNamespace
+
+    dt = np.dtype(dtype)
+    if strides is None:
+        strides = tuple(int(s) for s in np.empty(shape, dt).strides)
+    return SimpleNamespace(shape=shape, strides=strides, dtype=dt,
+                           data=SimpleNamespace(device_id=device_id))
+
+
+_BASE_OPTIONS = dict(causal=True, causal_align="bottom_right", window=(3, 2), softcap=None,
+                     scale=0.5, layout="bshd", device="auto", allow_tf32=False)
+
+
+def _key_of(q=None, k=None, v=None, **changes):
+    from cupyflash import api
+
+    opts = {**_BASE_OPTIONS, **changes}
+    return api._fast_key(q or _stand_in(), k or _stand_in(), v or _stand_in(), **opts)
+
+
+@pytest.mark.parametrize("change", [
+    dict(q=_stand_in(strides=(2 * 13 * 4 * 48, 4 * 48, 48, 2))),     # a view of a wider buffer
+    dict(k=_stand_in(dtype=ml_dtypes.bfloat16)),
+    dict(v=_stand_in(device_id=1)),
+    dict(q=_stand_in(shape=(2, 14, 4, 24))),
+    dict(causal=1), dict(causal=np.bool_(True)),
+    dict(window=(True, 2)), dict(window=(3.0, 2)), dict(window=[3, 2]), dict(window=None),
+    dict(softcap=0), dict(softcap=0.0),
+    dict(scale=1), dict(scale=np.float32(0.5)),
+    dict(layout="bhsd"), dict(device="gpu"), dict(allow_tf32=0), dict(causal_align="top_left"),
+], ids=["q-strides", "k-dtype", "v-device", "q-shape", "causal-int", "causal-npbool",
+        "window-bool", "window-float", "window-list", "window-none", "softcap-int0",
+        "softcap-float0", "scale-int", "scale-f32", "layout", "device", "tf32-int", "align"])
+def test_fast_key_tells_apart_everything_validation_reads(change):
+    base = _key_of()
+    other = _key_of(**change)
+    assert hash(base) is not None and hash(other) is not None
+    assert other != base
+    assert _key_of() == base  # and is a pure function of its inputs
+
+
+def test_fast_key_of_an_unhashable_option_raises_type_error():
+    with pytest.raises(TypeError):
+        hash(_key_of(scale=np.array(0.5)))
