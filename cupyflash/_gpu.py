@@ -2,12 +2,15 @@
 
 The launch path is kept lean for small calls: everything that depends only on the "shape
 signature" (dtypes, shapes, strides, options, device) is planned once and cached (variant,
-compiled function, grid, Params with sizes/scalars filled); a call then copies that Params
-record, writes six pointers and the alignment flag, and launches.
+compiled function, grid, Params with sizes/scalars filled); a call then writes its pointers and
+the alignment flag into that cached Params record (struct.pack_into, under a lock) and launches.
+The public API keeps the ``_Launch`` of a repeated call itself (api._FAST) and calls
+``_Launch.launch`` directly, skipping this module's signature key.
 """
 from __future__ import annotations
 
 import math
+import struct
 import threading
 
 import cupy
@@ -32,49 +35,98 @@ _record_lock = threading.Lock()
 _VARIANTS_BY_NAME = None
 
 
-# Word positions inside the Params record (see _plan.PARAMS_DTYPE): pointers are the first six
-# uint64 words, alibi_stride_b the 19th; vec_ok an int32.
-_PTR_WORDS = slice(0, 5)
-_ALIBI_WORD = 5
-_ALIBI_STRIDE_WORD = _plan.PARAMS_DTYPE.fields["alibi_stride_b"][1] // 8
-_VEC_OK_INT = _plan.PARAMS_DTYPE.fields["vec_ok"][1] // 4
+# Byte offsets inside the Params record (see _plan.PARAMS_DTYPE): the six pointers q, k, v, o,
+# lse, alibi are its first six uint64 words; alibi_stride_b an int64, vec_ok an int32.
+_F = _plan.PARAMS_DTYPE.fields
+assert [_F[n][1] for n in ("q", "k", "v", "o", "lse", "alibi")] == [0, 8, 16, 24, 32, 40]
+_PUT_PTRS = struct.Struct("<6Q").pack_into                  # q, k, v, o, lse, alibi
+_PUT_I64 = struct.Struct("<q").pack_into
+_PUT_I32 = struct.Struct("<i").pack_into
+_ALIBI_STRIDE_AT = _F["alibi_stride_b"][1]
+_VEC_OK_AT = _F["vec_ok"][1]
+
+try:  # a raw host pointer as a kernel argument: the launch reads the Params bytes from there
+    from cupy.cuda.function import CPointer as _CPointer
+except ImportError:  # pragma: no cover - other CuPy versions: pass the numpy.void record
+    _CPointer = None
 
 
 class _Launch:
     """Everything one shape signature needs at launch time.
 
-    ``record`` is the Params record passed by value; ``words`` / ``ints`` are uint64 / int32
-    views of its memory, so a call only writes its pointers in place (the driver copies kernel
-    arguments at launch; writes and launch happen under _record_lock, so threads may share it).
+    ``arr`` is the 1-element Params array passed by value (sizes, scalars and strides filled at
+    build time); ``mem`` a writable byte view of it and ``args`` the kernel's argument tuple: a
+    CuPy ``CPointer`` to its bytes (or the numpy.void record). A call writes its pointers into
+    ``arr`` and launches under _record_lock, so threads may share one entry (the driver copies
+    the argument bytes at launch, the next call may rewrite them right after).
     """
 
-    __slots__ = ("fn", "grid", "block", "smem", "record", "words", "ints", "name", "strides_ok",
-                 "sm90")
+    __slots__ = ("fn", "grid", "block", "smem", "arr", "mem", "args", "name", "strides_ok")
 
-    def __init__(self, fn, plan, strides_ok, sm90=None):
-        self.fn = fn
+    def __init__(self, fn, plan, strides_ok):
+        self.fn = getattr(fn, "kernel", fn)  # RawKernel -> its Function on the current device
         self.grid = plan.grid
         self.block = plan.block
         self.smem = plan.smem
-        arr = plan.params.reshape(1)
-        self.record = arr[0]               # numpy.void viewing arr's memory
-        self.words = arr.view(np.uint64)
-        self.ints = arr.view(np.int32)
+        self.arr = plan.params.reshape(1)   # view of plan.params (kept alive here)
+        self.mem = memoryview(self.arr.view(np.uint8))
+        self.args = (_CPointer(self.arr.ctypes.data) if _CPointer is not None else self.arr[0],)
         self.name = plan.variant.name
         self.strides_ok = strides_ok
-        self.sm90 = sm90      # _Sm90State for the Hopper kernel, else None
+
+    def launch(self, qp, kp, vp, op, lp, alibi_ptr=0, alibi_stride_b=0) -> str:
+        """Write this call's pointers (device addresses, ints) into Params and launch on the
+        current stream: q [b, s_q, h, d], k / v [b, s_k, h_k, d(_v)], out [b, s_q, h, d_v],
+        lse [b, h, s_q], alibi [b or 1, h] (0 when none). Returns the kernel's name."""
+        with _record_lock:
+            mem = self.mem
+            _PUT_PTRS(mem, 0, qp, kp, vp, op, lp, alibi_ptr)
+            if alibi_ptr:
+                _PUT_I64(mem, _ALIBI_STRIDE_AT, alibi_stride_b)
+            _PUT_I32(mem, _VEC_OK_AT, self.strides_ok and ((qp | kp | vp | op) & 15) == 0)
+            self.fn(self.grid, self.block, self.args, shared_mem=self.smem)
+        return self.name
 
 
-class _Sm90State:
-    """Per-signature state of the Hopper kernel: the tensor-map geometry of q, k, v, and finished
-    Params records (pointers and TMA descriptors written) per tuple of base pointers."""
+class _Sm90Launch(_Launch):
+    """The Hopper kernel's entry. Its TMA descriptors bake in the base addresses, so finished
+    Params records (pointers and descriptors written, then never changed: no lock needed) are
+    kept per tuple of pointers. A base address TMA cannot take (a view at an odd offset) sends
+    the call to the portable kernel, whose entry is compiled on first need."""
 
-    __slots__ = ("dtype_name", "maps", "records")
+    __slots__ = ("dtype_name", "maps", "records", "portable_plan", "portable_strides_ok",
+                 "dev_id", "portable")
 
-    def __init__(self, dtype_name, maps):
+    def __init__(self, fn, plan, dtype_name, maps, portable_plan, portable_strides_ok, dev_id):
+        super().__init__(fn, plan, True)
         self.dtype_name = dtype_name
-        self.maps = maps       # ((dims, byte strides, box) of q, k, v)
-        self.records = {}      # (q, k, v, out, lse pointers) -> Params record
+        self.maps = maps                      # (dims, byte strides, box) of q, k, v
+        self.records = {}                     # (q, k, v, out, lse) pointers -> (args, record)
+        self.portable_plan = portable_plan
+        self.portable_strides_ok = portable_strides_ok
+        self.dev_id = dev_id
+        self.portable = None
+
+    def launch(self, qp, kp, vp, op, lp, alibi_ptr=0, alibi_stride_b=0) -> str:
+        ptrs = (qp, kp, vp, op, lp)
+        hit = self.records.get(ptrs)
+        if hit is None:
+            if (qp | kp | vp) % _plan.TMA_ALIGN or op % 4:   # TMA bases / paired output stores
+                if self.portable is None:
+                    plan = self.portable_plan
+                    self.portable = _Launch(_modules.get_function(plan.variant, self.dev_id), plan,
+                                            self.portable_strides_ok)
+                return self.portable.launch(qp, kp, vp, op, lp)
+            arr = self.arr.copy()             # sizes, scalars, strides of this signature
+            _PUT_PTRS(memoryview(arr.view(np.uint8)), 0, qp, kp, vp, op, lp, 0)
+            for field, ptr, (dims, byte_strides, box) in zip(_plan.PARAMS_TMA_FIELDS, ptrs, self.maps):
+                arr[field][0] = _tma.encode(self.dtype_name, ptr, dims, byte_strides, box)
+            hit = ((_CPointer(arr.ctypes.data) if _CPointer is not None else arr[0],), arr)
+            if len(self.records) >= 64:       # many different buffers: start over
+                self.records.clear()
+            self.records[ptrs] = hit
+        self.fn(self.grid, self.block, hit[0], shared_mem=self.smem)
+        return self.name
 
 
 def _info(dev_id):
@@ -138,21 +190,23 @@ def _build(key, q, k, v, out, lse, opts, kernel, dev_id):
     has_alibi = opts.alibi_slopes is not None
     extra = ()
     elem_strides = [_elem_strides(a, t) for a, t in ((q, "q"), (k, "k"), (v, "v"), (out, "o"))]
+    sm90_reason = None
     if _want_sm90(kernel):
-        reason = _plan.sm90_unsupported(
+        sm90_reason = _plan.sm90_unsupported(
             name, d, d_v, scale=float(opts.scale), softcap=float(opts.softcap or 0.0),
             has_alibi=has_alibi, cc=cc, smem_optin=smem,
             tensors=[(a.shape, st) for a, st in zip((q, k, v, out), elem_strides)])
-        if reason is None:
-            return _build_sm90(q, k, v, opts, kernel, dev_id, name, elem_strides)
-        if kernel != "auto":
-            raise ValueError(f"kernel={kernel!r}: the Hopper kernel cannot run this call: {reason}")
+        if sm90_reason is not None and kernel != "auto":
+            raise ValueError(f"kernel={kernel!r}: the Hopper kernel cannot run this call: "
+                             f"{sm90_reason}")
     if isinstance(kernel, tuple) and len(kernel) == 2 and isinstance(kernel[0], _plan.Variant):
         kernel, extra = kernel                 # (Variant, extra NVRTC options): tuning only
     if isinstance(kernel, _plan.Variant):      # an explicit instantiation (tuning, benchmarks)
         forced = kernel
+    elif kernel in ("auto", "portable") or _want_sm90(kernel):
+        forced = None
     else:
-        forced = None if kernel in ("auto", "portable") else _variant_by_name(kernel, smem)
+        forced = _variant_by_name(kernel, smem)
     plan = _plan.plan_forward(
         name, b, s_q, s_k, h, h_k, d, d_v, scale=float(opts.scale),
         window_left=int(opts.window_left), window_right=int(opts.window_right),
@@ -161,6 +215,8 @@ def _build(key, q, k, v, out, lse, opts, kernel, dev_id):
         variant=forced)
     strides = _write_strides(plan.params, elem_strides)
     strides_ok = _plan.vec_ok((), strides, q.dtype.itemsize)
+    if _want_sm90(kernel) and sm90_reason is None:
+        return _build_sm90(q, k, v, opts, kernel, dev_id, name, elem_strides, plan, strides_ok)
     fn = _modules.get_function(plan.variant, dev_id, extra)
     return _Launch(fn, plan, strides_ok)
 
@@ -174,8 +230,10 @@ def _write_strides(prm, elem_strides):
     return flat
 
 
-def _build_sm90(q, k, v, opts, kernel, dev_id, dtype_name, elem_strides):
-    """The Hopper kernel's launch entry (the planner accepted the call)."""
+def _build_sm90(q, k, v, opts, kernel, dev_id, dtype_name, elem_strides, portable_plan,
+                portable_strides_ok):
+    """The Hopper kernel's launch entry (the planner accepted the call); the portable plan is
+    its fallback for base addresses TMA cannot take."""
     b, s_q, h, d = q.shape
     _, s_k, h_k, _ = k.shape
     forced = None
@@ -194,32 +252,19 @@ def _build_sm90(q, k, v, opts, kernel, dev_id, dtype_name, elem_strides):
                  for a, st, rows in ((q, elem_strides[0], _plan.SM90_BM),
                                      (k, elem_strides[1], bn), (v, elem_strides[2], bn)))
     fn = _modules.get_function(plan.variant, dev_id)
-    return _Launch(fn, plan, True, _Sm90State(dtype_name, maps))
-
-
-def _launch_sm90(ent, q, k, v, out, lse):
-    """Launch the Hopper kernel; None when a base pointer is not aligned for TMA / the paired
-    output stores (the caller then runs the portable kernel)."""
-    ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
-    st = ent.sm90
-    rec = st.records.get(ptrs)
-    if rec is None:
-        if (ptrs[0] | ptrs[1] | ptrs[2]) % _plan.TMA_ALIGN or ptrs[3] % 4:
-            return None
-        arr = np.empty(1, _plan.PARAMS_DTYPE)
-        arr[0] = ent.record                   # a copy: sizes, scalars, strides of this signature
-        arr.view(np.uint64)[_PTR_WORDS] = ptrs
-        for field, ptr, (dims, byte_strides, box) in zip(_plan.PARAMS_TMA_FIELDS, ptrs, st.maps):
-            arr[field][0] = _tma.encode(st.dtype_name, ptr, dims, byte_strides, box)
-        rec = arr[0]
-        if len(st.records) >= 64:   # many different buffers: start over
-            st.records.clear()
-        st.records[ptrs] = rec      # finished records are never written again: no lock needed
-    ent.fn(ent.grid, ent.block, (rec,), shared_mem=ent.smem)
-    return ent.name
+    return _Sm90Launch(fn, plan, dtype_name, maps, portable_plan, portable_strides_ok, dev_id)
 
 
 _get_device = cupy.cuda.runtime.getDevice
+
+
+def _key(q, k, v, out, opts, kernel):
+    """The shape signature of one launch (the device is the current one)."""
+    alibi = opts.alibi_slopes
+    return (q.dtype, q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, out.strides,
+            opts.scale, opts.window_left, opts.window_right, opts.bottom_right, opts.softcap,
+            None if alibi is None else alibi.shape, opts.allow_tf32,
+            opts.bias is not None or opts.mask is not None, kernel, _get_device())
 
 
 def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
@@ -235,10 +280,7 @@ def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
     Raises NotImplementedError for bias / mask, head dims > 256, other dtypes, pre-sm_80 GPUs.
     """
     alibi = opts.alibi_slopes
-    key = (q.dtype, q.shape, k.shape, v.shape, q.strides, k.strides, v.strides, out.strides,
-           opts.scale, opts.window_left, opts.window_right, opts.bottom_right, opts.softcap,
-           None if alibi is None else alibi.shape, opts.allow_tf32,
-           opts.bias is not None or opts.mask is not None, kernel, _get_device())
+    key = _key(q, k, v, out, opts, kernel)
     ent = _launch_cache.get(key)
     if ent is None:
         if q.size == 0 or out.size == 0:
@@ -251,23 +293,20 @@ def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
         if len(_launch_cache) >= _LAUNCH_CACHE_MAX:  # e.g. varlen: one signature per length
             _launch_cache.clear()
         _launch_cache[key] = ent
-    if ent.sm90 is not None:
-        name = _launch_sm90(ent, q, k, v, out, lse)
-        if name is not None:
-            return name
-        # a base address TMA cannot take (e.g. a view at an odd offset): the portable kernel
-        return forward(q, k, v, out, lse, opts, kernel="portable")
-    qp, kp, vp, op = q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr
-    if alibi is not None and (alibi.dtype != np.float32 or (alibi.shape[1] > 1 and alibi.strides[1] != 4)):
+    if alibi is None:
+        return ent.launch(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
+    if alibi.dtype != np.float32 or (alibi.shape[1] > 1 and alibi.strides[1] != 4):
         alibi = cupy.ascontiguousarray(alibi, dtype=np.float32)
-    # The record is shared by every call of this signature: write it and launch under a lock
-    # (the launch copies the argument, so the next call may rewrite it right after).
-    with _record_lock:
-        words = ent.words
-        words[_PTR_WORDS] = (qp, kp, vp, op, lse.data.ptr)
-        if alibi is not None:
-            words[_ALIBI_WORD] = alibi.data.ptr
-            words[_ALIBI_STRIDE_WORD] = alibi.strides[0] // 4 if alibi.shape[0] > 1 else 0
-        ent.ints[_VEC_OK_INT] = ent.strides_ok and ((qp | kp | vp | op) & 15) == 0
-        ent.fn(ent.grid, ent.block, (ent.record,), shared_mem=ent.smem)
-    return ent.name
+    return ent.launch(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr,
+                      alibi.data.ptr, alibi.strides[0] // 4 if alibi.shape[0] > 1 else 0)
+
+
+def cached_launch(q, k, v, out, opts):
+    """The cached ``_Launch`` that ``forward(q, k, v, out, lse, opts)`` just used, or None.
+
+    For the API's repeated-call cache: an entry whose launch needs nothing but the five pointers
+    (no ALiBi slopes, nothing empty). Call on the device ``forward`` ran on.
+    """
+    if opts.alibi_slopes is not None:
+        return None
+    return _launch_cache.get(_key(q, k, v, out, opts, "auto"))

@@ -115,6 +115,88 @@ def _remember(key, entry):
         _CALLS[key] = entry
 
 
+# ----------------------------------------------------------------------------------------------
+# Fast path of a repeated GPU call. CuPy q, k, v whose flat key (shapes, strides, dtypes and
+# devices of the three arrays, typed option values) went through the full path above once, and
+# whose launch then needed nothing per call but pointers (no copy, no ALiBi, nothing empty), map
+# to a _FastCall holding the launcher's cached entry and the output shapes: a hit allocates out
+# and lse on the current stream and launches, skipping backend resolution, views, Options and
+# the launcher's own signature key. Calls from another current device take the full path.
+# ----------------------------------------------------------------------------------------------
+class _NoArrayType:
+    """Stands for cupy.ndarray in the fast-path type test until a GPU call has been cached."""
+
+
+_FAST = {}           # _fast_key(...) -> _FastCall
+_FAST_MAX = 1024
+_fast_array_type = _NoArrayType
+_fast_get_device = None
+_fast_new = None     # cupy.ndarray: (shape, dtype) -> an uninitialized array on the current device
+_LSE_NP_DTYPE = np.dtype(_LSE_DTYPE)
+
+
+def _fast_key(q, k, v, causal, causal_align, window, softcap, scale, layout, device, allow_tf32):
+    """Flat hashable key of a call on CuPy q, k, v: everything validation and planning read
+    (types of the option values too, so 1, 1.0 and True differ). Raises TypeError for an
+    unhashable option value."""
+    return (q.shape, q.strides, q.dtype, q.data.device_id,
+            k.shape, k.strides, k.dtype, k.data.device_id,
+            v.shape, v.strides, v.dtype, v.data.device_id,
+            causal.__class__, causal, causal_align.__class__, causal_align,
+            None if window is None else _frozen(window),
+            softcap.__class__, softcap, scale.__class__, scale, layout.__class__, layout,
+            device.__class__, device, allow_tf32.__class__, allow_tf32)
+
+
+class _FastCall:
+    """One validated, planned GPU call signature: out [caller's layout] and lse [b, h, s_q]
+    allocated per call, the launcher's cached ``_Launch`` entry launched with their pointers."""
+
+    __slots__ = ("device_id", "entry", "out_shape", "dtype", "lse_shape")
+
+    def __init__(self, device_id, entry, out_shape, dtype, lse_shape):
+        self.device_id = device_id
+        self.entry = entry
+        self.out_shape = out_shape
+        self.dtype = dtype
+        self.lse_shape = lse_shape
+
+    def __call__(self, q, k, v):
+        out = _fast_new(self.out_shape, self.dtype)
+        lse = _fast_new(self.lse_shape, _LSE_NP_DTYPE)
+        self.entry.launch(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
+        return out, lse
+
+
+def _remember_fast(backend, qkv, options, qkv_bshd, out_user, dims, opts, layout):
+    """Cache the fast path of a GPU call that just ran on ``backend`` (the current device) with
+    the caller's ``qkv`` and ``options`` (_fast_key's order), when they are exact CuPy arrays and
+    the launch needs nothing per call but the pointers of q, k, v, out and lse."""
+    global _fast_array_type, _fast_get_device, _fast_new
+    cp = backend.xp
+    if any(type(x) is not cp.ndarray for x in qkv) or dims.empty or dims.seqlen_k == 0:
+        return
+    if opts.alibi_slopes is not None or opts.bias is not None or opts.mask is not None:
+        return
+    if any(x.shape[-1] > 1 and x.strides[-1] != x.itemsize for x in qkv_bshd):
+        return  # the full path copies these
+    try:
+        key = _fast_key(*qkv, *options)
+        if key in _FAST:
+            return
+    except TypeError:
+        return
+    out = out_user.transpose(0, 2, 1, 3) if layout == "bhsd" else out_user
+    entry = _gpu_module().cached_launch(*qkv_bshd, out, opts)
+    if entry is None:
+        return
+    _fast_array_type, _fast_get_device, _fast_new = cp.ndarray, cp.cuda.runtime.getDevice, cp.ndarray
+    if len(_FAST) >= _FAST_MAX:
+        _FAST.clear()
+    _FAST[key] = _FastCall(backend.device_id, entry, out_user.shape, qkv_bshd[0].dtype,
+                           (dims.batch, dims.heads, dims.seqlen_q))
+
+
 def _gpu_module():
     from . import _gpu  # imports CuPy: only on the GPU path
 
@@ -223,6 +305,16 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     """
     key = None
     if bias is None and mask is None and alibi_slopes is None:
+        t = _fast_array_type
+        if type(q) is t and type(k) is t and type(v) is t:
+            try:
+                fast = _FAST.get(_fast_key(q, k, v, causal, causal_align, window, softcap, scale,
+                                           layout, device, allow_tf32))
+            except TypeError:  # an unhashable option value: the full path judges it
+                fast = None
+            if fast is not None and fast.device_id == _fast_get_device():
+                out, lse = fast(q, k, v)
+                return (out, lse) if return_lse else out
         key = _signature((q, k, v), ("attention", causal, causal_align, window, softcap, scale,
                                      layout, device, allow_tf32))
     known = _CALLS.get(key) if key is not None else None
@@ -242,6 +334,10 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         out, lse = _forward_bshd(backend, qb, kb, vb, dims, opts, dtype, layout)
         if known is None and not (backend.on_host and backend.where == "gpu"):
             _remember(key, (backend, dims, opts))  # (host inputs on the GPU follow the current device)
+        if key is not None and backend.where == "gpu" and not backend.on_host:
+            _remember_fast(backend, (q, k, v), (causal, causal_align, window, softcap, scale,
+                                                layout, device, allow_tf32),
+                           (qb, kb, vb), out, dims, opts, layout)
         return (backend.give_back(out), backend.give_back(lse)) if return_lse else backend.give_back(out)
 
     if known is not None:

@@ -241,3 +241,139 @@ def test_failed_validation_is_not_cached(rng):
         with pytest.raises(ValueError, match="^softcap: got"):
             cf.attention(q, k, v, softcap=-1.0, device="cpu")
     assert not api._CALLS
+
+
+# ---- the GPU fast path's key (pure: stand-in arrays) ---------------------------------------------
+
+def _stand_in(shape=(2, 13, 4, 24), strides=None, dtype=np.float16, device_id=0):
+    """Just what _fast_key reads of a CuPy array: shape, strides, dtype, data.device_id."""
+    from types import SimpleNamespace
+
+    dt = np.dtype(dtype)
+    if strides is None:
+        strides = tuple(int(s) for s in np.empty(shape, dt).strides)
+    return SimpleNamespace(shape=shape, strides=strides, dtype=dt,
+                           data=SimpleNamespace(device_id=device_id))
+
+
+_BASE_OPTIONS = dict(causal=True, causal_align="bottom_right", window=(3, 2), softcap=None,
+                     scale=0.5, layout="bshd", device="auto", allow_tf32=False)
+
+
+def _key_of(q=None, k=None, v=None, **changes):
+    from cupyflash import api
+
+    opts = {**_BASE_OPTIONS, **changes}
+    return api._fast_key(q or _stand_in(), k or _stand_in(), v or _stand_in(), **opts)
+
+
+@pytest.mark.parametrize("change", [
+    dict(q=_stand_in(strides=(2 * 13 * 4 * 48, 4 * 48, 48, 2))),     # a view of a wider buffer
+    dict(k=_stand_in(dtype=ml_dtypes.bfloat16)),
+    dict(v=_stand_in(device_id=1)),
+    dict(q=_stand_in(shape=(2, 14, 4, 24))),
+    dict(causal=1), dict(causal=np.bool_(True)),
+    dict(window=(True, 2)), dict(window=(3.0, 2)), dict(window=[3, 2]), dict(window=None),
+    dict(softcap=0), dict(softcap=0.0),
+    dict(scale=1), dict(scale=np.float32(0.5)),
+    dict(layout="bhsd"), dict(device="gpu"), dict(allow_tf32=0), dict(causal_align="top_left"),
+], ids=["q-strides", "k-dtype", "v-device", "q-shape", "causal-int", "causal-npbool",
+        "window-bool", "window-float", "window-list", "window-none", "softcap-int0",
+        "softcap-float0", "scale-int", "scale-f32", "layout", "device", "tf32-int", "align"])
+def test_fast_key_tells_apart_everything_validation_reads(change):
+    base = _key_of()
+    other = _key_of(**change)
+    assert hash(base) is not None and hash(other) is not None
+    assert other != base
+    assert _key_of() == base  # and is a pure function of its inputs
+
+
+def test_fast_key_of_an_unhashable_option_raises_type_error():
+    with pytest.raises(TypeError):
+        hash(_key_of(scale=np.array(0.5)))
+
+
+class _FakeDeviceArray:
+    """A stand-in for cupy.ndarray: shape, strides, dtype, itemsize, data.ptr / device_id."""
+
+    _next_ptr = [1 << 30]
+
+    def __init__(self, shape, dtype, strides=None, device_id=0):
+        from types import SimpleNamespace
+
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.itemsize = self.dtype.itemsize
+        self.strides = strides or tuple(int(s) for s in np.empty(shape, self.dtype).strides)
+        self._next_ptr[0] += 1 << 20
+        self.data = SimpleNamespace(ptr=self._next_ptr[0], device_id=device_id)
+
+
+def test_fast_path_wiring_with_stand_ins(monkeypatch):
+    """The API's fast path on stand-in device arrays: a cached signature allocates out and lse
+    with the planned shapes and launches with their pointers; any other current device or option
+    value takes the full path."""
+    from types import SimpleNamespace
+
+    from cupyflash import api
+
+    launched, current = [], [0]
+    entry = SimpleNamespace(launch=lambda *ptrs: launched.append(ptrs))
+    monkeypatch.setattr(api, "_gpu_module", lambda: SimpleNamespace(cached_launch=lambda *a: entry))
+    for name in ("_FAST", "_fast_array_type", "_fast_get_device", "_fast_new"):
+        monkeypatch.setattr(api, name, getattr(api, name))  # restored after the test
+    monkeypatch.setattr(api, "_FAST", {})
+    xp = SimpleNamespace(ndarray=_FakeDeviceArray,
+                         cuda=SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: current[0])))
+    full_path = []
+    monkeypatch.setattr(api, "_run", lambda *a, **kw: full_path.append(1) or "full")
+
+    b, sq, sk, h, hk, d = 2, 7, 11, 4, 2, 24
+    q = _FakeDeviceArray((b, sq, h, d), np.float16)
+    k, v = (_FakeDeviceArray((b, sk, hk, d), np.float16) for _ in range(2))
+    options = dict(causal=True, causal_align="bottom_right", window=None, softcap=None,
+                   scale=None, layout="bshd", device="auto", allow_tf32=False)
+    dims = api.ck.Dims(b, sq, sk, h, hk, d, d)
+    opts = api.ck.make_options(dims, np, causal=True)
+    out_user = _FakeDeviceArray((b, sq, h, d), np.float16)
+    api._remember_fast(SimpleNamespace(xp=xp, device_id=0), (q, k, v), tuple(options.values()),
+                       (q, k, v), out_user, dims, opts, "bshd")
+    assert len(api._FAST) == 1
+
+    out, lse = cf.attention(q, k, v, return_lse=True, **options)
+    assert launched[-1] == (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
+    assert out.shape == (b, sq, h, d) and out.dtype == np.float16
+    assert lse.shape == (b, h, sq) and lse.dtype == np.float32
+    single = cf.attention(q, k, v, **options)
+    assert isinstance(single, _FakeDeviceArray) and len(launched) == 2 and not full_path
+    current[0] = 1   # the arrays live on device 0: the full path switches to it
+    assert cf.attention(q, k, v, **options) == "full" and len(launched) == 2
+    current[0] = 0
+    assert cf.attention(q, k, v, **{**options, "causal": 1}) == "full"
+    assert cf.attention(q, k, v, **{**options, "scale": np.array(0.5)}) == "full"
+    q_strided = _FakeDeviceArray(q.shape, q.dtype, strides=(4096, 512, 64, 2))
+    assert cf.attention(q_strided, k, v, **options) == "full"
+    assert len(full_path) == 4 and len(launched) == 2
+
+
+def test_fast_path_is_not_cached_where_a_launch_needs_more_than_pointers():
+    from types import SimpleNamespace
+
+    from cupyflash import api
+
+    xp = SimpleNamespace(ndarray=_FakeDeviceArray)
+    backend = SimpleNamespace(xp=xp, device_id=0)
+    q = _FakeDeviceArray((1, 5, 2, 8), np.float16)
+    kv = _FakeDeviceArray((1, 5, 2, 8), np.float16)
+    v_gap = _FakeDeviceArray((1, 5, 2, 8), np.float16, strides=(320, 64, 32, 4))  # copied per call
+    opts_list = (False, "bottom_right", None, None, None, "bshd", "auto", False)
+    dims = api.ck.Dims(1, 5, 5, 2, 2, 8, 8)
+    alibi = api.ck.make_options(dims, np, alibi_slopes=np.ones(2))
+    plain = api.ck.make_options(dims, np)
+    before = dict(api._FAST)
+    api._remember_fast(backend, (q, kv, v_gap), opts_list, (q, kv, v_gap), q, dims, plain, "bshd")
+    api._remember_fast(backend, (q, kv, kv), opts_list, (q, kv, kv), q, dims, alibi, "bshd")
+    api._remember_fast(backend, (q, kv, kv), opts_list, (q, kv, kv), q,
+                       api.ck.Dims(1, 5, 0, 2, 2, 8, 8), plain, "bshd")
+    api._remember_fast(backend, (np.empty(q.shape), kv, kv), opts_list, (q, kv, kv), q, dims,
+                       plain, "bshd")
+    assert api._FAST == before

@@ -148,3 +148,171 @@ def test_arrays_on_two_gpus_are_refused(rng, cp):
         kd, vd = cp.asarray(k), cp.asarray(v)
     with pytest.raises(ValueError, match="^k: got an array on GPU 1"):
         cf.attention(qd, kd, vd)
+
+
+# ---- the fast path of a repeated call on CuPy arrays --------------------------------------------
+
+def _no_full_path(monkeypatch):
+    """From here on attention() may only take the fast path (the full path raises)."""
+    from cupyflash import api
+
+    def full_path(*args, **kwargs):
+        raise AssertionError("the full path ran: the fast path was expected")
+
+    monkeypatch.setattr(api, "_run", full_path)
+    monkeypatch.setattr(api, "_on_device", full_path)
+
+
+FAST_CASES = {  # (b, sq, sk, h, hk, d, dtype, options)
+    "bshd-bf16": (2, 37, 53, 4, 2, 64, BF16, {}),
+    "bhsd-fp16-causal-lse": (2, 41, 29, 4, 1, 64, np.float16,
+                             dict(layout="bhsd", causal=True, return_lse=True)),
+    "fp32-odd-headdim-window": (1, 31, 67, 3, 3, 17, np.float32, dict(window=(7, 3))),
+    "seqlen1": (3, 1, 1, 2, 2, 32, np.float16, dict(return_lse=True)),
+    "rows-without-keys": (1, 23, 5, 2, 1, 40, BF16, dict(causal=True, return_lse=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(FAST_CASES))
+def test_repeated_call_takes_the_fast_path_and_stays_correct(rng, cp, monkeypatch, case):
+    from cupyflash import api
+
+    b, sq, sk, h, hk, d, dtype, options = FAST_CASES[case]
+    bhsd = options.get("layout") == "bhsd"
+    to_user = (lambda x: np.ascontiguousarray(x.transpose(0, 2, 1, 3))) if bhsd else (lambda x: x)
+    api._FAST.clear()
+    for call in range(3):  # fresh inputs each call: a stale output from the pool cannot pass
+        if call == 1:
+            assert len(api._FAST) == 1, "the first call did not cache its fast path"
+            _no_full_path(monkeypatch)
+        q, k, v = _qkv(rng, b=b, sq=sq, sk=sk, h=h, hk=hk, d=d, dtype=dtype)
+        res = cf.attention(*(cp.asarray(to_user(x)) for x in (q, k, v)), **options)
+        out, lse = res if options.get("return_lse") else (res, None)
+        assert isinstance(out, cp.ndarray) and out.dtype == np.dtype(dtype)
+        assert out.shape == to_user(q).shape and out.flags.c_contiguous
+        causal = options.get("causal", False)
+        ref, lse_ref = reference.attention(q, k, v, causal=causal, window=options.get("window"),
+                                           return_lse=True)
+        got = cp.asnumpy(out)
+        assert not np.isnan(got.astype(np.float64)).any()
+        _close(got, to_user(ref), dtype)
+        if lse is not None:
+            assert lse.shape == (b, h, sq) and lse.dtype == np.float32
+            got_lse = cp.asnumpy(lse)
+            np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(lse_ref))
+            live = np.isfinite(lse_ref)
+            np.testing.assert_allclose(got_lse[live], lse_ref[live], rtol=1e-3, atol=1e-3)
+    assert len(api._FAST) == 1
+
+
+def test_changed_strides_dtype_or_options_take_their_own_signature(rng, cp):
+    from cupyflash import api
+
+    api._FAST.clear()
+    q, k, v = _qkv(rng)
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    _close(cp.asnumpy(cf.attention(qd, kd, vd)), reference.attention(q, k, v), BF16)
+    # same shapes, other strides: heads 0..3 of an 8-head buffer
+    wide = cp.asarray(rng.standard_normal((2, 37, 8, 64)).astype(BF16))
+    qw = wide[:, :, :4]
+    _close(cp.asnumpy(cf.attention(qw, kd, vd)),
+           reference.attention(cp.asnumpy(qw), k, v), BF16)
+    # another dtype, another option value
+    q16, k16, v16 = (x.astype(np.float16) for x in (q, k, v))
+    _close(cp.asnumpy(cf.attention(*(cp.asarray(x) for x in (q16, k16, v16)))),
+           reference.attention(q16, k16, v16), np.float16)
+    _close(cp.asnumpy(cf.attention(qd, kd, vd, causal=True)),
+           reference.attention(q, k, v, causal=True), BF16)
+    assert len(api._FAST) == 4
+    # a last dimension that is not contiguous is copied per call: no fast entry, still right
+    vs = cp.asarray(np.concatenate([v, v], axis=-1))[..., ::2]
+    for _ in range(2):
+        _close(cp.asnumpy(cf.attention(qd, kd, vs)),
+               reference.attention(q, k, cp.asnumpy(vs)), BF16)
+    assert len(api._FAST) == 4
+
+
+@pytest.mark.parametrize("bad, exc, name", [
+    (dict(window=(True, 2)), ValueError, "window"),
+    (dict(causal=1), TypeError, "causal"),
+    (dict(layout="nope"), ValueError, "layout"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(scale="0.5"), TypeError, "scale"),
+    (dict(scale=np.array(0.5)), TypeError, "scale"),   # unhashable: the fast key cannot be built
+    (dict(allow_tf32=1), TypeError, "allow_tf32"),
+    (dict(device="tpu"), ValueError, "device"),
+], ids=["window-bool", "causal-int", "layout", "softcap-negative", "scale-str", "scale-array",
+        "tf32-int", "device"])
+def test_fast_path_does_not_let_a_bad_option_through(rng, cp, bad, exc, name):
+    q, k, v = (cp.asarray(x) for x in _qkv(rng))
+    good = dict(window=(1, 2), causal=True, layout="bshd", scale=0.5)
+    cf.attention(q, k, v, **good)
+    cf.attention(q, k, v, **good)  # the fast path now
+    with pytest.raises(exc, match=f"^{name}: got"):
+        cf.attention(q, k, v, **{**good, **bad})
+
+
+_SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }   // hold the stream so later work must wait for it
+}
+"""
+
+
+def test_fast_path_launches_on_the_current_stream(rng, cp, monkeypatch):
+    """On a non-blocking stream: spin, overwrite q, attention. A launch on any other stream
+    would read q before the overwrite (the legacy stream does not wait for this one)."""
+    q, k, v = _qkv(rng)
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    cf.attention(qd, kd, vd)          # cache the fast path
+    q2 = _qkv(rng)[0]
+    q2d = cp.asarray(q2)
+    spin = cp.RawKernel(_SPIN, "spin")
+    cp.cuda.Device().synchronize()
+    _no_full_path(monkeypatch)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        spin((1,), (1,), (np.int64(200_000_000),))   # ~0.1 s
+        qd[...] = q2d
+        out = cf.attention(qd, kd, vd)
+    stream.synchronize()
+    _close(cp.asnumpy(out), reference.attention(q2, k, v), BF16)
+
+
+def test_fast_path_from_many_threads(rng, cp):
+    """Threads share one cached Params record: each call's pointers and launch stay paired."""
+    import threading
+
+    host = [_qkv(rng, b=1, sq=64, sk=96, h=2, hk=1, d=64, dtype=np.float16) for _ in range(8)]
+    dev = [tuple(cp.asarray(x) for x in t) for t in host]
+    cf.attention(*dev[0])
+    results = [None] * len(dev)
+
+    def work(i):
+        outs = [cf.attention(*dev[i]) for _ in range(25)]
+        cp.cuda.get_current_stream().synchronize()
+        results[i] = outs
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(dev))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (q, k, v), outs in zip(host, results):
+        ref = reference.attention(q, k, v)
+        for out in outs:
+            _close(cp.asnumpy(out), ref, np.float16)
+
+
+def test_fast_path_follows_the_arrays_device(rng, cp):
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    q, k, v = _qkv(rng)
+    with cp.cuda.Device(1):
+        qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+        cf.attention(qd, kd, vd)       # cached on device 1
+    with cp.cuda.Device(0):
+        out = cf.attention(qd, kd, vd)  # current device 0: the full path switches to 1
+    assert out.device.id == 1
+    _close(cp.asnumpy(out), reference.attention(q, k, v), BF16)

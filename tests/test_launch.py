@@ -1,0 +1,130 @@
+"""The launcher's per-call writes into its cached Params record (no GPU: a stand-in kernel).
+
+A launch writes the pointers of q, k, v, out, lse (and ALiBi) and the alignment flag into the
+record of its shape signature and passes the record's bytes by value; everything else in the
+record was planned once and must come through unchanged.
+"""
+import numpy as np
+import pytest
+
+from cupyflash import _plan
+
+pytest.importorskip("cupy")  # _gpu imports CuPy (no device needed to build a record)
+
+
+def _entry(strides_ok=True, **plan_kw):
+    from cupyflash import _gpu
+
+    plan = _plan.plan_forward("bfloat16", 2, 37, 53, 4, 2, 64, 64, scale=0.125, **plan_kw)
+    seen = []
+
+    def kernel(grid, block, args, shared_mem=0):  # reads the argument bytes at launch time
+        (arg,) = args
+        ptr = getattr(arg, "ptr", None)
+        assert ptr == ent.arr.ctypes.data, "the argument must point at the record's bytes"
+        seen.append((grid, block, shared_mem, ent.arr.copy()[0]))
+
+    ent = _gpu._Launch(kernel, plan, strides_ok)
+    return ent, plan, seen
+
+
+def _pointers(rng, n, align=256):
+    return [int(x) * align for x in rng.integers(1 << 20, 1 << 36, n)]
+
+
+def test_launch_writes_the_call_pointers_and_keeps_the_plan(rng):
+    ent, plan, seen = _entry()
+    planned = plan.params.copy()
+    qp, kp, vp, op, lp = _pointers(rng, 5)
+    ent.launch(qp, kp, vp, op, lp)
+    grid, block, smem, rec = seen[-1]
+    assert (grid, block, smem) == (plan.grid, plan.block, plan.smem)
+    assert [int(rec[n]) for n in ("q", "k", "v", "o", "lse", "alibi")] == [qp, kp, vp, op, lp, 0]
+    assert rec["vec_ok"] == 1
+    for name in _plan.PARAMS_DTYPE.names:
+        if name not in ("q", "k", "v", "o", "lse", "alibi", "vec_ok"):
+            assert np.array_equal(rec[name], planned[name]), name
+
+
+@pytest.mark.parametrize("misaligned", ["q", "k", "v", "o"])
+def test_launch_clears_vec_ok_for_an_unaligned_pointer(rng, misaligned):
+    ent, _, seen = _entry()
+    ptrs = dict(zip("qkvol", _pointers(rng, 5)))
+    ptrs[misaligned] += 2  # one 16-bit element off a 16-byte boundary
+    ent.launch(*ptrs.values())
+    assert seen[-1][3]["vec_ok"] == 0
+    ent.launch(*_pointers(rng, 5))  # the next aligned call sets it again
+    assert seen[-1][3]["vec_ok"] == 1
+
+
+def test_launch_keeps_vec_ok_off_when_strides_are_unaligned(rng):
+    ent, _, seen = _entry(strides_ok=False)
+    ent.launch(*_pointers(rng, 5))
+    assert seen[-1][3]["vec_ok"] == 0
+
+
+def test_launch_writes_alibi_pointer_and_batch_stride(rng):
+    ent, _, seen = _entry(has_alibi=True)
+    ptrs = _pointers(rng, 6)
+    ent.launch(*ptrs[:5], ptrs[5], 4)
+    rec = seen[-1][3]
+    assert int(rec["alibi"]) == ptrs[5] and rec["alibi_stride_b"] == 4
+    assert [int(rec[n]) for n in ("q", "k", "v", "o", "lse")] == ptrs[:5]
+
+
+def _sm90_entry(monkeypatch):
+    """A Hopper launch entry over stand-ins: the kernels record their Params bytes, and the TMA
+    encoder returns a descriptor that spells out its inputs."""
+    from cupyflash import _gpu, _modules, _tma
+
+    shape, strides = (2, 300, 4, 128), (153600, 512, 128, 1)
+    plan = _plan.plan_forward_sm90("bfloat16", 2, 300, 300, 4, 4, 128, 128, scale=0.1)
+    portable = _plan.plan_forward("bfloat16", 2, 300, 300, 4, 4, 128, 128, scale=0.1)
+    for p_ in (plan, portable):
+        _gpu._write_strides(p_.params, [strides] * 4)
+    seen = []
+
+    def kernel_of(name):
+        def kernel(grid, block, args, shared_mem=0):
+            seen.append((name, np.frombuffer(
+                bytes((__import__("ctypes").c_char * _plan.PARAMS_NBYTES).from_address(args[0].ptr)),
+                _plan.PARAMS_DTYPE)[0]))
+        return kernel
+
+    monkeypatch.setattr(_tma, "encode", lambda dt, ptr, dims, st, box: np.array(
+        [ptr, *dims, *st, *box] + [0] * 4, np.uint64))
+    monkeypatch.setattr(_modules, "get_function", lambda variant, dev, extra=(): kernel_of("portable"))
+    maps = tuple(_plan.tma_tensor(shape, strides, 2, rows) for rows in (128, 128, 128))
+    ent = _gpu._Sm90Launch(kernel_of("sm90"), plan, "bfloat16", maps, portable, True, 0)
+    return ent, plan, seen
+
+
+def test_sm90_launch_writes_descriptors_per_pointer_tuple(rng, monkeypatch):
+    ent, plan, seen = _sm90_entry(monkeypatch)
+    ptrs = _pointers(rng, 5)
+    assert ent.launch(*ptrs) == plan.variant.name
+    name, rec = seen[-1]
+    assert name == "sm90"
+    assert [int(rec[n]) for n in ("q", "k", "v", "o", "lse")] == ptrs
+    for field, ptr, (dims, st, box) in zip(_plan.PARAMS_TMA_FIELDS, ptrs, ent.maps):
+        assert list(rec[field][:12]) == [ptr, *dims, *st, *box]
+    assert rec["s_q"] == 300 and rec["num_m_blocks"] == 3      # the plan came through
+    ent.launch(*ptrs)                                           # the same buffers: a cached record
+    assert len(ent.records) == 1 and seen[-1][1].tobytes() == rec.tobytes()
+    other = _pointers(rng, 5)
+    ent.launch(*other)
+    assert len(ent.records) == 2 and int(seen[-1][1]["q"]) == other[0]
+    assert int(ent.records[tuple(ptrs)][1][0]["q"]) == ptrs[0]   # earlier record untouched
+
+
+@pytest.mark.parametrize("which,offset", [("q", 2), ("k", 8), ("v", 2), ("o", 2)])
+def test_sm90_launch_falls_back_for_unaligned_bases(rng, monkeypatch, which, offset):
+    ent, _, seen = _sm90_entry(monkeypatch)
+    ptrs = dict(zip("qkvol", _pointers(rng, 5)))
+    ptrs[which] += offset
+    name = ent.launch(*ptrs.values())
+    if which == "o" and offset % 4 == 0:
+        assert seen[-1][0] == "sm90"
+    else:
+        assert seen[-1][0] == "portable" and name.startswith("fwd_bf16_d128")
+        assert [int(seen[-1][1][n]) for n in "qkvo"] == [ptrs[c] for c in "qkvo"]
