@@ -28,7 +28,7 @@ _DTYPE_NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32"
 if _BF16 is not None:
     _DTYPE_NAMES[_BF16] = "bfloat16"
 
-_device_info = {}   # device id -> (compute capability int, smem opt-in bytes)
+_device_info = {}   # device id -> (compute capability int, smem opt-in bytes, SM count)
 _launch_cache = {}  # shape signature -> _Launch
 _LAUNCH_CACHE_MAX = 4096
 _record_lock = threading.Lock()
@@ -135,7 +135,7 @@ def _info(dev_id):
         dev = cupy.cuda.Device(dev_id)
         cc = int(dev.compute_capability)
         smem = int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
-        info = _device_info[dev_id] = (cc, smem)
+        info = _device_info[dev_id] = (cc, smem, int(dev.attributes["MultiProcessorCount"]))
     return info
 
 
@@ -169,7 +169,7 @@ def _sm90_variant_by_name(name):
 
 
 def _build(key, q, k, v, out, lse, opts, kernel, dev_id):
-    cc, smem = _info(dev_id)
+    cc, smem, _ = _info(dev_id)
     if cc < 80:
         raise NotImplementedError(
             f"GPU forward needs compute capability 8.0 or newer (mma.sync bf16/tf32); device "
@@ -245,7 +245,7 @@ def _build_sm90(q, k, v, opts, kernel, dev_id, dtype_name, elem_strides, portabl
         dtype_name, b, s_q, s_k, h, h_k, d, v.shape[3], scale=float(opts.scale),
         window_left=int(opts.window_left), window_right=int(opts.window_right),
         bottom_right=bool(opts.bottom_right), softcap=float(opts.softcap or 0.0),
-        variant=forced)
+        num_sms=_info(dev_id)[2], variant=forced)
     _write_strides(plan.params, elem_strides)
     bn = plan.variant.bn
     maps = tuple(_plan.tma_tensor(a.shape, st, 2, rows)

@@ -299,7 +299,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None) -> str:
                 a.fill(0)
         return "empty"
     dev_id = cupy.cuda.runtime.getDevice()
-    cc, smem = _gpu._info(dev_id)
+    cc, smem, _ = _gpu._info(dev_id)
     if cc < 80:
         raise NotImplementedError(
             f"GPU backward needs compute capability 8.0 or newer; device {dev_id} is sm_{cc}")

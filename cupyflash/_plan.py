@@ -299,7 +299,7 @@ class Sm90Variant(NamedTuple):
 def sm90_smem_bytes(d: int, bn: int, stages: int) -> int:
     """Mirrors sm90::Layout in fwd_sm90.cu: Q [128, d], K and V [stages, bn, d] (16-bit), the
     mbarriers, and 1024 bytes of slack to align the swizzled panels."""
-    return 2 * d * (SM90_BM + 2 * stages * bn) + 8 * (1 + 3 * stages) + 1024
+    return 2 * d * (SM90_BM + 2 * stages * bn) + 8 * (2 + 3 * stages) + 1024
 
 
 def sm90_variants():
@@ -362,9 +362,10 @@ def sm90_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap
 
 def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, d: int,
                       d_v: int, *, scale: float, window_left: int = -1, window_right: int = -1,
-                      bottom_right: bool = True, softcap: float = 0.0,
+                      bottom_right: bool = True, softcap: float = 0.0, num_sms: int = 132,
                       variant: Optional[Sm90Variant] = None) -> Plan:
-    """Plan the Hopper kernel for a call that sm90_unsupported() accepted."""
+    """Plan the Hopper kernel for a call that sm90_unsupported() accepted: a persistent grid of
+    min(work tiles, num_sms) blocks walking ceil(s_q / 128) x h x b work tiles."""
     if h % h_k:
         raise ValueError(f"heads {h} is not a multiple of heads_k {h_k}")
     if min(b, s_q, s_k, h, h_k, d, d_v) < 1:
@@ -376,9 +377,12 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
     elif variant.elem != elem or variant.d != d or d_v != d or (window and not variant.window) \
             or (softcap > 0) != variant.softcap:
         raise ValueError(f"kernel {variant.name} cannot compute this problem")
-    prm, grid = _sizes_and_scalars(SM90_BM, b, s_q, s_k, h, h_k, d, d_v, scale, window_left,
-                                   window_right, bottom_right, softcap)
-    return Plan(variant, grid, (SM90_THREADS, 1, 1), variant.smem_bytes, prm)
+    prm, (num_m, _, _) = _sizes_and_scalars(SM90_BM, b, s_q, s_k, h, h_k, d, d_v, scale,
+                                            window_left, window_right, bottom_right, softcap)
+    work = num_m * h * b
+    if work > 2**31 - 1:
+        raise NotImplementedError(f"{work} work tiles exceed the kernel's int32 tile index")
+    return Plan(variant, (min(work, num_sms), 1, 1), (SM90_THREADS, 1, 1), variant.smem_bytes, prm)
 
 
 def vec_ok(ptrs, strides, itemsize: int) -> bool:

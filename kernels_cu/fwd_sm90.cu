@@ -3,8 +3,9 @@
 //   O = softmax(scale · Q Kᵀ) V per (batch, head), computed 128 query rows x BN keys at a time with
 //   the online-softmax recurrence (running max m, denominator l, O rescaled, one final O / l).
 //
-// Block of 384 threads = three warpgroups (grid: query tile, head, batch):
-//   warpgroup 0, producer: one thread issues TMA copies of the Q tile once and of K / V tiles
+// Persistent blocks of 384 threads (one per SM) walk the work tiles (query tile, head, batch);
+// each block = three warpgroups:
+//   warpgroup 0, producer: one thread issues TMA copies of each Q tile and of its K / V tiles
 //     into a STAGES-deep ring of shared-memory buffers (K and V on separate mbarriers, so S = Q Kᵀ
 //     starts before V has landed); it keeps 24 registers (setmaxnreg), giving the rest to
 //   warpgroups 1 and 2, consumers: 64 query rows each. Per key tile: S = Q Kᵀ (wgmma, both
@@ -44,12 +45,43 @@ struct Layout {
     static constexpr int Q = 0;                              // q_smem [PANELS][BM][64]
     static constexpr int K = Q + PANELS * Q_PANEL;           // k_smem [STAGES][PANELS][BN][64]
     static constexpr int V = K + STAGES * KV_TILE;           // v_smem [STAGES][PANELS][BN][64]
-    static constexpr int BARS = V + STAGES * KV_TILE;        // q_full, k_full[S], v_full[S], kv_empty[S]
-    static constexpr int BYTES = BARS + 8 * (1 + 3 * STAGES);
+    static constexpr int BARS = V + STAGES * KV_TILE;        // q_full, q_empty, k_full[S], v_full[S], kv_empty[S]
+    static constexpr int BYTES = BARS + 8 * (2 + 3 * STAGES);
 };
 
 }  // namespace sm90
 
+// One work tile = 128 query rows of one (batch, head): its index w runs m_block fastest (from the
+// last query tile down, so the longest causal tiles start first and neighbouring blocks share K/V
+// in L2), then head, then batch.
+struct WorkTile {
+    int m0, m_last, head, batch, kv_head;
+    int t_first, n_tiles;   // key tiles [t_first, t_first + n_tiles) meet the causal / window band
+};
+
+template <bool WINDOW, int BN>
+__device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
+    WorkTile wt;
+    const int m_block = p.num_m_blocks - 1 - w % p.num_m_blocks;
+    wt.head = (w / p.num_m_blocks) % p.h;
+    wt.batch = w / (p.num_m_blocks * p.h);
+    wt.kv_head = wt.head / p.h_per_hk;                       // GQA / MQA
+    wt.m0 = m_block * sm90::BM;
+    wt.m_last = min(wt.m0 + sm90::BM, p.s_q) - 1;
+    // Keys the tile can see: [n_lo, n_hi); key tiles wholly outside the band are never visited.
+    int n_lo = 0, n_hi = p.s_k;
+    if (WINDOW) {
+        n_lo = max(0, wt.m0 + p.diag_offset - p.window_left);
+        n_hi = min(p.s_k, wt.m_last + p.diag_offset + p.window_right + 1);
+    }
+    wt.t_first = n_lo / BN;
+    wt.n_tiles = n_hi > n_lo ? (n_hi + BN - 1) / BN - wt.t_first : 0;
+    return wt;
+}
+
+// Persistent kernel: gridDim.x blocks (at most one per SM) walk the work tiles w = blockIdx.x,
+// blockIdx.x + gridDim.x, ...; the K/V ring and the barrier phases run on across tiles, so the
+// producer loads the next tile's Q and first K/V tiles while the consumers finish the current one.
 template <typename E, int D, int BN, int STAGES, bool WINDOW, bool SOFTCAP>
 __global__ void __launch_bounds__(sm90::THREADS, 1)
 flash_fwd_sm90(const __grid_constant__ Params p) {
@@ -70,50 +102,22 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     const u32 smem = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 q_smem = smem + L::Q, k_smem = smem + L::K, v_smem = smem + L::V;
     const u32 q_full = smem + L::BARS;                 // Q tile landed
-    const u32 k_full = q_full + 8;                     // [STAGES]: K tile of the stage landed
+    const u32 q_empty = q_full + 8;                    // both consumers are done with the Q tile
+    const u32 k_full = q_empty + 8;                    // [STAGES]: K tile of the stage landed
     const u32 v_full = k_full + 8 * STAGES;            // [STAGES]: V tile landed
     const u32 kv_empty = v_full + 8 * STAGES;          // [STAGES]: both consumers are done with it
-
-    const int m_block = p.num_m_blocks - 1 - (int)blockIdx.x;   // longest causal tiles first
-    const int head = blockIdx.y, batch = blockIdx.z;
-    const int kv_head = head / p.h_per_hk;                       // GQA / MQA
-    const int m0 = m_block * BM;
-    const int m_last = min(m0 + BM, p.s_q) - 1;
-
-    // Keys this query tile can see: [n_lo, n_hi); tiles wholly outside the band are never visited.
-    int n_lo = 0, n_hi = p.s_k;
-    if (WINDOW) {
-        n_lo = max(0, m0 + p.diag_offset - p.window_left);
-        n_hi = min(p.s_k, m_last + p.diag_offset + p.window_right + 1);
-    }
-    const int t_first = n_lo / BN;
-    const int n_tiles = n_hi > n_lo ? (n_hi + BN - 1) / BN - t_first : 0;
+    const int num_work = p.num_m_blocks * p.h * p.b;
 
     const int wg = threadIdx.x / 128;      // 0 producer, 1 and 2 consumers
     const int t = threadIdx.x % 128;       // lane within the warpgroup
-    const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8
-    const int col_in_8 = 2 * (t % 4);                      // accumulator columns col_in_8, +1 (of 8)
-
-    float* lse_bh = p.lse + ((i64)batch * p.h + head) * p.s_q;                 // [s_q]
-    S* o_bh = (S*)p.o + batch * p.o_stride_b + head * p.o_stride_h;             // [s_q, d_v]
-
-    if (n_tiles == 0) {   // every row of this tile attends to nothing: out = 0, lse = -inf
-        if (wg > 0) {
-            for (int i = (wg - 1) * 128 + t; i < BM * D; i += 256) {
-                const int r = m0 + i / D;
-                if (r < p.s_q) o_bh[r * p.o_stride_s + i % D] = from_float<E>(0.f);
-            }
-            if (wg == 1 && m0 + t < p.s_q) lse_bh[m0 + t] = -CF_INF;
-        }
-        return;
-    }
 
     if (threadIdx.x == 0) {
-        mbar_init(q_full, 1);
+        mbar_init(q_full, 1);                  // the producer's expect_tx arrival (+ bytes)
+        mbar_init(q_empty, 2);                 // one arrival per consumer warpgroup
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(k_full + 8 * s, 1);      // the producer's expect_tx arrival (+ bytes)
+            mbar_init(k_full + 8 * s, 1);
             mbar_init(v_full + 8 * s, 1);
-            mbar_init(kv_empty + 8 * s, 2);    // one arrival per consumer warpgroup
+            mbar_init(kv_empty + 8 * s, 2);
         }
         mbar_fence_init();
     }
@@ -126,26 +130,34 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             tma_prefetch_desc(&p.tma_q);
             tma_prefetch_desc(&p.tma_k);
             tma_prefetch_desc(&p.tma_v);
-            // Q tile [BM, D], once
-            mbar_arrive_expect_tx(q_full, BM * D * 2);
-#pragma unroll
-            for (int c = 0; c < L::PANELS; ++c)
-                tma_load_4d(q_smem + c * L::Q_PANEL, &p.tma_q, q_full, c * PANEL_COLS, m0, head, batch);
-            // K, V tiles [BN, D], right to left through the band, STAGES buffers deep
-            for (int it = 0; it < n_tiles; ++it) {
-                const int n0 = (t_first + n_tiles - 1 - it) * BN;
-                const int s = it % STAGES;
-                if (it >= STAGES) mbar_wait(kv_empty + 8 * s, ((it / STAGES) - 1) & 1);  // buffer free
-                mbar_arrive_expect_tx(k_full + 8 * s, BN * D * 2);
+            int kv_it = 0, tile_i = 0;    // K/V loads and Q tiles issued so far (ring positions)
+            for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
+                const WorkTile wt = work_tile<WINDOW, BN>(p, w);
+                if (wt.n_tiles == 0) continue;                  // nothing to load
+                // Q tile [BM, D], once the consumers are done with the previous one
+                if (tile_i > 0) mbar_wait(q_empty, (tile_i - 1) & 1);
+                mbar_arrive_expect_tx(q_full, BM * D * 2);
 #pragma unroll
                 for (int c = 0; c < L::PANELS; ++c)
-                    tma_load_4d(k_smem + s * L::KV_TILE + c * L::KV_PANEL, &p.tma_k, k_full + 8 * s,
-                                c * PANEL_COLS, n0, kv_head, batch);
-                mbar_arrive_expect_tx(v_full + 8 * s, BN * D * 2);
+                    tma_load_4d(q_smem + c * L::Q_PANEL, &p.tma_q, q_full, c * PANEL_COLS, wt.m0,
+                                wt.head, wt.batch);
+                ++tile_i;
+                // K, V tiles [BN, D], right to left through the band, STAGES buffers deep
+                for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
+                    const int n0 = (wt.t_first + wt.n_tiles - 1 - it) * BN;
+                    const int s = kv_it % STAGES;
+                    if (kv_it >= STAGES) mbar_wait(kv_empty + 8 * s, ((kv_it / STAGES) - 1) & 1);
+                    mbar_arrive_expect_tx(k_full + 8 * s, BN * D * 2);
 #pragma unroll
-                for (int c = 0; c < L::PANELS; ++c)
-                    tma_load_4d(v_smem + s * L::KV_TILE + c * L::KV_PANEL, &p.tma_v, v_full + 8 * s,
-                                c * PANEL_COLS, n0, kv_head, batch);
+                    for (int c = 0; c < L::PANELS; ++c)
+                        tma_load_4d(k_smem + s * L::KV_TILE + c * L::KV_PANEL, &p.tma_k,
+                                    k_full + 8 * s, c * PANEL_COLS, n0, wt.kv_head, wt.batch);
+                    mbar_arrive_expect_tx(v_full + 8 * s, BN * D * 2);
+#pragma unroll
+                    for (int c = 0; c < L::PANELS; ++c)
+                        tma_load_4d(v_smem + s * L::KV_TILE + c * L::KV_PANEL, &p.tma_v,
+                                    v_full + 8 * s, c * PANEL_COLS, n0, wt.kv_head, wt.batch);
+                }
             }
         }
         return;
@@ -153,135 +165,159 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
 
     // ================================ consumers ================================
     regs_acquire<CONSUMER_REGS>();
-    const int cw = wg - 1;                       // consumer 0 or 1: query rows m0 + 64·cw ..
-    const int row0 = m0 + cw * 64 + row_in_wg;   // this lane's two rows: row0, row0 + 8
-    const float sl2 = SOFTCAP ? 1.f : p.scale_log2;   // score -> base-2 exponent factor
+    const int cw = wg - 1;                                 // consumer 0 or 1: rows 64·cw .. of a tile
+    const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8
+    const int col_in_8 = 2 * (t % 4);                      // accumulator columns col_in_8, +1 (of 8)
+    const float sl2 = SOFTCAP ? 1.f : p.scale_log2;       // score -> base-2 exponent factor
+    const u32 q_wg = q_smem + cw * 64 * 128;               // this warpgroup's 64 rows of each Q panel
 
-    float o_acc[NO];        // O [64, D] of this warpgroup, fp32
-#pragma unroll
-    for (int i = 0; i < NO; ++i) o_acc[i] = 0.f;
-    float m_run[2] = {-CF_INF, -CF_INF};   // running row max (raw scores; base-2 with softcap)
-    float l_run[2] = {0.f, 0.f};           // running denominators (this lane's columns only)
-
-    const u32 q_wg = q_smem + cw * 64 * 128;     // this warpgroup's 64 rows of each Q panel
-    mbar_wait(q_full, 0);
-    // Pingpong: consumer 0 takes the first turn (its own arrival + sync complete barrier 1).
+    // Pingpong: the two consumers take turns issuing their GEMMs (named barrier TURN_BAR + cw is
+    // "consumer cw's turn"). Consumer 0 takes the very first turn: its own arrival here plus its
+    // first sync complete barrier TURN_BAR; after that each turn is handed over explicitly.
     if (cw == 0) named_bar_arrive(TURN_BAR, 256);
-    named_bar_sync(TURN_BAR + cw, 256);
 
-    for (int it = 0; it < n_tiles; ++it) {
-        const int n0 = (t_first + n_tiles - 1 - it) * BN;
-        const int s = it % STAGES;
-        const u32 phase = (it / STAGES) & 1;
-        const u32 k_tile = k_smem + s * L::KV_TILE, v_tile = v_smem + s * L::KV_TILE;
+    int kv_it = 0, tile_i = 0;
+    for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
+        const WorkTile wt = work_tile<WINDOW, BN>(p, w);
+        const int row0 = wt.m0 + cw * 64 + row_in_wg;      // this lane's rows: row0, row0 + 8
+        float* lse_bh = p.lse + ((i64)wt.batch * p.h + wt.head) * p.s_q;                 // [s_q]
+        S* o_bh = (S*)p.o + wt.batch * p.o_stride_b + wt.head * p.o_stride_h;           // [s_q, d_v]
 
-        // ---- S = Q Kᵀ  [64, BN], fp32, k-steps of 16 columns through the D / 64 panels
-        float s_acc[NS];
-        mbar_wait(k_full + 8 * s, phase);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const u32 off = (kk % 4) * 32;    // 16 columns = 32 bytes within a 128-byte panel row
-            wgmma_ss<E, BN>(s_acc, smem_desc(q_wg + (kk / 4) * L::Q_PANEL + off, 16, 1024),
-                            smem_desc(k_tile + (kk / 4) * L::KV_PANEL + off, 16, 1024), kk > 0);
-        }
-        wgmma_commit();
-        named_bar_arrive(TURN_BAR + 1 - cw, 256);   // the other consumer may issue its GEMMs
-        wgmma_wait<0>();
-        fence_regs<NS>(s_acc);
-
-        // ---- softcap: s = c·tanh(scale·qk / c), kept in base-2 units (sl2 = 1)
-        if (SOFTCAP) {
-#pragma unroll
-            for (int i = 0; i < NS; ++i) s_acc[i] = p.softcap_post * tanh_fast(s_acc[i] * p.softcap_pre);
-        }
-        // ---- masks (only tiles that cross the ragged end or a band edge): key j kept when
-        //      j < s_k and diag(i) - left <= j <= diag(i) + right
-        bool need_mask = n0 + BN > p.s_k;
-        if (WINDOW)
-            need_mask |= n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
-                         n0 < m_last + p.diag_offset - p.window_left;
-        if (need_mask) {
-#pragma unroll
-            for (int i = 0; i < NS; ++i) {
-                const int j = n0 + (i / 4) * 8 + col_in_8 + (i % 2);
-                const int diag = row0 + ((i % 4) >= 2 ? 8 : 0) + p.diag_offset;
-                bool keep = j < p.s_k;
-                if (WINDOW) keep = keep && j <= diag + p.window_right && j >= diag - p.window_left;
-                if (!keep) s_acc[i] = -CF_INF;
+        if (wt.n_tiles == 0) {   // every row of this tile attends to nothing: out = 0, lse = -inf
+            for (int i = t; i < 64 * D; i += 128) {
+                const int r = wt.m0 + cw * 64 + i / D;
+                if (r < p.s_q) o_bh[r * p.o_stride_s + i % D] = from_float<E>(0.f);
             }
+            if (t < 64 && wt.m0 + cw * 64 + t < p.s_q) lse_bh[wt.m0 + cw * 64 + t] = -CF_INF;
+            continue;
         }
 
-        // ---- running max m (rows row0, row0 + 8: quad of 4 lanes per row)
-        float m_new[2] = {m_run[0], m_run[1]};
+        float o_acc[NO];        // O [64, D] of this warpgroup, fp32
 #pragma unroll
-        for (int i = 0; i < NS; i += 4) {
-            m_new[0] = fmaxf(m_new[0], fmaxf(s_acc[i], s_acc[i + 1]));
-            m_new[1] = fmaxf(m_new[1], fmaxf(s_acc[i + 2], s_acc[i + 3]));
-        }
-        float alpha[2], shift[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            m_new[r] = quad_max(m_new[r]);
-            // exponent shift m·scale·log2e; 0 while the row has seen no key (no inf - inf)
-            shift[r] = m_new[r] == -CF_INF ? 0.f : m_new[r] * sl2;
-            alpha[r] = fast_exp2(m_run[r] * sl2 - shift[r]);   // O, l rescale; 0 on the first key
-            m_run[r] = m_new[r];
-            l_run[r] *= alpha[r];
-        }
+        for (int i = 0; i < NO; ++i) o_acc[i] = 0.f;
+        float m_run[2] = {-CF_INF, -CF_INF};   // running row max (raw scores; base-2 with softcap)
+        float l_run[2] = {0.f, 0.f};           // running denominators (this lane's columns only)
 
-        // ---- P = exp2(s·scale·log2e − shift), denominator l, P packed to 16-bit A fragments
-        u32 p_frag[NS / 2];
-#pragma unroll
-        for (int i = 0; i < NS; i += 4) {
-            const float p0 = fast_exp2(s_acc[i] * sl2 - shift[0]);
-            const float p1 = fast_exp2(s_acc[i + 1] * sl2 - shift[0]);
-            const float p2 = fast_exp2(s_acc[i + 2] * sl2 - shift[1]);
-            const float p3 = fast_exp2(s_acc[i + 3] * sl2 - shift[1]);
-            l_run[0] += p0 + p1;
-            l_run[1] += p2 + p3;
-            p_frag[i / 2] = pack2<E>(p0, p1);
-            p_frag[i / 2 + 1] = pack2<E>(p2, p3);
-        }
-        // ---- O rescale by alpha (the previous O += P V has completed: waited below)
-#pragma unroll
-        for (int i = 0; i < NO; i += 4) {
-            o_acc[i] *= alpha[0];
-            o_acc[i + 1] *= alpha[0];
-            o_acc[i + 2] *= alpha[1];
-            o_acc[i + 3] *= alpha[1];
-        }
+        mbar_wait(q_full, tile_i & 1);
+        named_bar_sync(TURN_BAR + cw, 256);    // our turn on the tensor cores
 
-        // ---- O += P V  [64, D]: V read MN-major (LBO = bytes between 64-column panels)
-        mbar_wait(v_full + 8 * s, phase);
-        named_bar_sync(TURN_BAR + cw, 256);     // our turn on the tensor cores
-        fence_regs<NO>(o_acc);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)     // 16 keys = 16 rows of 128 bytes per k-step
-            wgmma_rs<E, D>(o_acc, p_frag + 4 * kk, smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024));
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs<NO>(o_acc);
-        if (t == 0) mbar_arrive(kv_empty + 8 * s);   // this warpgroup is done with stage s
-    }
-    named_bar_arrive(TURN_BAR + 1 - cw, 256);   // release the other consumer's last wait
+        for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
+            const int n0 = (wt.t_first + wt.n_tiles - 1 - it) * BN;
+            const int s = kv_it % STAGES;
+            const u32 phase = (kv_it / STAGES) & 1;
+            const u32 k_tile = k_smem + s * L::KV_TILE, v_tile = v_smem + s * L::KV_TILE;
 
-    // ---- final O / l and lse = (m·scale·log2e + log2 l)·ln 2; rows past s_q are not stored
+            // ---- S = Q Kᵀ  [64, BN], fp32, k-steps of 16 columns through the D / 64 panels
+            float s_acc[NS];
+            mbar_wait(k_full + 8 * s, phase);
+            wgmma_fence();
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(l_run[r]);
-        const int row = row0 + 8 * r;
-        const float inv_l = l > 0.f ? 1.f / l : 0.f;   // a row that saw no key: out = 0
-        if (row < p.s_q) {
-            S* o_row = o_bh + row * p.o_stride_s;
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const u32 off = (kk % 4) * 32;    // 16 columns = 32 bytes within a 128-byte panel row
+                wgmma_ss<E, BN>(s_acc, smem_desc(q_wg + (kk / 4) * L::Q_PANEL + off, 16, 1024),
+                                smem_desc(k_tile + (kk / 4) * L::KV_PANEL + off, 16, 1024), kk > 0);
+            }
+            wgmma_commit();
+            named_bar_arrive(TURN_BAR + 1 - cw, 256);   // the other consumer may issue its GEMMs
+            wgmma_wait<0>();
+            fence_regs<NS>(s_acc);
+            // the last S of the tile is done with Q: the producer may load the next tile's
+            if (it == wt.n_tiles - 1 && t == 0) mbar_arrive(q_empty);
+
+            // ---- softcap: s = c·tanh(scale·qk / c), kept in base-2 units (sl2 = 1)
+            if (SOFTCAP) {
+#pragma unroll
+                for (int i = 0; i < NS; ++i) s_acc[i] = p.softcap_post * tanh_fast(s_acc[i] * p.softcap_pre);
+            }
+            // ---- masks (only tiles that cross the ragged end or a band edge): key j kept when
+            //      j < s_k and diag(i) - left <= j <= diag(i) + right
+            bool need_mask = n0 + BN > p.s_k;
+            if (WINDOW)
+                need_mask |= n0 + BN - 1 > wt.m0 + p.diag_offset + p.window_right ||
+                             n0 < wt.m_last + p.diag_offset - p.window_left;
+            if (need_mask) {
+#pragma unroll
+                for (int i = 0; i < NS; ++i) {
+                    const int j = n0 + (i / 4) * 8 + col_in_8 + (i % 2);
+                    const int diag = row0 + ((i % 4) >= 2 ? 8 : 0) + p.diag_offset;
+                    bool keep = j < p.s_k;
+                    if (WINDOW) keep = keep && j <= diag + p.window_right && j >= diag - p.window_left;
+                    if (!keep) s_acc[i] = -CF_INF;
+                }
+            }
+
+            // ---- running max m (rows row0, row0 + 8: quad of 4 lanes per row)
+            float m_new[2] = {m_run[0], m_run[1]};
+#pragma unroll
+            for (int i = 0; i < NS; i += 4) {
+                m_new[0] = fmaxf(m_new[0], fmaxf(s_acc[i], s_acc[i + 1]));
+                m_new[1] = fmaxf(m_new[1], fmaxf(s_acc[i + 2], s_acc[i + 3]));
+            }
+            float alpha[2], shift[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                m_new[r] = quad_max(m_new[r]);
+                // exponent shift m·scale·log2e; 0 while the row has seen no key (no inf - inf)
+                shift[r] = m_new[r] == -CF_INF ? 0.f : m_new[r] * sl2;
+                alpha[r] = fast_exp2(m_run[r] * sl2 - shift[r]);   // O, l rescale; 0 on the first key
+                m_run[r] = m_new[r];
+                l_run[r] *= alpha[r];
+            }
+
+            // ---- P = exp2(s·scale·log2e − shift), denominator l, P packed to 16-bit A fragments
+            u32 p_frag[NS / 2];
+#pragma unroll
+            for (int i = 0; i < NS; i += 4) {
+                const float p0 = fast_exp2(s_acc[i] * sl2 - shift[0]);
+                const float p1 = fast_exp2(s_acc[i + 1] * sl2 - shift[0]);
+                const float p2 = fast_exp2(s_acc[i + 2] * sl2 - shift[1]);
+                const float p3 = fast_exp2(s_acc[i + 3] * sl2 - shift[1]);
+                l_run[0] += p0 + p1;
+                l_run[1] += p2 + p3;
+                p_frag[i / 2] = pack2<E>(p0, p1);
+                p_frag[i / 2 + 1] = pack2<E>(p2, p3);
+            }
+            // ---- O rescale by alpha (the previous O += P V has completed: waited below)
 #pragma unroll
             for (int i = 0; i < NO; i += 4) {
-                const int col = (i / 4) * 8 + col_in_8;
-                *(u32*)(o_row + col) = pack2<E>(o_acc[i + 2 * r] * inv_l, o_acc[i + 2 * r + 1] * inv_l);
+                o_acc[i] *= alpha[0];
+                o_acc[i + 1] *= alpha[0];
+                o_acc[i + 2] *= alpha[1];
+                o_acc[i + 3] *= alpha[1];
             }
-            if (t % 4 == 0)
-                lse_bh[row] = l > 0.f ? (m_run[r] * sl2 + log2f(l)) * CF_LN2 : -CF_INF;
+
+            // ---- O += P V  [64, D]: V read MN-major (LBO = bytes between 64-column panels)
+            mbar_wait(v_full + 8 * s, phase);
+            named_bar_sync(TURN_BAR + cw, 256);     // our turn on the tensor cores
+            fence_regs<NO>(o_acc);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk)     // 16 keys = 16 rows of 128 bytes per k-step
+                wgmma_rs<E, D>(o_acc, p_frag + 4 * kk, smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024));
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs<NO>(o_acc);
+            if (t == 0) mbar_arrive(kv_empty + 8 * s);   // this warpgroup is done with stage s
+        }
+        named_bar_arrive(TURN_BAR + 1 - cw, 256);   // hand the turn over for our epilogue
+        ++tile_i;
+
+        // ---- final O / l and lse = (m·scale·log2e + log2 l)·ln 2; rows past s_q are not stored
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float l = quad_sum(l_run[r]);
+            const int row = row0 + 8 * r;
+            const float inv_l = l > 0.f ? 1.f / l : 0.f;   // a row that saw no key: out = 0
+            if (row < p.s_q) {
+                S* o_row = o_bh + row * p.o_stride_s;
+#pragma unroll
+                for (int i = 0; i < NO; i += 4) {
+                    const int col = (i / 4) * 8 + col_in_8;
+                    *(u32*)(o_row + col) = pack2<E>(o_acc[i + 2 * r] * inv_l, o_acc[i + 2 * r + 1] * inv_l);
+                }
+                if (t % 4 == 0)
+                    lse_bh[row] = l > 0.f ? (m_run[r] * sl2 + log2f(l)) * CF_LN2 : -CF_INF;
+            }
         }
     }
 }

@@ -91,7 +91,10 @@ def test_plan_fills_params_and_grid():
                                    window_left=-1, window_right=0, softcap=0.0)
     v = plan.variant
     assert isinstance(v, _plan.Sm90Variant) and v.window and not v.softcap
-    assert plan.grid == (8, 8, 3) and plan.block == (384, 1, 1) and plan.smem == v.smem_bytes
+    # persistent grid: min(work tiles, SMs) blocks over 8 query tiles x 8 heads x 3 batches
+    assert plan.grid == (132, 1, 1) and plan.block == (384, 1, 1) and plan.smem == v.smem_bytes
+    small = _plan.plan_forward_sm90("bfloat16", 1, 200, 200, 2, 2, 64, 64, scale=0.1, num_sms=132)
+    assert small.grid == (4, 1, 1)
     prm = plan.params
     assert prm["h_per_hk"] == 4 and prm["diag_offset"] == 777 - 1000
     assert prm["window_right"] == 0 and prm["window_left"] == 1000 + 777
@@ -118,5 +121,5 @@ def test_wgmma_header_is_generated_and_current():
 def test_smem_layout_mirror():
     """sm90_smem_bytes mirrors sm90::Layout in fwd_sm90.cu (the kernel traps on a mismatch)."""
     src = (ROOT / "kernels_cu" / "fwd_sm90.cu").read_text()
-    assert "BARS + 8 * (1 + 3 * STAGES)" in src and "if (smem_given < L::BYTES + 1024) __trap();" in src
-    assert _plan.sm90_smem_bytes(128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 8 * 7 + 1024
+    assert "BARS + 8 * (2 + 3 * STAGES)" in src and "if (smem_given < L::BYTES + 1024) __trap();" in src
+    assert _plan.sm90_smem_bytes(128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 8 * 8 + 1024

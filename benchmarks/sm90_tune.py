@@ -1,0 +1,51 @@
+"""Time Hopper-kernel instantiations (tile width BN, ring depth STAGES) side by side on the FA
+benchmark shapes (bf16, batch·seqlen = 16k tokens, hidden 2048), each checked against the
+portable kernel first. For choosing _plan.SM90_TILES; run on a cc 9.0 GPU:
+
+    PYTHONPATH=. python benchmarks/sm90_tune.py [--seqlen 1024 4096 16384]
+"""
+import argparse
+import math
+
+import cupy as cp
+import ml_dtypes
+
+from cupyflash import _gpu, _plan
+from cupyflash._bench import time_ms
+from cupyflash._options import Options
+
+CANDIDATES = {64: [(128, 2), (128, 4), (192, 2)], 128: [(128, 2), (128, 3)], 256: [(64, 2)]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqlen", nargs="+", type=int, default=[1024, 4096, 16384])
+    ap.add_argument("--head-dim", nargs="+", type=int, default=sorted(CANDIDATES))
+    args = ap.parse_args()
+    for d in args.head_dim:
+        for s in args.seqlen:
+            b, h = max(1, 16384 // s), 2048 // d
+            q, k, v = (cp.random.standard_normal((b, s, h, d), dtype=cp.float32)
+                       .astype(ml_dtypes.bfloat16) for _ in range(3))
+            out = cp.empty_like(q)
+            lse = cp.empty((b, h, s), cp.float32)
+            for causal in (False, True):
+                opts = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1)
+                _gpu.forward(q, k, v, out, lse, opts, kernel="portable")
+                ref = out.astype(cp.float32)
+                cells = []
+                for bn, st in CANDIDATES[d]:
+                    var = _plan.Sm90Variant("bf16_t", d, bn, st, causal, False)
+                    out.fill(0)
+                    _gpu.forward(q, k, v, out, lse, opts, kernel=var)
+                    err = float(cp.abs(out.astype(cp.float32) - ref).max())
+                    ms = time_ms(lambda: _gpu.forward(q, k, v, out, lse, opts, kernel=var))
+                    tf = 4 * b * h * s * s * d / (2 if causal else 1) / ms / 1e9
+                    cells.append(f"{bn}x{st}: {tf:6.1f}{'' if err < 2e-2 else ' BAD %.1e' % err}")
+                print(f"d{d:3d} s{s:6d} causal={causal!s:5}  " + "  ".join(cells), flush=True)
+            del q, k, v, out
+            cp.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()
