@@ -88,6 +88,22 @@ class _Launch:
         return self.name
 
 
+_current_stream = cupy.cuda.get_current_stream
+_sched = {}   # (device id, stream handle) -> the Hopper kernel's work-tile counter
+
+
+def _sched_counter(dev_id, stream) -> int:
+    """Address of the zeroed uint32[2] work-tile counter of the Hopper kernel for launches on this
+    stream (one per stream: kernels running at once on two streams must not share one; each
+    launch leaves it zeroed for the next)."""
+    key = (dev_id, stream)
+    buf = _sched.get(key)
+    if buf is None:
+        buf = _sched[key] = cupy.zeros(2, cupy.uint32)
+        cupy.cuda.get_current_stream().synchronize()   # zeroed before any kernel reads it
+    return buf.data.ptr
+
+
 class _Sm90Launch(_Launch):
     """The Hopper kernel's entry. Its TMA descriptors bake in the base addresses, so finished
     Params records (pointers and descriptors written, then never changed: no lock needed) are
@@ -101,14 +117,15 @@ class _Sm90Launch(_Launch):
         super().__init__(fn, plan, True)
         self.dtype_name = dtype_name
         self.maps = maps                      # (dims, byte strides, box) of q, k, v
-        self.records = {}                     # (q, k, v, out, lse) pointers -> (args, record)
+        self.records = {}                     # (q, k, v, out, lse pointers, stream) -> (args, record)
         self.portable_plan = portable_plan
         self.portable_strides_ok = portable_strides_ok
         self.dev_id = dev_id
         self.portable = None
 
     def launch(self, qp, kp, vp, op, lp, alibi_ptr=0, alibi_stride_b=0) -> str:
-        ptrs = (qp, kp, vp, op, lp)
+        stream = _current_stream().ptr
+        ptrs = (qp, kp, vp, op, lp, stream)
         hit = self.records.get(ptrs)
         if hit is None:
             if (qp | kp | vp) % _plan.TMA_ALIGN or op % 4:   # TMA bases / paired output stores
@@ -121,6 +138,7 @@ class _Sm90Launch(_Launch):
             _PUT_PTRS(memoryview(arr.view(np.uint8)), 0, qp, kp, vp, op, lp, 0)
             for field, ptr, (dims, byte_strides, box) in zip(_plan.PARAMS_TMA_FIELDS, ptrs, self.maps):
                 arr[field][0] = _tma.encode(self.dtype_name, ptr, dims, byte_strides, box)
+            arr["sched"][0] = _sched_counter(self.dev_id, stream)
             hit = ((_CPointer(arr.ctypes.data) if _CPointer is not None else arr[0],), arr)
             if len(self.records) >= 64:       # many different buffers: start over
                 self.records.clear()

@@ -159,6 +159,8 @@ PARAMS_FIELDS = (
     + [("dq_accum_slab", np.int64)]
     + [(n, np.int32) for n in ("num_n_blocks", "bn", "deterministic")]
     + [("scale", np.float32)]
+    # Hopper forward only (kernels_cu/fwd_sm90.cu); then the TMA descriptors, see below
+    + [("sched", np.uint64)]
 )
 #: Hopper forward only: three 128-byte TMA descriptors (struct TmaDesc, 64-byte aligned).
 PARAMS_TMA_FIELDS = ("tma_q", "tma_k", "tma_v")
@@ -183,8 +185,7 @@ def _params_dtype() -> np.dtype:
 
 #: The structured dtype passed by value as the kernel's one argument (C alignment rules).
 PARAMS_DTYPE = _params_dtype()
-PARAMS_NBYTES = 448 + 3 * TMA_DESC_BYTES
-assert PARAMS_DTYPE.itemsize == PARAMS_NBYTES
+PARAMS_NBYTES = PARAMS_DTYPE.itemsize   # checked against sizeof(Params) when kernels compile
 
 LOG2E = 1.4426950408889634
 
@@ -299,7 +300,7 @@ class Sm90Variant(NamedTuple):
 def sm90_smem_bytes(d: int, bn: int, stages: int) -> int:
     """Mirrors sm90::Layout in fwd_sm90.cu: Q [128, d], K and V [stages, bn, d] (16-bit), the
     mbarriers, and 1024 bytes of slack to align the swizzled panels."""
-    return 2 * d * (SM90_BM + 2 * stages * bn) + 8 * (2 + 3 * stages) + 1024
+    return 2 * d * (SM90_BM + 2 * stages * bn) + 8 * (3 + 3 * stages) + 1024
 
 
 def sm90_variants():

@@ -29,9 +29,10 @@ namespace sm90 {
 
 constexpr int BM = 128;              // query rows per block: two consumer warpgroups x 64
 constexpr int THREADS = 384;
-constexpr int PRODUCER_REGS = 24;
-constexpr int CONSUMER_REGS = 240;   // 24·128 + 240·256 <= 64K registers per SM
+constexpr int PRODUCER_REGS = 40;
+constexpr int CONSUMER_REGS = 232;   // 40·128 + 232·256 <= 64K registers per SM
 constexpr int TURN_BAR = 1;          // named barriers 1, 2: consumer 0's / 1's turn on the tensor cores
+constexpr int WG_BAR = 3;            // named barriers 3, 4: the 128 threads of consumer 0 / 1
 constexpr int PANEL_COLS = 64;       // 64 16-bit columns = one 128-byte swizzle row
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
@@ -46,7 +47,8 @@ struct Layout {
     static constexpr int K = Q + PANELS * Q_PANEL;           // k_smem [STAGES][PANELS][BN][64]
     static constexpr int V = K + STAGES * KV_TILE;           // v_smem [STAGES][PANELS][BN][64]
     static constexpr int BARS = V + STAGES * KV_TILE;        // q_full, q_empty, k_full[S], v_full[S], kv_empty[S]
-    static constexpr int BYTES = BARS + 8 * (2 + 3 * STAGES);
+    static constexpr int TILE = BARS + 8 * (2 + 3 * STAGES);  // work-tile index, producer -> consumers
+    static constexpr int BYTES = TILE + 8;
 };
 
 }  // namespace sm90
@@ -79,9 +81,13 @@ __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
     return wt;
 }
 
-// Persistent kernel: gridDim.x blocks (at most one per SM) walk the work tiles w = blockIdx.x,
-// blockIdx.x + gridDim.x, ...; the K/V ring and the barrier phases run on across tiles, so the
-// producer loads the next tile's Q and first K/V tiles while the consumers finish the current one.
+// Persistent kernel: gridDim.x blocks (at most one per SM) take work tiles from a global counter
+// (p.sched[0], in the order w = 0, 1, ...: blocks running at the same time work on neighbouring
+// tiles, which share K/V in L2, and a block that drew cheap causal tiles simply draws more); the
+// last block to finish zeroes the counter for the next launch on the stream. Without a counter
+// (p.sched == null) block i takes tiles i, i + gridDim.x, ... The K/V ring and the barrier phases
+// run on across tiles, so the producer loads the next tile's Q and first K/V tiles while the
+// consumers finish the current one.
 template <typename E, int D, int BN, int STAGES, bool WINDOW, bool SOFTCAP>
 __global__ void __launch_bounds__(sm90::THREADS, 1)
 flash_fwd_sm90(const __grid_constant__ Params p) {
@@ -106,6 +112,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     const u32 k_full = q_empty + 8;                    // [STAGES]: K tile of the stage landed
     const u32 v_full = k_full + 8 * STAGES;            // [STAGES]: V tile landed
     const u32 kv_empty = v_full + 8 * STAGES;          // [STAGES]: both consumers are done with it
+    volatile int* tile_smem = (volatile int*)(smem_raw + (smem - smem_addr(smem_raw)) + L::TILE);
     const int num_work = p.num_m_blocks * p.h * p.b;
 
     const int wg = threadIdx.x / 128;      // 0 producer, 1 and 2 consumers
@@ -130,18 +137,28 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             tma_prefetch_desc(&p.tma_q);
             tma_prefetch_desc(&p.tma_k);
             tma_prefetch_desc(&p.tma_v);
-            int kv_it = 0, tile_i = 0;    // K/V loads and Q tiles issued so far (ring positions)
-            for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
-                const WorkTile wt = work_tile<WINDOW, BN>(p, w);
-                if (wt.n_tiles == 0) continue;                  // nothing to load
-                // Q tile [BM, D], once the consumers are done with the previous one
+            int kv_it = 0;     // K/V tiles issued so far (ring position)
+            for (int tile_i = 0;; ++tile_i) {   // tile_i: Q-barrier phases used so far
+                // the consumers are done with the previous tile's Q (and have read its index)
                 if (tile_i > 0) mbar_wait(q_empty, (tile_i - 1) & 1);
+                const int w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + tile_i * gridDim.x;
+                if (w >= num_work) {                  // no work left: tell the consumers, stop
+                    *tile_smem = -1;
+                    mbar_arrive(q_full);
+                    break;
+                }
+                *tile_smem = w;                       // published by the q_full arrival (release)
+                const WorkTile wt = work_tile<WINDOW, BN>(p, w);
+                if (wt.n_tiles == 0) {                // rows that see no key: nothing to load
+                    mbar_arrive(q_full);
+                    continue;
+                }
+                // Q tile [BM, D]
                 mbar_arrive_expect_tx(q_full, BM * D * 2);
 #pragma unroll
                 for (int c = 0; c < L::PANELS; ++c)
                     tma_load_4d(q_smem + c * L::Q_PANEL, &p.tma_q, q_full, c * PANEL_COLS, wt.m0,
                                 wt.head, wt.batch);
-                ++tile_i;
                 // K, V tiles [BN, D], right to left through the band, STAGES buffers deep
                 for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
                     const int n0 = (wt.t_first + wt.n_tiles - 1 - it) * BN;
@@ -157,6 +174,16 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                     for (int c = 0; c < L::PANELS; ++c)
                         tma_load_4d(v_smem + s * L::KV_TILE + c * L::KV_PANEL, &p.tma_v,
                                     v_full + 8 * s, c * PANEL_COLS, n0, wt.kv_head, wt.batch);
+                }
+            }
+            if (p.sched) {
+                // every block has drawn its last index before it counts itself finished, so the
+                // last one may zero the counter for the next launch on this stream
+                __threadfence();
+                if (atomicAdd(p.sched + 1, 1u) == gridDim.x - 1) {
+                    p.sched[0] = 0;
+                    p.sched[1] = 0;
+                    __threadfence();
                 }
             }
         }
@@ -176,8 +203,11 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     // first sync complete barrier TURN_BAR; after that each turn is handed over explicitly.
     if (cw == 0) named_bar_arrive(TURN_BAR, 256);
 
-    int kv_it = 0, tile_i = 0;
-    for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
+    int kv_it = 0;
+    for (int tile_i = 0;; ++tile_i) {
+        mbar_wait(q_full, tile_i & 1);        // next work tile: index published, Q tile landed
+        const int w = *tile_smem;
+        if (w < 0) break;                      // no work left
         const WorkTile wt = work_tile<WINDOW, BN>(p, w);
         const int row0 = wt.m0 + cw * 64 + row_in_wg;      // this lane's rows: row0, row0 + 8
         float* lse_bh = p.lse + ((i64)wt.batch * p.h + wt.head) * p.s_q;                 // [s_q]
@@ -189,6 +219,8 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                 if (r < p.s_q) o_bh[r * p.o_stride_s + i % D] = from_float<E>(0.f);
             }
             if (t < 64 && wt.m0 + cw * 64 + t < p.s_q) lse_bh[wt.m0 + cw * 64 + t] = -CF_INF;
+            named_bar_sync(WG_BAR + cw, 128);   // the whole warpgroup has read the tile index
+            if (t == 0) mbar_arrive(q_empty);
             continue;
         }
 
@@ -300,7 +332,6 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             if (t == 0) mbar_arrive(kv_empty + 8 * s);   // this warpgroup is done with stage s
         }
         named_bar_arrive(TURN_BAR + 1 - cw, 256);   // hand the turn over for our epilogue
-        ++tile_i;
 
         // ---- final O / l and lse = (m·scale·log2e + log2 l)·ln 2; rows past s_q are not stored
 #pragma unroll

@@ -147,3 +147,28 @@ def test_forcing_sm90_on_an_uncovered_call_is_an_error():
     with pytest.raises(ValueError, match="Hopper kernel cannot run this call.*head dims 96"):
         _gpu.forward(q, q, q, cp.empty_like(q), cp.empty((1, 1, 16), cp.float32),
                      Options(scale=0.1), kernel="sm90")
+
+
+def test_streams_and_repeated_launches():
+    """The work-tile counter is per stream and left zeroed by each launch: many launches on two
+    streams at once, each checked against the portable kernel."""
+    from cupyflash import _gpu
+    opts = Options(scale=0.125, window_right=0)
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+    cases = []
+    for i in range(8):
+        with streams[i % 2]:
+            q, k, v = (cp.random.standard_normal((2, 700, 4, 64), dtype=cp.float32)
+                       .astype(cp.float16) for _ in range(3))
+            out = cp.full(q.shape, cp.nan, cp.float16)
+            lse = cp.full((2, 4, 700), cp.nan, cp.float32)
+            for _ in range(3):
+                assert _gpu.forward(q, k, v, out, lse, opts).startswith("fwd90_")
+            cases.append((q, k, v, out, lse))
+    for s in streams:
+        s.synchronize()
+    for q, k, v, out, lse in cases:
+        ref, ref_lse = cp.empty_like(out), cp.empty_like(lse)
+        _gpu.forward(q, k, v, ref, ref_lse, opts, kernel="portable")
+        assert float(cp.abs(out.astype(cp.float32) - ref.astype(cp.float32)).max()) < 1e-2
+        assert float(cp.abs(lse - ref_lse).max()) < 1e-3

@@ -94,6 +94,8 @@ def _sm90_entry(monkeypatch):
     monkeypatch.setattr(_tma, "encode", lambda dt, ptr, dims, st, box: np.array(
         [ptr, *dims, *st, *box] + [0] * 4, np.uint64))
     monkeypatch.setattr(_modules, "get_function", lambda variant, dev, extra=(): kernel_of("portable"))
+    monkeypatch.setattr(_gpu, "_current_stream", lambda: type("S", (), {"ptr": 77})())
+    monkeypatch.setattr(_gpu, "_sched_counter", lambda dev, stream: 4096 + stream)
     maps = tuple(_plan.tma_tensor(shape, strides, 2, rows) for rows in (128, 128, 128))
     ent = _gpu._Sm90Launch(kernel_of("sm90"), plan, "bfloat16", maps, portable, True, 0)
     return ent, plan, seen
@@ -109,12 +111,13 @@ def test_sm90_launch_writes_descriptors_per_pointer_tuple(rng, monkeypatch):
     for field, ptr, (dims, st, box) in zip(_plan.PARAMS_TMA_FIELDS, ptrs, ent.maps):
         assert list(rec[field][:12]) == [ptr, *dims, *st, *box]
     assert rec["s_q"] == 300 and rec["num_m_blocks"] == 3      # the plan came through
+    assert int(rec["sched"]) == 4096 + 77                      # this stream's tile counter
     ent.launch(*ptrs)                                           # the same buffers: a cached record
     assert len(ent.records) == 1 and seen[-1][1].tobytes() == rec.tobytes()
     other = _pointers(rng, 5)
     ent.launch(*other)
     assert len(ent.records) == 2 and int(seen[-1][1]["q"]) == other[0]
-    assert int(ent.records[tuple(ptrs)][1][0]["q"]) == ptrs[0]   # earlier record untouched
+    assert int(ent.records[(*ptrs, 77)][1][0]["q"]) == ptrs[0]   # earlier record untouched
 
 
 @pytest.mark.parametrize("which,offset", [("q", 2), ("k", 8), ("v", 2), ("o", 2)])
