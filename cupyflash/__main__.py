@@ -149,6 +149,10 @@ def precompile(args) -> int:
         fwd += _plan.sm90_variants()
     fwd = _modules.precompile(fwd, args.workers)
     bwd = _gpu_bwd.precompile(_gpu_bwd.all_variants(smem), args.workers)
+    if int(cp.cuda.Device().compute_capability) == 90:
+        from cupyflash import _gpu_bwd_sm90
+        bwd += _modules.precompile(_gpu_bwd_sm90.variants(), args.workers,
+                                   program_fn=_gpu_bwd_sm90.program)
     print(f"compiled {len(fwd)} forward and {len(bwd)} backward variants in "
           f"{time.perf_counter() - t0:.1f} s ({args.workers} processes)")
     return 0

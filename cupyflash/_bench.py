@@ -91,20 +91,24 @@ def cupy_peer(q, k, v, causal, direction, max_bytes=24e9):
 
 
 def portable_peer(q, k, v, causal, direction):
-    """cupyflash's portable (mma.sync) forward kernel, forced through the launcher: shown beside
-    "cupyflash" on a Hopper card, where the planner runs fwd_sm90.cu instead."""
+    """cupyflash's portable (mma.sync) kernels, forced through the launchers: shown beside
+    "cupyflash" on a Hopper card, where the planner runs fwd_sm90.cu / bwd_sm90.cu instead."""
     import cupy as cp
 
-    from . import _gpu
+    from . import _gpu, _gpu_bwd
     from ._options import Options
 
-    if direction != "fwd" or int(cp.cuda.Device().compute_capability) != 90:
+    if int(cp.cuda.Device().compute_capability) != 90:
         return None
     b, s, h, d = q.shape
     out = cp.empty(q.shape[:3] + (v.shape[3],), q.dtype)
     lse = cp.empty((b, h, s), cp.float32)
     opts = Options(scale=1.0 / math.sqrt(d), window_right=0 if causal else -1)
-    return lambda: _gpu.forward(q, k, v, out, lse, opts, kernel="portable")
+    if direction == "fwd":
+        return lambda: _gpu.forward(q, k, v, out, lse, opts, kernel="portable")
+    _gpu.forward(q, k, v, out, lse, opts)
+    dout, grads = out.copy(), [cp.empty_like(x) for x in (q, k, v)]
+    return lambda: _gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts, kernel="portable")
 
 
 BUILTIN_PEERS = {"cupy": cupy_peer, "portable": portable_peer}

@@ -270,7 +270,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None) -> str:
     dout, out [b, s_q, h, d_v]; q [b, s_q, h, d]; k [b, s_k, h_k, d]; v [b, s_k, h_k, d_v]:
     CuPy bshd views of one dtype with a contiguous last dimension; lse float32 [b, h, s_q]
     contiguous (natural log, -inf for rows that see no key); dq, dk, dv preallocated with
-    q, k, v's shapes and dtype (any strides). Current device and stream. ``kernel``: a
+    q, k, v's shapes and dtype (any strides). Current device and stream. ``kernel``: None (the
+    planner: the Hopper main kernel, _gpu_bwd_sm90, on compute capability 9.0 where it covers
+    the call, else the portable one), "portable", "sm90" (ValueError where it cannot run), or a
     BwdVariant to force (tuning, benchmarks). Raises NotImplementedError for bias / mask,
     head dims > 256, other dtypes, pre-sm_80 GPUs.
     """
@@ -312,7 +314,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None) -> str:
         bottom_right=bool(opts.bottom_right), softcap=float(opts.softcap or 0.0),
         has_alibi=opts.alibi_slopes is not None, allow_tf32=bool(opts.allow_tf32),
         deterministic=bool(opts.deterministic), smem_optin=smem, num_sms=num_sms,
-        variant=kernel)
+        variant=kernel if isinstance(kernel, BwdVariant) else None)
     prm = plan.params.copy()
     strides = []
     for a, t in ((q, "q"), (k, "k"), (v, "v"), (out, "o"), (dout, "do"), (dq, "dq"), (dk, "dk"),
@@ -334,6 +336,21 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None) -> str:
     for n, a in (("q", q), ("k", k), ("v", v), ("o", out), ("lse", lse), ("dout", dout),
                  ("dq", dq), ("dk", dk), ("dv", dv), ("dsum", dsum), ("dq_accum", accum)):
         prm[n] = a.data.ptr
+    if kernel is None or kernel == "sm90":   # the Hopper main kernel where it covers the call
+        from . import _gpu_bwd_sm90 as h90
+        why = h90.unsupported(
+            name, d, d_v, scale=float(opts.scale), softcap=float(opts.softcap or 0.0),
+            has_alibi=alibi is not None, deterministic=bool(opts.deterministic), cc=cc,
+            smem_optin=smem, tensors=[(a.shape, _gpu._elem_strides(a, t))
+                                      for a, t in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"))])
+        ran = None if why else h90.launch(
+            h90.Sm90BwdVariant(plan.variant.elem, d, plan.variant.window), prm, plan.pre_grid,
+            plan.dq_grid, q, k, v, dout, dev_id)
+        if ran is not None:
+            return ran
+        if kernel == "sm90":
+            raise ValueError(f"kernel='sm90': the Hopper backward cannot run this call: "
+                             f"{why or 'a base address is not 16-byte aligned'}")
     main, pre, conv = get_functions(plan.variant, dev_id)
     rec = prm.reshape(1)[0]
     pre(plan.pre_grid, (256, 1, 1), (rec,))

@@ -162,8 +162,8 @@ PARAMS_FIELDS = (
     # Hopper forward only (kernels_cu/fwd_sm90.cu); then the TMA descriptors, see below
     + [("sched", np.uint64)]
 )
-#: Hopper forward only: three 128-byte TMA descriptors (struct TmaDesc, 64-byte aligned).
-PARAMS_TMA_FIELDS = ("tma_q", "tma_k", "tma_v")
+#: Hopper kernels only: 128-byte TMA descriptors (struct TmaDesc, 64-byte aligned).
+PARAMS_TMA_FIELDS = ("tma_q", "tma_k", "tma_v", "tma_do")
 TMA_DESC_BYTES = 128
 
 

@@ -61,14 +61,15 @@ struct Params {
     int bn;                 // key rows per block of flash_bwd
     int deterministic;      // 1: each key tile stores its dQ part in its own slab; 0: float atomics
     float scale;            // scale in natural units (the dS multiplier)
-    // ---- Hopper forward only (kernels_cu/fwd_sm90.cu) ----
-    unsigned int* sched;    // [2] work-tile counter, blocks finished: zero before and after a launch
+    // ---- Hopper kernels only (kernels_cu/fwd_sm90.cu, bwd_sm90.cu) ----
+    unsigned int* sched;    // [2] forward work-tile counter, blocks finished: zero before and after
     // TMA descriptors built by the host (cupyflash/_tma.py); each is a 128-byte CUtensorMap over
     // a rank-4 view (d, s, heads, b) of q / k / v, read through the kernel parameter
     // (__grid_constant__)
     TmaDesc tma_q;          // q [b, s_q, h, d]: box [64 columns, 128 rows]
     TmaDesc tma_k;          // k [b, s_k, h_k, d]: box [64 columns, BN rows]
     TmaDesc tma_v;          // v [b, s_k, h_k, d_v]: box [64 columns, BN rows]
+    TmaDesc tma_do;         // dout [b, s_q, h, d_v] (backward): box [64 columns, BM rows]
 };
 #ifdef CUPYFLASH_PARAMS_NBYTES   // passed by cupyflash/_modules.py from the Python mirror
 static_assert(sizeof(Params) == CUPYFLASH_PARAMS_NBYTES,

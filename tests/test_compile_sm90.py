@@ -1,6 +1,6 @@
-"""NVRTC compile harness for the Hopper forward kernel (kernels_cu/fwd_sm90.cu), sm_90a.
+"""NVRTC compile harness for the Hopper kernels (kernels_cu/fwd_sm90.cu, bwd_sm90.cu), sm_90a.
 
-Every variant of _plan.sm90_variants() compiles without a GPU (NVRTC only), with no register
+Every variant of _plan.sm90_variants() and _gpu_bwd_sm90.variants() compiles without a GPU (NVRTC only), with no register
 spills and no ptxas warning (a "wgmma ... serialized" warning would mean the products run one at a
 time). The entry register count is the 384-thread cap (168); setmaxnreg then moves registers from
 the producer warpgroup (24) to the two consumers (240).
@@ -11,7 +11,7 @@ import pytest
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
-from cupyflash import _modules, _plan  # noqa: E402
+from cupyflash import _gpu_bwd_sm90, _modules, _plan  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +52,16 @@ def test_no_ptxas_warnings():
         nvrtc.destroyProgram(prog)
     warnings = [ln for ln in log.splitlines() if "warning" in ln.lower()]
     assert not warnings, "\n".join(warnings)
+
+
+def test_backward_variants_compile_without_spills():
+    vs = _gpu_bwd_sm90.variants()
+    jobs = [("sm_90a", _gpu_bwd_sm90.program, [v for v in vs if v.elem == e], "bwd_sm90.cu")
+            for e in ("f16_t", "bf16_t")]
+    res = _modules.nvrtc_reports(jobs)["sm_90a"]
+    print("\nsm_90a: registers / spill bytes per Hopper backward variant")
+    for v in vs:
+        print(f"  {v.name:45s} {res[v.name_expression][0]:4d} regs {res[v.name_expression][1]:6d} B spill")
+    assert {v.name_expression for v in vs} <= set(res)
+    bad = [f"{v.name}: {res[v.name_expression]}" for v in vs if res[v.name_expression][1] > 0]
+    assert not bad, "\n".join(bad)

@@ -16,6 +16,9 @@ Criterion (design.md §4, FlashAttention's own test), per gradient g in (dq, dk,
   float32 rounding leaves ~1e-5.
 Rows that see no key (lse = -inf) must give exactly zero dq; deterministic mode must give
 bit-identical dq, dk, dv over three calls.
+
+These tests force the portable main kernel (bwd.cu), so it stays tested on a Hopper card too;
+tests/test_gpu_backward_sm90.py runs the Hopper one (bwd_sm90.cu) on the cases it covers.
 """
 from __future__ import annotations
 
@@ -109,7 +112,7 @@ def _naive_bwd(q, k, v, do, dtype, scale, keep, softcap, alibi, diag):
 
 def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False, window=None,
              bottom_right=True, softcap=0.0, alibi=None, scale=None, layout="bshd", pad=0,
-             allow_tf32=False, deterministic=False, repeats=1):
+             allow_tf32=False, deterministic=False, repeats=1, kernel="portable"):
     from cupyflash import _gpu, _gpu_bwd
     d_v = d if d_v is None else d_v
     dtype = DTYPES[dtype_name]
@@ -147,7 +150,7 @@ def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False,
         nan = cp.asarray(np.full((), np.nan, np.float32)).astype(dtype)
         for gr in grads:
             gr[...] = nan
-        name = _gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts)
+        name = _gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts, kernel=kernel)
         cp.cuda.get_current_stream().synchronize()
         results.append([cp.asnumpy(gr).astype(np.float64) for gr in grads])
     assert isinstance(name, str) and name

@@ -123,3 +123,46 @@ def test_smem_layout_mirror():
     src = (ROOT / "kernels_cu" / "fwd_sm90.cu").read_text()
     assert "TILE = BARS + 8 * (2 + 3 * STAGES)" in src and "BYTES = TILE + 8" in src and "if (smem_given < L::BYTES + 1024) __trap();" in src
     assert _plan.sm90_smem_bytes(128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 8 * 9 + 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# Hopper backward (cupyflash/_gpu_bwd_sm90.py)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw,why", [
+    (dict(), None),
+    (dict(dtype="float16", d=64), None),
+    (dict(d=256), "head dims 256"),
+    (dict(d=128, d_v=64), "head dims 128 / 64"),
+    (dict(softcap=3.0), "softcap"),
+    (dict(has_alibi=True), "alibi"),
+    (dict(deterministic=True), "deterministic"),
+    (dict(scale=-1.0), "scale -1.0"),
+    (dict(cc=80), "compute capability 8.0"),
+    (dict(dtype="float32"), "dtype float32"),
+], ids=["bf16_d128", "f16_d64", "d256", "dv_differs", "softcap", "alibi", "deterministic",
+        "negative_scale", "sm80", "float32"])
+def test_backward_coverage(kw, why):
+    from cupyflash import _gpu_bwd_sm90 as h90
+    args = dict(dtype="bfloat16", d=128, d_v=None, scale=0.1, softcap=0.0, has_alibi=False,
+                deterministic=False, cc=90)
+    args.update(kw)
+    d = args.pop("d")
+    d_v = args.pop("d_v") or d
+    got = h90.unsupported(args.pop("dtype"), d, d_v, smem_optin=H200_SMEM, **args)
+    if why is None:
+        assert got is None
+    else:
+        assert got is not None and why in got
+
+
+def test_backward_variants_fit_and_layout_mirror():
+    from cupyflash import _gpu_bwd_sm90 as h90
+    vs = h90.variants()
+    assert len(vs) == 8 and len({v.name for v in vs}) == 8
+    assert all(v.smem_bytes <= H200_SMEM for v in vs)
+    src = (ROOT / "kernels_cu" / "bwd_sm90.cu").read_text()
+    for expr in ("ROWS = DS + 2 * DS_TILE", "BARS = ROWS + 2 * 2 * BM * 4",
+                 "BYTES = BARS + 8 * (1 + 2 * NBUF)", "if (smem_given < L::BYTES + 1024) __trap();"):
+        assert expr in src, expr
+    assert h90.smem_bytes(128) == (2 * 128 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 2 * 128 * 64 * 2
+                                   + 1024 + 40 + 1024)

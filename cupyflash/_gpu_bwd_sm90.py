@@ -1,0 +1,153 @@
+"""Hopper (sm_90a) backward main kernel: coverage, variants, compilation and launch.
+
+``flash_bwd_sm90<E, D, WINDOW>`` in kernels_cu/bwd_sm90.cu replaces the portable main kernel
+(flash_bwd in bwd.cu) on compute capability 9.0 wherever it covers the call; the helper kernels
+before and after it (D = rowsum(dO ∘ O) with the zeroed dQ accumulator, and the dQ conversion)
+are the portable ones, compiled into the same module. Coverage (``unsupported`` says why not):
+float16 / bfloat16, d = d_v in {64, 128}, no softcap / ALiBi, scale > 0, atomic (not
+deterministic) dQ, strides TMA accepts (16-byte multiples) for q, k, v and dout.
+
+One block per (key tile of 128 keys, kv head, batch): a producer warpgroup loads K, V once and
+the Q / dO tiles of 64 query rows per step through TMA; two consumer warpgroups of 64 keys each
+keep dK, dV in registers and add dQ into the float32 accumulator (red.global.add.v2.f32).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from . import _plan
+
+BN = 128             # keys per block
+BM = 64              # query rows per step
+THREADS = 384
+HEAD_DIMS = (64, 128)
+NBUF = 2             # Q / dO ring depth
+
+
+class Sm90BwdVariant(NamedTuple):
+    """One template instantiation of flash_bwd_sm90 (plus its dtype's helper kernels)."""
+
+    elem: str
+    d: int
+    window: bool
+
+    file = "bwd_sm90.cu"
+    arch_options = ("-arch=sm_90a",)
+    bn = BN
+    bm = BM
+    threads = THREADS
+
+    @property
+    def name_expression(self) -> str:
+        return f"flash_bwd_sm90<{self.elem}, {self.d}, {'true' if self.window else 'false'}>"
+
+    @property
+    def pre_expression(self) -> str:
+        return f"flash_bwd_pre<{self.elem}>"
+
+    @property
+    def dq_expression(self) -> str:
+        return f"flash_bwd_dq<{self.elem}>"
+
+    @property
+    def name(self) -> str:
+        return f"bwd90_{self.elem[:-2]}_d{self.d}_{BM}x{BN}" + ("_window" if self.window else "")
+
+    @property
+    def smem_bytes(self) -> int:
+        return smem_bytes(self.d)
+
+
+def smem_bytes(d: int) -> int:
+    """Mirrors sm90b::Layout in bwd_sm90.cu: K, V [128, d]; NBUF x (Q, dO [64, d]); two dSᵀ
+    [128, 64] buffers (16-bit); lse and D [64] floats per consumer; the mbarriers; 1024 bytes of
+    slack to align the swizzled panels."""
+    return (2 * BN * d * 2 + 2 * NBUF * BM * d * 2 + 2 * BN * BM * 2 + 2 * 2 * BM * 4
+            + 8 * (1 + 2 * NBUF) + 1024)
+
+
+def variants():
+    """Every Sm90BwdVariant (compiled by the harness for sm_90a)."""
+    return [Sm90BwdVariant(e, d, w) for e in ("f16_t", "bf16_t") for d in HEAD_DIMS
+            for w in (False, True)]
+
+
+def unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: float,
+                has_alibi: bool, deterministic: bool, cc: int, smem_optin: int,
+                tensors=()) -> Optional[str]:
+    """Why the Hopper backward kernel cannot run this call (None when it can). ``tensors``:
+    (shape, element strides) of q, k, v and dout. Base pointers are checked at launch."""
+    if cc != 90:
+        return f"compute capability {cc / 10:.1f} (the Hopper kernel needs 9.0)"
+    if dtype_name not in ("float16", "bfloat16"):
+        return f"dtype {dtype_name} (the Hopper kernel takes float16 / bfloat16)"
+    if d != d_v or d not in HEAD_DIMS:
+        return f"head dims {d} / {d_v} (the Hopper backward takes d = d_v in {HEAD_DIMS})"
+    if softcap > 0 or has_alibi:
+        return "softcap / alibi_slopes (not in the Hopper backward yet)"
+    if not scale > 0:
+        return f"scale {scale} <= 0"
+    if deterministic:
+        return "deterministic=True (the Hopper backward adds dQ with atomics)"
+    if smem_bytes(d) > smem_optin:
+        return f"shared memory {smem_optin} bytes"
+    for shape, strides in tensors:
+        if not _plan.tma_strides_ok(shape, strides, 2):
+            return f"strides {tuple(strides)} of a {tuple(shape)} tensor (TMA needs 16-byte multiples)"
+    return None
+
+
+def program(variants_):
+    """(source, options, name expressions) of ``variants_`` and their helper kernels."""
+    from . import _modules
+    src, opts, names = _modules.program(variants_)
+    helpers = []
+    for v in variants_:
+        for n in (v.pre_expression, v.dq_expression):
+            if n not in helpers:
+                helpers.append(n)
+    return src, opts, names + helpers
+
+
+_functions = {}   # (device id, variant) -> (main, pre, dq) kernels
+
+
+def get_functions(variant: Sm90BwdVariant, device_id: int):
+    key = (device_id, variant)
+    fns = _functions.get(key)
+    if fns is None:
+        import cupy
+        src, opts, names = program([variant])
+        mod = cupy.RawModule(code=src, options=opts, name_expressions=names)
+        main = mod.get_function(variant.name_expression)
+        main.max_dynamic_shared_size_bytes = variant.smem_bytes
+        fns = _functions[key] = (main, mod.get_function(variant.pre_expression),
+                                 mod.get_function(variant.dq_expression))
+    return fns
+
+
+def launch(variant: Sm90BwdVariant, prm, pre_grid, dq_grid, q, k, v, dout, dev_id) -> Optional[str]:
+    """Run pre, the Hopper main kernel and the dQ conversion with the Params record ``prm``
+    (pointers, strides, sizes filled by _gpu_bwd.backward). Returns None, launching nothing,
+    when a base address is not 16-byte aligned (the caller runs the portable kernels)."""
+    from . import _gpu, _tma
+
+    ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr)
+    if any(p_ % _plan.TMA_ALIGN for p_ in ptrs) or int(prm["dk"]) % 4 or int(prm["dv"]) % 4:
+        return None
+    dtype_name = _gpu._DTYPE_NAMES[q.dtype]
+    for field, a, rows in (("tma_q", q, BM), ("tma_k", k, BN), ("tma_v", v, BN),
+                           ("tma_do", dout, BM)):
+        dims, byte_strides, box = _plan.tma_tensor(a.shape, _gpu._elem_strides(a, field), 2, rows)
+        prm[field] = _tma.encode(dtype_name, a.data.ptr, dims, byte_strides, box)
+    main, pre, conv = get_functions(variant, dev_id)
+    b, _, h, _ = q.shape
+    s_k, h_k = k.shape[1], k.shape[2]
+    rec = prm.reshape(1)[0]
+    pre(pre_grid, (256, 1, 1), (rec,))
+    main((-(-s_k // BN), h_k, b), (THREADS, 1, 1), (rec,), shared_mem=variant.smem_bytes)
+    conv(dq_grid, (256, 1, 1), (rec,))
+    return variant.name
+
+
+__all__ = ["Sm90BwdVariant", "variants", "unsupported", "smem_bytes", "program", "launch"]
