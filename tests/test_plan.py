@@ -26,13 +26,14 @@ def test_params_dtype_mirrors_c_struct():
     src = (KERNELS / "common.cuh").read_text()
     body = re.search(r"struct Params \{(.*?)\n\};", src, re.S).group(1)
     ctype = {"const void*": np.uint64, "void*": np.uint64, "float*": np.uint64,
-             "const float*": np.uint64, "i64": np.int64, "int": np.int32, "float": np.float32}
+             "const float*": np.uint64, "const int*": np.uint64, "const unsigned char*": np.uint64,
+             "i64": np.int64, "int": np.int32, "float": np.float32}
     fields = []
     for line in body.splitlines():
         line = line.split("//")[0].strip().rstrip(";")
         if not line:
             continue
-        m = re.match(r"(const void\*|void\*|const float\*|float\*|i64|int|float)\s+(.*)", line)
+        m = re.match(r"(const void\*|void\*|const float\*|float\*|const int\*|const unsigned char\*|i64|int|float)\s+(.*)", line)
         assert m, line
         for name in m.group(2).split(","):
             fields.append((name.strip(), ctype[m.group(1)]))
