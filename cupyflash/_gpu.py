@@ -227,14 +227,19 @@ def broadcast_strides(a):
 
 
 def set_bias_mask(prm, opts, dtype):
-    """Write the bias / mask pointers, strides and bias_f32 into Params ``prm``; returns the
-    arrays that must stay alive until the launch is queued."""
+    """Write the bias / mask pointers, strides, bias_f32 and bias_pair into Params ``prm``
+    (its s_k already set); returns the arrays that must stay alive until the launch is queued."""
     keep = []
     if opts.bias is not None:
         b, f32 = bias_operand(opts.bias, dtype)
         prm["bias"], prm["bias_f32"] = b.data.ptr, f32
-        for a, st in zip("bhqk", broadcast_strides(b)):
-            prm[f"bias_stride_{a}"] = st
+        st = broadcast_strides(b)
+        for a, x in zip("bhqk", st):
+            prm[f"bias_stride_{a}"] = x
+        # pair loads: unit key stride, even s_k, every (row, even column) pair aligned
+        prm["bias_pair"] = int(st[3] == 1 and int(prm["s_k"]) % 2 == 0
+                               and all(x % 2 == 0 for x in st[:3])
+                               and b.data.ptr % (2 * b.itemsize) == 0)
         keep.append(b)
     if opts.mask is not None:
         m = opts.mask

@@ -51,6 +51,12 @@ _TILES = {
 }
 
 
+#: GENERAL template bits of flash_fwd (common.cuh): varlen alone runs on the plain tiles; a bias
+#: or mask takes GEN_VARLEN | GEN_BIAS_MASK on the ``general`` tiles.
+GEN_VARLEN, GEN_BIAS_MASK = 1, 2
+GEN_ALL = GEN_VARLEN | GEN_BIAS_MASK
+
+
 class Variant(NamedTuple):
     """One template instantiation of flash_fwd."""
 
@@ -62,12 +68,12 @@ class Variant(NamedTuple):
     window: bool
     score_mod: bool
     stages: int = 1      # K buffers (KSTAGES)
-    general: bool = False   # GENERAL: bias / mask / varlen (with window and score_mod set)
+    general: int = 0     # GENERAL bits: GEN_VARLEN (1), GEN_BIAS_MASK (2); window, score_mod set
 
     @property
     def name_expression(self) -> str:
         b = lambda x: "true" if x else "false"  # noqa: E731
-        gen = ", true" if self.general else ""   # the template's default is false
+        gen = f", {int(self.general)}" if self.general else ""   # the template's default is 0
         return (f"flash_fwd<{self.elem}, {self.d}, {self.bm}, {self.bn}, {self.nw}, "
                 f"{self.stages}, {b(self.window)}, {b(self.score_mod)}{gen}>")
 
@@ -75,7 +81,7 @@ class Variant(NamedTuple):
     def name(self) -> str:
         """Short human-readable name, returned by _gpu.forward."""
         if self.general:
-            flags = "_gen"
+            flags = "_gen" if self.general & GEN_BIAS_MASK else "_varlen"
         else:
             flags = ("_window" if self.window else "") + ("_mod" if self.score_mod else "")
         st = "s2" if self.stages == 2 else ""
@@ -128,15 +134,15 @@ def elem_tag(dtype_name: str, allow_tf32: bool) -> str:
 
 
 def tiles(elem: str, d_bucket: int, smem_optin: int,
-          general: bool = False) -> Tuple[int, int, int, int]:
+          general: int = 0) -> Tuple[int, int, int, int]:
     """(BM, BN, warps, K stages): 16-bit types take two K buffers wherever they fit.
 
-    ``general`` (bias / mask / varlen): where the plain tile gives each warp two 16-row slabs
+    ``general`` with GEN_BIAS_MASK (bias / mask): where the plain tile gives each warp two 16-row slabs
     (MT = 2, 255 registers), the GENERAL kernel takes twice the warps with one slab each: its bias
     and mask reads need registers, and MT = 2 spills 0.5-0.9 KB there (ptxas, docs/kernels.md).
     """
     bm, bn, nw = _TILES[(smem_class(smem_optin), _ELEM_SIZE[elem])][d_bucket]
-    if general and bm // (16 * nw) == 2:
+    if general & GEN_BIAS_MASK and bm // (16 * nw) == 2:
         nw *= 2
     # float32 keeps one K buffer: occupancy matters more there (measured 26.5 vs 21.6 TFLOP/s)
     stages = 2 if _ELEM_SIZE[elem] == 2 and smem_bytes(elem, d_bucket, bm, bn, 2) <= smem_optin else 1
@@ -152,8 +158,9 @@ def all_variants(smem_optin: int = 227 * 1024):
             for window in (False, True):
                 for mod in (False, True):
                     out.append(Variant(elem, dbk, bm, bn, nw, window, mod, st))
-            bm, bn, nw, st = tiles(elem, dbk, smem_optin, general=True)
-            out.append(Variant(elem, dbk, bm, bn, nw, True, True, st, True))
+            out.append(Variant(elem, dbk, bm, bn, nw, True, True, st, GEN_VARLEN))
+            bm, bn, nw, st = tiles(elem, dbk, smem_optin, general=GEN_ALL)
+            out.append(Variant(elem, dbk, bm, bn, nw, True, True, st, GEN_ALL))
     return out
 
 
@@ -172,7 +179,7 @@ PARAMS_FIELDS = (
     + [(n, np.uint64) for n in ("bias", "mask", "cu_seqlens_q", "cu_seqlens_k", "dbias_accum")]
     + [(f"{t}_stride_{a}", np.int64) for t in ("bias", "mask", "dbias") for a in "bhqk"]
     + [("dbias_slab", np.int64)]
-    + [(n, np.int32) for n in ("bias_f32", "dbias_mode", "varlen_bottom_right", "pad1")]
+    + [(n, np.int32) for n in ("bias_f32", "dbias_mode", "varlen_bottom_right", "bias_pair")]
     # backward only (kernels_cu/bwd.cu, planned in _gpu_bwd.py)
     + [(n, np.uint64) for n in ("dout", "dq", "dk", "dv", "dsum", "dq_accum")]
     + [(f"{t}_stride_{a}", np.int64) for t in ("do", "dq", "dk", "dv") for a in "bsh"]
@@ -213,7 +220,7 @@ def plan_forward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, 
         raise ValueError("empty problem: the launcher handles zero sizes before planning")
     elem = elem_tag(dtype_name, allow_tf32)
     dbk = head_dim_bucket(d, d_v)
-    general = has_bias or has_mask or varlen
+    general = GEN_ALL if has_bias or has_mask else (GEN_VARLEN if varlen else 0)
     window = window_left >= 0 or window_right >= 0 or general
     score_mod = softcap > 0 or has_alibi or not scale > 0 or general
     if variant is None:
@@ -221,7 +228,8 @@ def plan_forward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, 
         variant = Variant(elem, dbk, bm, bn, nw, window, score_mod, st, general)
     else:   # forced variant (benchmarks, tests): must still be able to compute this problem
         if (variant.elem != elem or variant.d < max(d, d_v) or (window and not variant.window)
-                or (score_mod and not variant.score_mod) or (general and not variant.general)):
+                or (score_mod and not variant.score_mod)
+                or (variant.general & general) != general):
             raise ValueError(f"kernel {variant.name} cannot compute this problem")
     if variant.smem_bytes > smem_optin:
         raise NotImplementedError(

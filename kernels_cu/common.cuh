@@ -57,7 +57,7 @@ struct Params {
     int bias_f32;           // 1: bias elements are float32; 0: E's storage type
     int dbias_mode;         // DBIAS_* bits below
     int varlen_bottom_right;   // varlen: 1 diag(i) = i + s_k(z) - s_q(z), 0 diag(i) = i
-    int pad1;
+    int bias_pair;          // 1: unit key stride, even s_k, 4-byte aligned pairs (forward pair loads)
     // ---- backward only (kernels_cu/bwd.cu); the forward never reads these ----
     const void* dout;       // [b, s_q, h, d_v]
     void* dq;               // [b, s_q, h, d]
@@ -75,6 +75,10 @@ struct Params {
     int deterministic;      // 1: each key tile stores its dQ part in its own slab; 0: float atomics
     float scale;            // scale in natural units (the dS multiplier)
 };
+
+// GENERAL template bits of flash_fwd (flash_bwd's GENERAL is one flag: both features)
+#define GEN_VARLEN 1      // packed sequences: per-block lengths and offsets from cu_seqlens
+#define GEN_BIAS_MASK 2   // additive bias and boolean mask
 
 // Params::dbias_mode bits (backward with a bias):
 #define DBIAS_ROWS 1      // the bias broadcasts over s_q: each warp sums its rows before writing

@@ -19,8 +19,10 @@
 //   WINDOW   causal or sliding window: skip tiles outside, mask the boundary tiles
 //   SCORE_MOD softcap and/or ALiBi (or a non-positive scale): scores are transformed to base-2
 //            units before the max
-//   GENERAL  bias, boolean mask and varlen (packed sequences), each on when its Params pointer is
-//            set; only instantiated with WINDOW and SCORE_MOD (docs/kernels.md, "bias, mask, varlen")
+//   GENERAL  feature bits, each feature on at run time when its Params pointer is set; only
+//            instantiated with WINDOW and SCORE_MOD (docs/kernels.md, "bias, mask, varlen"):
+//            GEN_VARLEN packed sequences (cu_seqlens), GEN_BIAS_MASK bias and boolean mask.
+//            0 = neither (the plain kernels); 1 = varlen alone, on the plain tiles; 3 = all
 #include "common.cuh"
 
 // Unroll of the k loop of S = Q Kᵀ: 1 for 16-bit types at D <= 64, else 2 (the next step's loads
@@ -204,40 +206,85 @@ __device__ __forceinline__ void gemm_pv(float (&o_frag)[MT][D / 8][4], float (&s
 
 // Scores of one S tile moved to base-2 units in place, in design.md §1 order: scale·qk or softcap
 // c·tanh(scale·qk / c), + bias (HAS_BIAS; BT = the bias element type), − ALiBi slope·|diag − j|.
-// bias_gmem: the [s_q, s_k] bias plane of this (batch, head) with element strides
-// p.bias_stride_q / _k; rows / columns past the sequence are clamped to its last ones (their
-// scores are dropped by the caller: rows never stored, columns masked).
+// Each step is one pass over the registers behind a block-uniform branch (a step that is off
+// costs nothing per score). bias_gmem: the [s_q, s_k] bias plane of this (batch, head) with
+// element strides p.bias_stride_q / _k; rows / columns past the sequence are clamped to its last
+// ones (their scores are dropped by the caller: rows never stored, columns masked). With
+// p.bias_pair (unit key stride, even s_k, 4-byte aligned pairs: set by the launcher) each lane
+// reads its two adjacent columns in one load.
 template <typename E, bool HAS_BIAS, typename BT, int BN, int MT>
 __device__ __forceinline__ void score_mod_tile(float (&s_frag)[MT][BN / 8][4], const Params& p,
                                                const BT* bias_gmem,   // [s_q, s_k] (strided)
                                                float slope_log2, int row0, int n0, int g, int t,
                                                int s_q, int s_k, int diag_offset) {
+    // s = softcap·tanh(qk·scale / softcap), or s = qk·scale, in base-2 units
+    if (p.softcap_post > 0.f) {   // softcap on (softcap_pre is negative with a negative scale)
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
+            for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float s = s_frag[mt][j][e];
-                s = p.softcap_pre > 0.f ? p.softcap_post * tanhf(s * p.softcap_pre) : s * p.scale_log2;
-                const int row = row0 + mt * 16 + g + (e >> 1) * 8;
-                const int col = n0 + j * 8 + 2 * t + (e & 1);
-                if constexpr (HAS_BIAS) {   // s += bias[row, col] · log2(e)
-                    const BT b = bias_gmem[(i64)min(row, s_q - 1) * p.bias_stride_q
-                                           + (i64)min(col, s_k - 1) * p.bias_stride_k];
-                    float bf;
-                    if constexpr (sizeof(BT) == 4) bf = b; else bf = to_float<E>(b);
-                    s = fmaf(bf, CF_LOG2E, s);
+                for (int e = 0; e < 4; ++e) s_frag[mt][j][e] = p.softcap_post * tanhf(s_frag[mt][j][e] * p.softcap_pre);
+    } else {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s_frag[mt][j][e] *= p.scale_log2;
+    }
+    // s += bias[row, col] · log2(e)
+    if constexpr (HAS_BIAS) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = min(row0 + mt * 16 + g + half * 8, s_q - 1);
+                const BT* row_gmem = bias_gmem + (i64)row * p.bias_stride_q;   // [s_k] (strided)
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j) {
+                    const int col = n0 + j * 8 + 2 * t;                        // even
+                    float b0, b1;
+                    if (p.bias_pair) {   // columns col, col + 1 in one load (s_k even: both in the row)
+                        const int c = min(col, s_k - 2);
+                        if constexpr (sizeof(BT) == 4) {
+                            const float2 v = *(const float2*)(row_gmem + c);
+                            b0 = v.x; b1 = v.y;
+                        } else {
+                            const u32 v = *(const u32*)(row_gmem + c);
+                            b0 = to_float<E>((BT)(v & 0xffffu)); b1 = to_float<E>((BT)(v >> 16));
+                        }
+                    } else {
+                        const BT v0 = row_gmem[(i64)min(col, s_k - 1) * p.bias_stride_k];
+                        const BT v1 = row_gmem[(i64)min(col + 1, s_k - 1) * p.bias_stride_k];
+                        if constexpr (sizeof(BT) == 4) { b0 = v0; b1 = v1; }
+                        else { b0 = to_float<E>(v0); b1 = to_float<E>(v1); }
+                    }
+                    s_frag[mt][j][2 * half] = fmaf(b0, CF_LOG2E, s_frag[mt][j][2 * half]);
+                    s_frag[mt][j][2 * half + 1] = fmaf(b1, CF_LOG2E, s_frag[mt][j][2 * half + 1]);
                 }
-                s -= slope_log2 * fabsf((float)(row + diag_offset - col));
-                s_frag[mt][j][e] = s;
             }
+    }
+    // s −= slope · |diag − col|  (ALiBi, slope in base-2 units)
+    if (slope_log2 != 0.f) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = row0 + mt * 16 + g + (e >> 1) * 8;
+                    const int col = n0 + j * 8 + 2 * t + (e & 1);
+                    s_frag[mt][j][e] -= slope_log2 * fabsf((float)(row + diag_offset - col));
+                }
+    }
 }
 
 template <typename E, int D, int BM, int BN, int NW, int KSTAGES, bool WINDOW, bool SCORE_MOD,
-          bool GENERAL = false>
+          int GENERAL = 0>
 __global__ void __launch_bounds__(NW * 32)
 flash_fwd(const Params p) {
+    constexpr bool VARLEN = GENERAL & GEN_VARLEN, BIAS_MASK = GENERAL & GEN_BIAS_MASK;
     typedef typename Elem<E>::storage S;
     constexpr int NT = NW * 32;
     constexpr int MT = BM / (16 * NW);            // 16-row slabs per warp
@@ -263,7 +310,7 @@ flash_fwd(const Params p) {
     int s_q = p.s_q, s_k = p.s_k, diag_offset = p.diag_offset;
     i64 q_tok0 = 0, k_tok0 = 0;                    // first packed row of the sequence
     int lse_b = batch;                             // batch index into lse [b, h, s_q] ([1, h, total_q] varlen)
-    if (GENERAL && p.cu_seqlens_q) {
+    if (VARLEN && p.cu_seqlens_q) {
         const int q_beg = p.cu_seqlens_q[batch], k_beg = p.cu_seqlens_k[batch];
         s_q = p.cu_seqlens_q[batch + 1] - q_beg;
         s_k = p.cu_seqlens_k[batch + 1] - k_beg;
@@ -281,9 +328,9 @@ flash_fwd(const Params p) {
     // bias / mask planes of this (batch, head): [s_q, s_k] with their own strides (null: off)
     const void* bias_gmem = nullptr;
     const unsigned char* mask_gmem = nullptr;
-    if (GENERAL && p.bias)
+    if (BIAS_MASK && p.bias)
         bias_gmem = (const char*)p.bias + (batch * p.bias_stride_b + head * p.bias_stride_h) * (p.bias_f32 ? 4 : (i64)sizeof(S));
-    if (GENERAL && p.mask) mask_gmem = p.mask + batch * p.mask_stride_b + head * p.mask_stride_h;
+    if (BIAS_MASK && p.mask) mask_gmem = p.mask + batch * p.mask_stride_b + head * p.mask_stride_h;
 
     // Key range any row of this tile can see: [n_lo, n_hi)
     int n_lo = 0, n_hi = s_k;
@@ -347,7 +394,7 @@ flash_fwd(const Params p) {
             gemm_qk<E, D, BN, MT>(s_frag, q_smem + warp_row0 * PQK, k_smem, lane, p.d);
 
             // Score modifications, in base-2 units: softcap c·tanh(s/c), + bias, ALiBi −slope·|diag − j|
-            if constexpr (GENERAL) {
+            if constexpr (BIAS_MASK) {
                 if (bias_gmem && p.bias_f32)
                     score_mod_tile<E, true, float, BN, MT>(s_frag, p, (const float*)bias_gmem, slope_log2,
                                                           m0 + warp_row0, n0, g, t, s_q, s_k, diag_offset);
@@ -357,14 +404,14 @@ flash_fwd(const Params p) {
                 else
                     score_mod_tile<E, false, S, BN, MT>(s_frag, p, nullptr, slope_log2,
                                                        m0 + warp_row0, n0, g, t, s_q, s_k, diag_offset);
-            } else if (SCORE_MOD) {
+            } else if constexpr (SCORE_MOD) {
                 score_mod_tile<E, false, S, BN, MT>(s_frag, p, nullptr, slope_log2,
                                                    m0 + warp_row0, n0, g, t, s_q, s_k, diag_offset);
             }
 
             // Mask only the tiles that need it: the ragged last tile, window / causal edges, and
             // every tile when a boolean mask is given
-            const bool need_mask = (n0 + BN > s_k) || (GENERAL && mask_gmem) ||
+            const bool need_mask = (n0 + BN > s_k) || (BIAS_MASK && mask_gmem) ||
                 (WINDOW && (n0 + BN - 1 > m0 + diag_offset + p.window_right ||
                             n0 < m0 + m_rows - 1 + diag_offset - p.window_left));
             if (need_mask) {
@@ -379,7 +426,7 @@ flash_fwd(const Params p) {
                             const int diag = row + diag_offset;
                             bool keep = col < s_k;
                             if (WINDOW) keep = keep && col >= diag - p.window_left && col <= diag + p.window_right;
-                            if (GENERAL && mask_gmem)   // boolean mask [row, col] (clamped like the bias)
+                            if (BIAS_MASK && mask_gmem)   // boolean mask [row, col] (clamped like the bias)
                                 keep = keep && mask_gmem[(i64)min(row, s_q - 1) * p.mask_stride_q
                                                          + (i64)min(col, s_k - 1) * p.mask_stride_k];
                             if (!keep) s_frag[mt][j][e] = -CF_INF;

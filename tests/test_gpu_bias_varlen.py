@@ -380,7 +380,7 @@ def run_varlen(rng, dtype_name, lens_q, lens_k, h, hk, d, *, causal=False, windo
     cqd, ckd = cp.asarray(cq), cp.asarray(ck)
     name = _gpu.forward_varlen(q, k, v, cqd, ckd, max(lens_q), max(lens_k), out, lse, opts)
     cp.cuda.get_current_stream().synchronize()
-    assert name.endswith("_gen"), name
+    assert name.endswith("_varlen"), name
     got_out, got_lse = _h(out[0]), _h(lse)
     assert not np.isnan(got_out).any() and not np.isnan(got_lse).any(), "unwritten varlen rows"
 
