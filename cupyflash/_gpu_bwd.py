@@ -228,11 +228,10 @@ class DbiasPlan(NamedTuple):
     strides: Tuple[int, ...]      # element strides inside one slab, 0 along size-1 dims
 
 
-DBIAS_ROWS, DBIAS_ATOMIC, DBIAS_SLAB_B, DBIAS_SLAB_H, DBIAS_LOOP_B = 1, 2, 4, 8, 16
+DBIAS_ROWS, DBIAS_ATOMIC, DBIAS_SLAB_B, DBIAS_SLAB_H = 1, 2, 4, 8
 
 
-def dbias_plan(bias_shape, b: int, h_k: int, deterministic: bool,
-               blocks_per_batch: int = 0, num_sms: int = 132) -> DbiasPlan:
+def dbias_plan(bias_shape, b: int, h_k: int, deterministic: bool) -> DbiasPlan:
     """dbias = dS summed over the bias's broadcast dimensions, by flash_bwd.
 
     * key dimension broadcast (shape[3] == 1): dbias is exactly 0 (a per-row constant does not
@@ -243,19 +242,12 @@ def dbias_plan(bias_shape, b: int, h_k: int, deterministic: bool,
       (h_k > 1). Then: float atomics into one slab, or, deterministic, one slab per such block
       coordinate (DBIAS_SLAB_B / _H), summed in order afterwards. Otherwise one owner lane per
       element adds in program order (no atomics, deterministic).
-    * a batch broadcast when one batch entry alone fills the GPU (``blocks_per_batch`` = key
-      tiles x kv heads >= ``num_sms``): DBIAS_LOOP_B, each block walks every batch entry (grid
-      z = 1), so the batch sum has one owner lane per element as well: no atomics, no slabs
-      (run 2 on the H200: with atomics the (1, h, s, s) bias backward took 2.6x the plain one).
     """
     shape = tuple(int(n) for n in bias_shape)
     if shape[3] == 1:
         return DbiasPlan(-1, 0, shape, (0, 0, 0, 0))
     mode = DBIAS_ROWS if shape[2] == 1 else 0
     by_b = shape[0] == 1 and b > 1
-    if by_b and blocks_per_batch >= num_sms:
-        mode |= DBIAS_LOOP_B
-        by_b = False
     by_h = shape[1] == 1 and h_k > 1
     slabs = 1
     if deterministic:
@@ -470,10 +462,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
         from . import _gpu
 
         if bias is not None:
-            dplan = dbias_plan(bias.shape, b, h_k, bool(opts.deterministic),
-                               blocks_per_batch=plan.grid[0] * plan.grid[1], num_sms=num_sms)
-            if dplan.mode >= 0 and dplan.mode & DBIAS_LOOP_B:   # one block walks the batch
-                plan = plan._replace(grid=plan.grid[:2] + (1,))
+            dplan = dbias_plan(bias.shape, b, h_k, bool(opts.deterministic))
             if dplan.mode >= 0:
                 n = dplan.slabs * int(np.prod(dplan.shape))
                 direct = (dplan.slabs == 1 and dbias.dtype == np.float32

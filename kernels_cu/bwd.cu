@@ -262,254 +262,238 @@ flash_bwd(const Params p) {
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;        // accumulator row / column pair of this lane
-    const int n_block = blockIdx.x, head_k = blockIdx.y;
+    const int n_block = blockIdx.x, head_k = blockIdx.y, batch = blockIdx.z;
+    const int n0 = n_block * BN;
 
-    // The whole block's work for batch entry `batch` (key tile n_block of kv head head_k)
-    auto block_body = [&](const int batch) {
-        const int n0 = n_block * BN;
+    // This block's sequence: batch entry `batch`, or (varlen) packed rows cu_seqlens[batch]..
+    // [batch + 1] (batch strides are 0 then; lse, D and the dQ accumulator are [1, h, total_q])
+    int s_q = p.s_q, s_k = p.s_k, diag_offset = p.diag_offset;
+    i64 q_tok0 = 0, k_tok0 = 0;                   // first packed row of the sequence
+    int lse_b = batch;                            // batch index into the [b, h, s_q] row arrays
+    if (GENERAL && p.cu_seqlens_q) {
+        const int q_beg = p.cu_seqlens_q[batch], k_beg = p.cu_seqlens_k[batch];
+        s_q = p.cu_seqlens_q[batch + 1] - q_beg;
+        s_k = p.cu_seqlens_k[batch + 1] - k_beg;
+        q_tok0 = q_beg; k_tok0 = k_beg; lse_b = 0;
+        diag_offset = p.varlen_bottom_right ? s_k - s_q : 0;
+        if (n0 >= s_k) return;                    // key tile past this sequence (whole block, before any barrier)
+    }
+    const int n_rows = min(BN, s_k - n0);
+    const int key0 = (warp / WD) * 16;            // this warp's 16 keys (tile rows)
+    const int col0 = (warp % WD) * DW;            // this warp's dK / dV columns
+    const int qrow0 = (warp % WMQ) * 16;          // dQ phase: this warp's 16 query rows
+    const int qcol0 = (warp / WMQ) * DQW;         //           and columns
+    const float scale = p.scale;
 
-        // This block's sequence: batch entry `batch`, or (varlen) packed rows cu_seqlens[batch]..
-        // [batch + 1] (batch strides are 0 then; lse, D and the dQ accumulator are [1, h, total_q])
-        int s_q = p.s_q, s_k = p.s_k, diag_offset = p.diag_offset;
-        i64 q_tok0 = 0, k_tok0 = 0;                   // first packed row of the sequence
-        int lse_b = batch;                            // batch index into the [b, h, s_q] row arrays
-        if (GENERAL && p.cu_seqlens_q) {
-            const int q_beg = p.cu_seqlens_q[batch], k_beg = p.cu_seqlens_k[batch];
-            s_q = p.cu_seqlens_q[batch + 1] - q_beg;
-            s_k = p.cu_seqlens_k[batch + 1] - k_beg;
-            q_tok0 = q_beg; k_tok0 = k_beg; lse_b = 0;
-            diag_offset = p.varlen_bottom_right ? s_k - s_q : 0;
-            if (n0 >= s_k) return;                    // key tile past this sequence (whole block, before any barrier; varlen never loops)
-        }
-        const int n_rows = min(BN, s_k - n0);
-        const int key0 = (warp / WD) * 16;            // this warp's 16 keys (tile rows)
-        const int col0 = (warp % WD) * DW;            // this warp's dK / dV columns
-        const int qrow0 = (warp % WMQ) * 16;          // dQ phase: this warp's 16 query rows
-        const int qcol0 = (warp / WMQ) * DQW;         //           and columns
-        const float scale = p.scale;
+    const S* k_gmem = (const S*)p.k + batch * p.k_stride_b + head_k * p.k_stride_h + (k_tok0 + n0) * p.k_stride_s;  // [n_rows, d]
+    const S* v_gmem = (const S*)p.v + batch * p.v_stride_b + head_k * p.v_stride_h + (k_tok0 + n0) * p.v_stride_s;  // [n_rows, d_v]
 
-        const S* k_gmem = (const S*)p.k + batch * p.k_stride_b + head_k * p.k_stride_h + (k_tok0 + n0) * p.k_stride_s;  // [n_rows, d]
-        const S* v_gmem = (const S*)p.v + batch * p.v_stride_b + head_k * p.v_stride_h + (k_tok0 + n0) * p.v_stride_s;  // [n_rows, d_v]
+    // Query rows that see some key of this tile: [i_lo, i_hi] (key j kept for row i when
+    // i + diag_offset − left <= j <= i + diag_offset + right)
+    int i_lo = 0, i_hi = s_q - 1;
+    if (WINDOW) {
+        i_lo = max(0, n0 - diag_offset - p.window_right);
+        i_hi = min(s_q - 1, n0 + n_rows - 1 - diag_offset + p.window_left);
+    }
+    const int m_first = i_lo / BM;
+    const int num_m = i_hi >= i_lo ? i_hi / BM - m_first + 1 : 0;   // query tiles per head
+    const int total = num_m * p.h_per_hk;                           // steps: (group head, query tile)
 
-        // Query rows that see some key of this tile: [i_lo, i_hi] (key j kept for row i when
-        // i + diag_offset − left <= j <= i + diag_offset + right)
-        int i_lo = 0, i_hi = s_q - 1;
-        if (WINDOW) {
-            i_lo = max(0, n0 - diag_offset - p.window_right);
-            i_hi = min(s_q - 1, n0 + n_rows - 1 - diag_offset + p.window_left);
-        }
-        const int m_first = i_lo / BM;
-        const int num_m = i_hi >= i_lo ? i_hi / BM - m_first + 1 : 0;   // query tiles per head
-        const int total = num_m * p.h_per_hk;                           // steps: (group head, query tile)
+    // Step `it` -> query head and first query row
+    auto step_head = [&](int it) { return head_k * p.h_per_hk + it / num_m; };
+    auto step_m0 = [&](int it) { return (m_first + it % num_m) * BM; };
 
-        // Step `it` -> query head and first query row
-        auto step_head = [&](int it) { return head_k * p.h_per_hk + it / num_m; };
-        auto step_m0 = [&](int it) { return (m_first + it % num_m) * BM; };
-
-        // Issue the loads of step `it` into buffer `buf`: Q, dO tiles (cp.async), lse·log2(e) and D.
-        auto load_step = [&](int it, int buf) {
-            const int head = step_head(it), m0 = step_m0(it);
-            const int m_rows = min(BM, s_q - m0);
-            const S* q_gmem = (const S*)p.q + batch * p.q_stride_b + head * p.q_stride_h + (q_tok0 + m0) * p.q_stride_s;          // [m_rows, d]
-            const S* do_gmem = (const S*)p.dout + batch * p.do_stride_b + head * p.do_stride_h + (q_tok0 + m0) * p.do_stride_s;  // [m_rows, d_v]
-            copy_tile<BM, D, PR, NT>(q_smem + buf * BM * PR, q_gmem, p.q_stride_s, m_rows, p.d, p.vec_ok, p.q, tid);
-            copy_tile<BM, D, PR, NT>(do_smem + buf * BM * PR, do_gmem, p.do_stride_s, m_rows, p.d_v, p.vec_ok, p.dout, tid);
-            const i64 row0 = ((i64)lse_b * p.h + head) * p.s_q + q_tok0 + m0;   // [b, h, s_q] index of row m0
-            for (int r = tid; r < BM; r += NT) {
-                float l2 = CF_INF, dsum = 0.f;     // rows past s_q and rows with lse = −inf: P = 0
-                if (r < m_rows) {
-                    const float l = p.lse[row0 + r];
-                    if (l != -CF_INF) l2 = l * CF_LOG2E;
-                    dsum = p.dsum[row0 + r];
-                }
-                lse2_smem[buf * BM + r] = l2;
-                dsum_smem[buf * BM + r] = dsum;
+    // Issue the loads of step `it` into buffer `buf`: Q, dO tiles (cp.async), lse·log2(e) and D.
+    auto load_step = [&](int it, int buf) {
+        const int head = step_head(it), m0 = step_m0(it);
+        const int m_rows = min(BM, s_q - m0);
+        const S* q_gmem = (const S*)p.q + batch * p.q_stride_b + head * p.q_stride_h + (q_tok0 + m0) * p.q_stride_s;          // [m_rows, d]
+        const S* do_gmem = (const S*)p.dout + batch * p.do_stride_b + head * p.do_stride_h + (q_tok0 + m0) * p.do_stride_s;  // [m_rows, d_v]
+        copy_tile<BM, D, PR, NT>(q_smem + buf * BM * PR, q_gmem, p.q_stride_s, m_rows, p.d, p.vec_ok, p.q, tid);
+        copy_tile<BM, D, PR, NT>(do_smem + buf * BM * PR, do_gmem, p.do_stride_s, m_rows, p.d_v, p.vec_ok, p.dout, tid);
+        const i64 row0 = ((i64)lse_b * p.h + head) * p.s_q + q_tok0 + m0;   // [b, h, s_q] index of row m0
+        for (int r = tid; r < BM; r += NT) {
+            float l2 = CF_INF, dsum = 0.f;     // rows past s_q and rows with lse = −inf: P = 0
+            if (r < m_rows) {
+                const float l = p.lse[row0 + r];
+                if (l != -CF_INF) l2 = l * CF_LOG2E;
+                dsum = p.dsum[row0 + r];
             }
-        };
-
-        float dk_frag[DW / 8][4], dv_frag[DW / 8][4];   // dK, dV [16 keys, DW] of this warp
-#pragma unroll
-        for (int j = 0; j < DW / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dk_frag[j][e] = dv_frag[j][e] = 0.f;
-
-        // dbias: this block's plane of the float32 accumulator (its slab in deterministic mode), or
-        // null. Only the warps owning column 0 write (with WD > 1 the others recompute the same dS).
-        float* dbias_gmem = nullptr;                  // [s_q', s_k'] at (batch, head 0) with dbias strides
-        if (GENERAL && p.dbias_accum && col0 == 0) {
-            const bool by_b = p.dbias_mode & DBIAS_SLAB_B, by_h = p.dbias_mode & DBIAS_SLAB_H;
-            const i64 slab = (i64)(by_b ? batch : 0) * (by_h ? p.h_k : 1) + (by_h ? head_k : 0);
-            dbias_gmem = p.dbias_accum + slab * p.dbias_slab + batch * p.dbias_stride_b;
+            lse2_smem[buf * BM + r] = l2;
+            dsum_smem[buf * BM + r] = dsum;
         }
-
-        if (total > 0) {
-            // K, V tiles (kept for the whole block) and the first Q / dO tile in flight
-            copy_tile<BN, D, PR, NT>(k_smem, k_gmem, p.k_stride_s, n_rows, p.d, p.vec_ok, p.k, tid);
-            copy_tile<BN, D, PR, NT>(v_smem, v_gmem, p.v_stride_s, n_rows, p.d_v, p.vec_ok, p.v, tid);
-            load_step(0, 0);
-            cp_async_commit();
-        }
-        for (int it = 0; it < total; ++it) {
-            const int buf = NBUF == 2 ? (it & 1) : 0;
-            const int head = step_head(it), m0 = step_m0(it);
-            cp_async_wait<0>();
-            __syncthreads();   // step it's tiles landed for all threads; every warp is done with the other buffer and with dSᵀ
-            if (NBUF == 2 && it + 1 < total) load_step(it + 1, buf ^ 1);
-            cp_async_commit();
-            const S* qb_smem = q_smem + buf * BM * PR;      // [BM, PR]
-            const S* dob_smem = do_smem + buf * BM * PR;    // [BM, PR]
-            const float* lse2b = lse2_smem + buf * BM;      // [BM]
-            const float* dsumb = dsum_smem + buf * BM;      // [BM]
-
-            // dPᵀ = V dOᵀ   [16 keys, BM queries]
-            float dp_frag[BM / 8][4];
-#pragma unroll
-            for (int j = 0; j < BM / 8; ++j) dp_frag[j][0] = dp_frag[j][1] = dp_frag[j][2] = dp_frag[j][3] = 0.f;
-            mma_nt<E, BM, D, PR, PR>(dp_frag, v_smem + key0 * PR, dob_smem, lane, p.d_v);
-
-            // Sᵀ = K Qᵀ   [16 keys, BM queries]
-            float s_frag[BM / 8][4];
-#pragma unroll
-            for (int j = 0; j < BM / 8; ++j) s_frag[j][0] = s_frag[j][1] = s_frag[j][2] = s_frag[j][3] = 0.f;
-            mma_nt<E, BM, D, PR, PR>(s_frag, k_smem + key0 * PR, qb_smem, lane, p.d);
-
-            // P = exp(score(S) − lse) (masked: 0), dS = P ∘ (dP − D) · ds/dS_raw, in place:
-            // s_frag becomes Pᵀ, dp_frag becomes dSᵀ
-            float slope_log2 = 0.f;
-            if (SCORE_MOD && p.alibi) slope_log2 = p.alibi[batch * p.alibi_stride_b + head] * CF_LOG2E;
-            // bias / mask planes [s_q, s_k] of this (batch, head), dbias plane (null: off)
-            const char* bias_step = nullptr;
-            const unsigned char* mask_step = nullptr;
-            float* dbias_step = nullptr;
-            if (GENERAL && p.bias)
-                bias_step = (const char*)p.bias + (batch * p.bias_stride_b + head * p.bias_stride_h) * (p.bias_f32 ? 4 : (i64)sizeof(S));
-            if (GENERAL && p.mask) mask_step = p.mask + batch * p.mask_stride_b + head * p.mask_stride_h;
-            if (GENERAL && dbias_gmem) dbias_step = dbias_gmem + head * p.dbias_stride_h;
-            const bool dbias_rows = GENERAL && (p.dbias_mode & DBIAS_ROWS);
-            const bool dbias_atomic = GENERAL && (p.dbias_mode & DBIAS_ATOMIC);
-            float dbias_key[2] = {0.f, 0.f};          // DBIAS_ROWS: this lane's dS sums for keys g, g + 8
-            const bool need_mask = (n0 + BN > s_k) || (GENERAL && mask_step) ||
-                (WINDOW && (n0 + BN - 1 > m0 + diag_offset + p.window_right ||
-                            n0 < m0 + BM - 1 + diag_offset - p.window_left));
-#pragma unroll
-            for (int j = 0; j < BM / 8; ++j) {
-                const float2 l2 = *(const float2*)(lse2b + j * 8 + 2 * t);    // queries j*8 + 2t, +1
-                const float2 dd = *(const float2*)(dsumb + j * 8 + 2 * t);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = n0 + key0 + g + (e >> 1) * 8;
-                    const int row = m0 + j * 8 + 2 * t + (e & 1);
-                    float ds_dqk;
-                    float s = score_log2<SCORE_MOD>(s_frag[j][e], p, slope_log2, row, key, diag_offset, scale, &ds_dqk);
-                    if (GENERAL && bias_step) {   // s += bias[row, key] · log2(e) (clamped past the ends: dropped anyway)
-                        const i64 off = (i64)min(row, s_q - 1) * p.bias_stride_q + (i64)min(key, s_k - 1) * p.bias_stride_k;
-                        const float bv = p.bias_f32 ? ((const float*)bias_step)[off] : to_float<E>(((const S*)bias_step)[off]);
-                        s = fmaf(bv, CF_LOG2E, s);
-                    }
-                    if (need_mask) {
-                        const int diag = row + diag_offset;
-                        bool keep = key < s_k;
-                        if (WINDOW) keep = keep && key >= diag - p.window_left && key <= diag + p.window_right;
-                        if (GENERAL && mask_step)
-                            keep = keep && mask_step[(i64)min(row, s_q - 1) * p.mask_stride_q + (i64)min(key, s_k - 1) * p.mask_stride_k];
-                        if (!keep) s = -CF_INF;
-                    }
-                    const float pr = fast_exp2(s - ((e & 1) ? l2.y : l2.x));
-                    s_frag[j][e] = pr;
-                    // dS in natural units before the chain rule through softcap / scale: dbias
-                    const float ds = pr * (dp_frag[j][e] - ((e & 1) ? dd.y : dd.x));
-                    dp_frag[j][e] = ds * ds_dqk;
-                    if (GENERAL && dbias_step) {
-                        if (dbias_rows) {
-                            dbias_key[e >> 1] += ds;   // summed over this lane's rows (0 past s_q: P = 0)
-                        } else if (row < s_q && key < s_k) {   // one owner lane per element in this block
-                            float* dst = dbias_step + (i64)row * p.dbias_stride_q + (i64)key * p.dbias_stride_k;
-                            if (dbias_atomic) red_add_f32(dst, ds); else *dst += ds;
-                        }
-                    }
-                }
-            }
-            if (GENERAL && dbias_step && dbias_rows) {   // bias broadcast over rows: one sum per key
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const float v = quad_sum(dbias_key[half]);   // the 4 lanes of a key hold its row pairs
-                    const int key = n0 + key0 + g + half * 8;
-                    if (t == 0 && key < s_k) {
-                        float* dst = dbias_step + (i64)key * p.dbias_stride_k;
-                        if (dbias_atomic) red_add_f32(dst, v); else *dst += v;
-                    }
-                }
-            }
-
-            // dV += Pᵀ dO   [16 keys, DW]
-            mma_rn<E, BM, DW, PR>(dv_frag, s_frag, dob_smem + col0, lane, p.d_v - col0);
-            // dK += dSᵀ Q   [16 keys, DW]
-            mma_rn<E, BM, DW, PR>(dk_frag, dp_frag, qb_smem + col0, lane, p.d - col0);
-
-            // dSᵀ to shared memory [BN keys, BM queries] (rounded to E like the dK operand)
-            if (col0 == 0) {
-#pragma unroll
-                for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        S* dst = dst_smem + (key0 + g + half * 8) * PDS + j * 8 + 2 * t;
-                        if constexpr (Elem<E>::is16) {
-                            *(u32*)dst = pack2<E>(dp_frag[j][2 * half], dp_frag[j][2 * half + 1]);
-                        } else {
-                            *(float2*)dst = make_float2(dp_frag[j][2 * half], dp_frag[j][2 * half + 1]);
-                        }
-                    }
-            }
-            __syncthreads();   // dSᵀ complete (dQ reads every key's row); Q / dO no longer read this step
-            if (NBUF == 1 && it + 1 < total) load_step(it + 1, 0);
-            cp_async_commit();
-
-            // dQ[m tile] += dS K   [16 queries, DQW] per warp, into float32 global memory
-            float dq_frag[DQW / 8][4];
-#pragma unroll
-            for (int j = 0; j < DQW / 8; ++j) dq_frag[j][0] = dq_frag[j][1] = dq_frag[j][2] = dq_frag[j][3] = 0.f;
-            mma_tn<E, BN, DQW, PDS, PR>(dq_frag, dst_smem + qrow0, k_smem + qcol0, lane, p.d - qcol0);
-            float* dq_gmem = p.dq_accum + (p.deterministic ? (i64)n_block * p.dq_accum_slab : 0)
-                             + (((i64)lse_b * p.h + head) * p.s_q + q_tok0 + m0) * p.d;   // [s_q − m0, d]
-#pragma unroll
-            for (int j = 0; j < DQW / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = qrow0 + g + (e >> 1) * 8, c = qcol0 + j * 8 + 2 * t + (e & 1);
-                    if (m0 + r < s_q && c < p.d) {
-                        float* dst = dq_gmem + (i64)r * p.d + c;
-                        if (p.deterministic) *dst = dq_frag[j][e];   // this slab's element: one writer
-                        else red_add_f32(dst, dq_frag[j][e]);
-                    }
-                }
-        }
-
-        // dK, dV [16 keys, DW] of this warp to global memory in E (zeros when no query sees the tile)
-        S* dk_gmem = (S*)p.dk + batch * p.dk_stride_b + head_k * p.dk_stride_h + k_tok0 * p.dk_stride_s;   // [s_k, d]
-        S* dv_gmem = (S*)p.dv + batch * p.dv_stride_b + head_k * p.dv_stride_h + k_tok0 * p.dv_stride_s;   // [s_k, d_v]
-#pragma unroll
-        for (int j = 0; j < DW / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = n0 + key0 + g + (e >> 1) * 8, c = col0 + j * 8 + 2 * t + (e & 1);
-                if (key < s_k) {
-                    if (c < p.d) dk_gmem[(i64)key * p.dk_stride_s + c] = from_float<E>(dk_frag[j][e]);
-                    if (c < p.d_v) dv_gmem[(i64)key * p.dv_stride_s + c] = from_float<E>(dv_frag[j][e]);
-                }
-            }
     };
 
-    if constexpr (GENERAL) {
-        // DBIAS_LOOP_B (a bias broadcast over the batch): this block walks every batch entry in
-        // order, so dbias sums the batch in program order: no atomics, deterministic
-        const int b_end = (p.dbias_mode & DBIAS_LOOP_B) ? p.b : (int)blockIdx.z + 1;
-        for (int batch = blockIdx.z; batch < b_end; ++batch) {
-            block_body(batch);
-            if (batch + 1 < b_end) __syncthreads();   // every warp done with K, V and dSᵀ (dQ product) before the next entry's loads
-        }
-    } else {
-        block_body(blockIdx.z);
+    float dk_frag[DW / 8][4], dv_frag[DW / 8][4];   // dK, dV [16 keys, DW] of this warp
+#pragma unroll
+    for (int j = 0; j < DW / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk_frag[j][e] = dv_frag[j][e] = 0.f;
+
+    // dbias: this block's plane of the float32 accumulator (its slab in deterministic mode), or
+    // null. Only the warps owning column 0 write (with WD > 1 the others recompute the same dS).
+    float* dbias_gmem = nullptr;                  // [s_q', s_k'] at (batch, head 0) with dbias strides
+    if (GENERAL && p.dbias_accum && col0 == 0) {
+        const bool by_b = p.dbias_mode & DBIAS_SLAB_B, by_h = p.dbias_mode & DBIAS_SLAB_H;
+        const i64 slab = (i64)(by_b ? batch : 0) * (by_h ? p.h_k : 1) + (by_h ? head_k : 0);
+        dbias_gmem = p.dbias_accum + slab * p.dbias_slab + batch * p.dbias_stride_b;
     }
+
+    if (total > 0) {
+        // K, V tiles (kept for the whole block) and the first Q / dO tile in flight
+        copy_tile<BN, D, PR, NT>(k_smem, k_gmem, p.k_stride_s, n_rows, p.d, p.vec_ok, p.k, tid);
+        copy_tile<BN, D, PR, NT>(v_smem, v_gmem, p.v_stride_s, n_rows, p.d_v, p.vec_ok, p.v, tid);
+        load_step(0, 0);
+        cp_async_commit();
+    }
+    for (int it = 0; it < total; ++it) {
+        const int buf = NBUF == 2 ? (it & 1) : 0;
+        const int head = step_head(it), m0 = step_m0(it);
+        cp_async_wait<0>();
+        __syncthreads();   // step it's tiles landed for all threads; every warp is done with the other buffer and with dSᵀ
+        if (NBUF == 2 && it + 1 < total) load_step(it + 1, buf ^ 1);
+        cp_async_commit();
+        const S* qb_smem = q_smem + buf * BM * PR;      // [BM, PR]
+        const S* dob_smem = do_smem + buf * BM * PR;    // [BM, PR]
+        const float* lse2b = lse2_smem + buf * BM;      // [BM]
+        const float* dsumb = dsum_smem + buf * BM;      // [BM]
+
+        // dPᵀ = V dOᵀ   [16 keys, BM queries]
+        float dp_frag[BM / 8][4];
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j) dp_frag[j][0] = dp_frag[j][1] = dp_frag[j][2] = dp_frag[j][3] = 0.f;
+        mma_nt<E, BM, D, PR, PR>(dp_frag, v_smem + key0 * PR, dob_smem, lane, p.d_v);
+
+        // Sᵀ = K Qᵀ   [16 keys, BM queries]
+        float s_frag[BM / 8][4];
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j) s_frag[j][0] = s_frag[j][1] = s_frag[j][2] = s_frag[j][3] = 0.f;
+        mma_nt<E, BM, D, PR, PR>(s_frag, k_smem + key0 * PR, qb_smem, lane, p.d);
+
+        // P = exp(score(S) − lse) (masked: 0), dS = P ∘ (dP − D) · ds/dS_raw, in place:
+        // s_frag becomes Pᵀ, dp_frag becomes dSᵀ
+        float slope_log2 = 0.f;
+        if (SCORE_MOD && p.alibi) slope_log2 = p.alibi[batch * p.alibi_stride_b + head] * CF_LOG2E;
+        // bias / mask planes [s_q, s_k] of this (batch, head), dbias plane (null: off)
+        const char* bias_step = nullptr;
+        const unsigned char* mask_step = nullptr;
+        float* dbias_step = nullptr;
+        if (GENERAL && p.bias)
+            bias_step = (const char*)p.bias + (batch * p.bias_stride_b + head * p.bias_stride_h) * (p.bias_f32 ? 4 : (i64)sizeof(S));
+        if (GENERAL && p.mask) mask_step = p.mask + batch * p.mask_stride_b + head * p.mask_stride_h;
+        if (GENERAL && dbias_gmem) dbias_step = dbias_gmem + head * p.dbias_stride_h;
+        const bool dbias_rows = GENERAL && (p.dbias_mode & DBIAS_ROWS);
+        const bool dbias_atomic = GENERAL && (p.dbias_mode & DBIAS_ATOMIC);
+        float dbias_key[2] = {0.f, 0.f};          // DBIAS_ROWS: this lane's dS sums for keys g, g + 8
+        const bool need_mask = (n0 + BN > s_k) || (GENERAL && mask_step) ||
+            (WINDOW && (n0 + BN - 1 > m0 + diag_offset + p.window_right ||
+                        n0 < m0 + BM - 1 + diag_offset - p.window_left));
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j) {
+            const float2 l2 = *(const float2*)(lse2b + j * 8 + 2 * t);    // queries j*8 + 2t, +1
+            const float2 dd = *(const float2*)(dsumb + j * 8 + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = n0 + key0 + g + (e >> 1) * 8;
+                const int row = m0 + j * 8 + 2 * t + (e & 1);
+                float ds_dqk;
+                float s = score_log2<SCORE_MOD>(s_frag[j][e], p, slope_log2, row, key, diag_offset, scale, &ds_dqk);
+                if (GENERAL && bias_step) {   // s += bias[row, key] · log2(e) (clamped past the ends: dropped anyway)
+                    const i64 off = (i64)min(row, s_q - 1) * p.bias_stride_q + (i64)min(key, s_k - 1) * p.bias_stride_k;
+                    const float bv = p.bias_f32 ? ((const float*)bias_step)[off] : to_float<E>(((const S*)bias_step)[off]);
+                    s = fmaf(bv, CF_LOG2E, s);
+                }
+                if (need_mask) {
+                    const int diag = row + diag_offset;
+                    bool keep = key < s_k;
+                    if (WINDOW) keep = keep && key >= diag - p.window_left && key <= diag + p.window_right;
+                    if (GENERAL && mask_step)
+                        keep = keep && mask_step[(i64)min(row, s_q - 1) * p.mask_stride_q + (i64)min(key, s_k - 1) * p.mask_stride_k];
+                    if (!keep) s = -CF_INF;
+                }
+                const float pr = fast_exp2(s - ((e & 1) ? l2.y : l2.x));
+                s_frag[j][e] = pr;
+                // dS in natural units before the chain rule through softcap / scale: dbias
+                const float ds = pr * (dp_frag[j][e] - ((e & 1) ? dd.y : dd.x));
+                dp_frag[j][e] = ds * ds_dqk;
+                if (GENERAL && dbias_step) {
+                    if (dbias_rows) {
+                        dbias_key[e >> 1] += ds;   // summed over this lane's rows (0 past s_q: P = 0)
+                    } else if (row < s_q && key < s_k) {   // one owner lane per element in this block
+                        float* dst = dbias_step + (i64)row * p.dbias_stride_q + (i64)key * p.dbias_stride_k;
+                        if (dbias_atomic) red_add_f32(dst, ds); else *dst += ds;
+                    }
+                }
+            }
+        }
+        if (GENERAL && dbias_step && dbias_rows) {   // bias broadcast over rows: one sum per key
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float v = quad_sum(dbias_key[half]);   // the 4 lanes of a key hold its row pairs
+                const int key = n0 + key0 + g + half * 8;
+                if (t == 0 && key < s_k) {
+                    float* dst = dbias_step + (i64)key * p.dbias_stride_k;
+                    if (dbias_atomic) red_add_f32(dst, v); else *dst += v;
+                }
+            }
+        }
+
+        // dV += Pᵀ dO   [16 keys, DW]
+        mma_rn<E, BM, DW, PR>(dv_frag, s_frag, dob_smem + col0, lane, p.d_v - col0);
+        // dK += dSᵀ Q   [16 keys, DW]
+        mma_rn<E, BM, DW, PR>(dk_frag, dp_frag, qb_smem + col0, lane, p.d - col0);
+
+        // dSᵀ to shared memory [BN keys, BM queries] (rounded to E like the dK operand)
+        if (col0 == 0) {
+#pragma unroll
+            for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    S* dst = dst_smem + (key0 + g + half * 8) * PDS + j * 8 + 2 * t;
+                    if constexpr (Elem<E>::is16) {
+                        *(u32*)dst = pack2<E>(dp_frag[j][2 * half], dp_frag[j][2 * half + 1]);
+                    } else {
+                        *(float2*)dst = make_float2(dp_frag[j][2 * half], dp_frag[j][2 * half + 1]);
+                    }
+                }
+        }
+        __syncthreads();   // dSᵀ complete (dQ reads every key's row); Q / dO no longer read this step
+        if (NBUF == 1 && it + 1 < total) load_step(it + 1, 0);
+        cp_async_commit();
+
+        // dQ[m tile] += dS K   [16 queries, DQW] per warp, into float32 global memory
+        float dq_frag[DQW / 8][4];
+#pragma unroll
+        for (int j = 0; j < DQW / 8; ++j) dq_frag[j][0] = dq_frag[j][1] = dq_frag[j][2] = dq_frag[j][3] = 0.f;
+        mma_tn<E, BN, DQW, PDS, PR>(dq_frag, dst_smem + qrow0, k_smem + qcol0, lane, p.d - qcol0);
+        float* dq_gmem = p.dq_accum + (p.deterministic ? (i64)n_block * p.dq_accum_slab : 0)
+                         + (((i64)lse_b * p.h + head) * p.s_q + q_tok0 + m0) * p.d;   // [s_q − m0, d]
+#pragma unroll
+        for (int j = 0; j < DQW / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = qrow0 + g + (e >> 1) * 8, c = qcol0 + j * 8 + 2 * t + (e & 1);
+                if (m0 + r < s_q && c < p.d) {
+                    float* dst = dq_gmem + (i64)r * p.d + c;
+                    if (p.deterministic) *dst = dq_frag[j][e];   // this slab's element: one writer
+                    else red_add_f32(dst, dq_frag[j][e]);
+                }
+            }
+    }
+
+    // dK, dV [16 keys, DW] of this warp to global memory in E (zeros when no query sees the tile)
+    S* dk_gmem = (S*)p.dk + batch * p.dk_stride_b + head_k * p.dk_stride_h + k_tok0 * p.dk_stride_s;   // [s_k, d]
+    S* dv_gmem = (S*)p.dv + batch * p.dv_stride_b + head_k * p.dv_stride_h + k_tok0 * p.dv_stride_s;   // [s_k, d_v]
+#pragma unroll
+    for (int j = 0; j < DW / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = n0 + key0 + g + (e >> 1) * 8, c = col0 + j * 8 + 2 * t + (e & 1);
+            if (key < s_k) {
+                if (c < p.d) dk_gmem[(i64)key * p.dk_stride_s + c] = from_float<E>(dk_frag[j][e]);
+                if (c < p.d_v) dv_gmem[(i64)key * p.dv_stride_s + c] = from_float<E>(dv_frag[j][e]);
+            }
+        }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -85,7 +85,6 @@ struct Params {
 #define DBIAS_ATOMIC 2    // other blocks add to the same element: red.global.add.f32
 #define DBIAS_SLAB_B 4    // deterministic: one slab per batch entry (bias broadcast over batch)
 #define DBIAS_SLAB_H 8    // deterministic: one slab per kv head (bias broadcast over heads)
-#define DBIAS_LOOP_B 16   // bias broadcast over the batch: one block walks every batch entry (grid z = 1)
 
 // ---------------------------------------------------------------------------------------------
 // Element types. f16_t / bf16_t are stored as 16-bit patterns; the two float32 tags differ only

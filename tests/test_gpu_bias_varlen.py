@@ -325,15 +325,6 @@ def test_dbias_deterministic_bit_identical(rng, dtype, kind):
               repeats=3)
 
 
-@pytest.mark.parametrize("kind", ["1hqk", "qk"])
-@pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])
-def test_dbias_batch_walked_by_one_block(rng, kind, det):
-    # 10 key tiles x 16 kv heads >= the SM count: each block walks both batch entries
-    # (DBIAS_LOOP_B), summing dbias over the batch without atomics
-    run_dense(rng, "bfloat16", 2, 100, 1200, 16, 16, 64, bias=kind, causal=True,
-              deterministic=det, repeats=2 if det else 1)
-
-
 def test_api_dbias_in_the_bias_shape(rng):
     q, k, v = (cp.asarray(_draw(rng, (2, 77, 4, 64), BF16)) for _ in range(3))
     bias = cp.asarray(_draw(rng, (4, 1, 77), np.float32))        # (h, 1, s_k): broadcast over rows

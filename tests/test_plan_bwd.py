@@ -123,18 +123,6 @@ def test_dbias_plan(shape, b, h_k, det, mode, slabs):
         assert pl.strides == tuple(0 if n == 1 else s // 4 for n, s in zip(shape, want))
 
 
-@pytest.mark.parametrize("shape,det,mode,slabs", [
-    ((1, 4, 10, 20), False, 16, 1),                      # batch walked by each block: no atomics
-    ((1, 4, 10, 20), True, 16, 1),
-    ((1, 1, 10, 20), False, 16 | 2, 1),                  # heads still across blocks: atomics
-    ((1, 1, 10, 20), True, 16 | 8, 2),
-])
-def test_dbias_plan_batch_loop(shape, det, mode, slabs):
-    pl = _gpu_bwd.dbias_plan(shape, 3, 2, det, blocks_per_batch=132, num_sms=132)
-    assert (pl.mode, pl.slabs) == (mode, slabs)
-    assert _gpu_bwd.dbias_plan(shape, 3, 2, det, blocks_per_batch=131).mode & 16 == 0
-
-
 def test_varlen_backward_plan():
     pl = _gpu_bwd.plan_backward_varlen("bfloat16", 4, 700, 900, 300, 400, 8, 2, 64, 64,
                                        scale=0.1, window_left=16, deterministic=True)
