@@ -15,7 +15,10 @@ Three kernels in kernels_cu/bwd.cu, launched in order on the current stream:
 Extra device memory: D (4·b·h·s_q bytes) and the accumulator (4·b·h·s_q·d bytes), times
 num_n_blocks = ceil(s_k / BN) in deterministic mode (see docs/backward.md).
 
-``backward(dout, q, k, v, out, lse, dq, dk, dv, opts) -> str`` is the launcher the API calls.
+``backward(dout, q, k, v, out, lse, dq, dk, dv, opts, dbias=None) -> str`` is the launcher the
+API calls; with a bias or mask it runs the GENERAL variant (``flash_bwd<..., true, true, true>``)
+and writes dbias (``dbias_plan`` says how dS is reduced to the bias's shape).
+``backward_varlen`` runs packed sequences in one launch set (``plan_backward_varlen``).
 """
 from __future__ import annotations
 
