@@ -144,15 +144,23 @@ def precompile(args) -> int:
     cp = _interop.cupy_module()
     smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
     t0 = time.perf_counter()
-    fwd = list(_plan.all_variants(smem))
-    if int(cp.cuda.Device().compute_capability) == 90:
-        fwd += _plan.sm90_variants()
+    elems = set(args.elems.split(",")) if args.elems else None
+    dims = {int(x) for x in args.head_dims.split(",")} if args.head_dims else None
+
+    def wanted(v):   # --elems / --head-dims / --general narrow the set
+        return ((elems is None or v.elem in elems) and (dims is None or v.d in dims)
+                and (not args.general or getattr(v, "general", False)))
+
+    fwd = [v for v in _plan.all_variants(smem) if wanted(v)]
+    hopper = int(cp.cuda.Device().compute_capability) == 90 and not args.general
+    if hopper:
+        fwd += [v for v in _plan.sm90_variants() if wanted(v)]
     fwd = _modules.precompile(fwd, args.workers)
-    bwd = _gpu_bwd.precompile(_gpu_bwd.all_variants(smem), args.workers)
-    if int(cp.cuda.Device().compute_capability) == 90:
+    bwd = _gpu_bwd.precompile([v for v in _gpu_bwd.all_variants(smem) if wanted(v)], args.workers)
+    if hopper:
         from cupyflash import _gpu_bwd_sm90
-        bwd += _modules.precompile(_gpu_bwd_sm90.variants(), args.workers,
-                                   program_fn=_gpu_bwd_sm90.program)
+        bwd += _modules.precompile([v for v in _gpu_bwd_sm90.variants() if wanted(v)],
+                                   args.workers, program_fn=_gpu_bwd_sm90.program)
     print(f"compiled {len(fwd)} forward and {len(bwd)} backward variants in "
           f"{time.perf_counter() - t0:.1f} s ({args.workers} processes)")
     return 0
@@ -172,6 +180,9 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p = sub.add_parser("precompile", help="compile every kernel variant for this GPU (disk cache)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--elems", default="", help="only these element tags, e.g. bf16_t,f16_t,f32x3_t")
+    p.add_argument("--head-dims", default="", help="only these head-dim buckets, e.g. 64,128")
+    p.add_argument("--general", action="store_true", help="only the GENERAL (bias/mask/varlen) variants")
     from cupyflash import _bench
 
     _bench.add_arguments(sub.add_parser("bench", help="TFLOP/s beside the peers: table, JSON, PNG"))

@@ -192,8 +192,6 @@ def _build(key, q, k, v, out, lse, opts, kernel, dev_id):
         raise NotImplementedError(
             f"GPU forward needs compute capability 8.0 or newer (mma.sync bf16/tf32); device "
             f"{dev_id} is sm_{cc}")
-    if opts.bias is not None or opts.mask is not None:
-        raise NotImplementedError("GPU forward: bias / mask are not supported yet")
     name = _DTYPE_NAMES.get(q.dtype)
     if name is None:
         raise NotImplementedError(f"GPU forward: dtype {q.dtype} (float16, bfloat16, float32)")
@@ -295,8 +293,11 @@ def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
     "sm90" (the Hopper kernel; ValueError when it cannot run the call), a variant name from
     _plan.all_variants() / _plan.sm90_variants(), or a _plan.Variant / _plan.Sm90Variant (any
     instantiation, for tuning). Runs on the current device and stream.
-    Raises NotImplementedError for bias / mask, head dims > 256, other dtypes, pre-sm_80 GPUs.
+    A bias or mask runs the portable GENERAL variant (``_forward_general``: planned per call).
+    Raises NotImplementedError for head dims > 256, other dtypes, pre-sm_80 GPUs.
     """
+    if opts.bias is not None or opts.mask is not None:
+        return _forward_general(q, k, v, out, lse, opts, kernel)
     alibi = opts.alibi_slopes
     key = _key(q, k, v, out, opts, kernel)
     ent = _launch_cache.get(key)
@@ -328,3 +329,171 @@ def cached_launch(q, k, v, out, opts):
     if opts.alibi_slopes is not None:
         return None
     return _launch_cache.get(_key(q, k, v, out, opts, "auto"))
+
+
+# ------------------------------------------------------------------------------------------
+# GENERAL variant: bias / mask (dense) and varlen. Planned per call (no launch cache): these
+# calls carry arrays whose pointers and strides change from call to call anyway.
+# ------------------------------------------------------------------------------------------
+def _check_launchable(q, k, v, out, lse, dev_id):
+    """(dtype name, smem opt-in): the checks _build makes, for the GENERAL launchers."""
+    cc, smem, _ = _info(dev_id)
+    if cc < 80:
+        raise NotImplementedError(
+            f"GPU forward needs compute capability 8.0 or newer (mma.sync bf16/tf32); device "
+            f"{dev_id} is sm_{cc}")
+    name = _DTYPE_NAMES.get(q.dtype)
+    if name is None:
+        raise NotImplementedError(f"GPU forward: dtype {q.dtype} (float16, bfloat16, float32)")
+    for a, w in ((k, "k"), (v, "v"), (out, "out")):
+        if a.dtype != q.dtype:
+            raise ValueError(f"{w} has dtype {a.dtype}, q has {q.dtype}")
+    if lse.dtype != np.float32 or not lse.flags.c_contiguous:
+        raise ValueError("lse must be a contiguous float32 array")
+    return name, smem
+
+
+def _forced(kernel, smem):
+    if isinstance(kernel, _plan.Variant):
+        return kernel
+    return None if kernel in ("auto", "portable") else _variant_by_name(kernel, smem)
+
+
+def bias_operand(bias, dtype):
+    """(array, bias_f32) the kernels read for a 4-D ``bias``: the bias itself when its dtype is q's
+    (``dtype``) or float32, else one float32 copy of the un-broadcast bias (documented:
+    docs/choices.md). Element strides must be whole: otherwise a contiguous copy."""
+    if bias.dtype == dtype or bias.dtype == np.float32:
+        b = bias
+    else:
+        b = bias.astype(np.float32)
+    if any(st % b.itemsize for st in b.strides):
+        b = cupy.ascontiguousarray(b)
+    return b, int(b.dtype == np.float32)
+
+
+def broadcast_strides(a):
+    """Element strides of a 4-D array over (b, h, s_q, s_k), 0 along its size-1 dimensions."""
+    return tuple(0 if n == 1 else st // a.itemsize for n, st in zip(a.shape, a.strides))
+
+
+def set_bias_mask(prm, opts, dtype):
+    """Write the bias / mask pointers, strides, bias_f32 and bias_pair into Params ``prm``
+    (its s_k already set); returns the arrays that must stay alive until the launch is queued."""
+    keep = []
+    if opts.bias is not None:
+        b, f32 = bias_operand(opts.bias, dtype)
+        prm["bias"], prm["bias_f32"] = b.data.ptr, f32
+        st = broadcast_strides(b)
+        for a, x in zip("bhqk", st):
+            prm[f"bias_stride_{a}"] = x
+        # pair loads: unit key stride, even s_k, every (row, even column) pair aligned
+        prm["bias_pair"] = int(st[3] == 1 and int(prm["s_k"]) % 2 == 0
+                               and all(x % 2 == 0 for x in st[:3])
+                               and b.data.ptr % (2 * b.itemsize) == 0)
+        keep.append(b)
+    if opts.mask is not None:
+        m = opts.mask
+        if m.dtype != np.bool_:
+            raise ValueError(f"mask has dtype {m.dtype}, bool expected")
+        prm["mask"] = m.data.ptr
+        for a, st in zip("bhqk", broadcast_strides(m)):
+            prm[f"mask_stride_{a}"] = st
+        keep.append(m)
+    return keep
+
+
+def _set_common(prm, q, k, v, out, lse, opts, zero_batch_strides=False):
+    """Strides, vec_ok, pointers and ALiBi slopes of the forward Params; returns arrays to keep."""
+    strides = []
+    for a, t in ((q, "q"), (k, "k"), (v, "v"), (out, "o")):
+        sb, ss, sh, _ = _elem_strides(a, t)
+        if zero_batch_strides:
+            sb = 0
+        prm[f"{t}_stride_b"], prm[f"{t}_stride_s"], prm[f"{t}_stride_h"] = sb, ss, sh
+        strides += [sb, ss, sh]
+    ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr)
+    prm["vec_ok"] = int(_plan.vec_ok(ptrs, strides, q.dtype.itemsize))
+    for n, a in (("q", q), ("k", k), ("v", v), ("o", out), ("lse", lse)):
+        prm[n] = a.data.ptr
+    keep = []
+    alibi = opts.alibi_slopes
+    if alibi is not None:
+        if alibi.dtype != np.float32 or (alibi.shape[1] > 1 and alibi.strides[1] != 4):
+            alibi = cupy.ascontiguousarray(alibi, dtype=np.float32)
+        prm["alibi"] = alibi.data.ptr
+        prm["alibi_stride_b"] = alibi.strides[0] // 4 if alibi.shape[0] > 1 else 0
+        keep.append(alibi)
+    return keep
+
+
+def _launch(plan, prm, dev_id):
+    fn = _modules.get_function(plan.variant, dev_id)
+    fn(plan.grid, plan.block, (prm.reshape(1)[0],), shared_mem=plan.smem)
+    return plan.variant.name
+
+
+def _forward_general(q, k, v, out, lse, opts, kernel="auto") -> str:
+    """forward() with a bias and / or a mask: the GENERAL variant (see forward)."""
+    if q.size == 0 or out.size == 0:
+        return "empty"
+    if k.shape[1] == 0:   # no keys: every row attends to nothing
+        out.fill(0)
+        lse.fill(-math.inf)
+        return "empty"
+    dev_id = _get_device()
+    name, smem = _check_launchable(q, k, v, out, lse, dev_id)
+    b, s_q, h, d = q.shape
+    _, s_k, h_k, _ = k.shape
+    plan = _plan.plan_forward(
+        name, b, s_q, s_k, h, h_k, d, v.shape[3], scale=float(opts.scale),
+        window_left=int(opts.window_left), window_right=int(opts.window_right),
+        bottom_right=bool(opts.bottom_right), softcap=float(opts.softcap or 0.0),
+        has_alibi=opts.alibi_slopes is not None, allow_tf32=bool(opts.allow_tf32),
+        smem_optin=smem, variant=_forced(kernel, smem), has_bias=opts.bias is not None,
+        has_mask=opts.mask is not None)
+    prm = plan.params
+    keep = _set_common(prm, q, k, v, out, lse, opts) + set_bias_mask(prm, opts, q.dtype)
+    name = _launch(plan, prm, dev_id)
+    del keep   # (CuPy's pool reuses freed memory only in stream order: safe after the launch)
+    return name
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse,
+                   opts) -> str:
+    """Packed (varlen) forward in one launch of the GENERAL variant.
+
+    q [1, total_q, h, d], k [1, total_k, h_k, d], v [1, total_k, h_k, d_v], out [1, total_q, h,
+    d_v]: CuPy bshd views of the packed tokens (contiguous last dimension); lse float32
+    [h, total_q] contiguous; cu_seqlens_q / _k int32 [batch + 1] CuPy arrays (validated by the
+    caller); max_seqlen_q / _k: the longest sequences (ints). Sequence z is q rows
+    cu_seqlens_q[z]:cu_seqlens_q[z + 1] against k / v rows cu_seqlens_k[z]:cu_seqlens_k[z + 1];
+    causal / window are aligned per sequence; ALiBi slopes (batch, h) are per sequence.
+    A sequence without keys gives out = 0, lse = -inf. Returns the variant's name.
+    """
+    total_q, total_k = q.shape[1], k.shape[1]
+    nseq = cu_seqlens_q.shape[0] - 1
+    if total_q == 0 or nseq == 0 or q.shape[2] == 0 or max_seqlen_q == 0:
+        return "empty"
+    if total_k == 0:
+        out.fill(0)
+        lse.fill(-math.inf)
+        return "empty"
+    dev_id = _get_device()
+    name, smem = _check_launchable(q, k, v, out, lse, dev_id)
+    _, _, h, d = q.shape
+    h_k = k.shape[2]
+    plan = _plan.plan_forward_varlen(
+        name, nseq, total_q, total_k, int(max_seqlen_q), int(max_seqlen_k), h, h_k, d,
+        v.shape[3], scale=float(opts.scale), window_left=int(opts.window_left),
+        window_right=int(opts.window_right), bottom_right=bool(opts.bottom_right),
+        softcap=float(opts.softcap or 0.0), has_alibi=opts.alibi_slopes is not None,
+        allow_tf32=bool(opts.allow_tf32), smem_optin=smem)
+    prm = plan.params
+    cq = cupy.ascontiguousarray(cu_seqlens_q, dtype=np.int32)
+    ck = cupy.ascontiguousarray(cu_seqlens_k, dtype=np.int32)
+    keep = _set_common(prm, q, k, v, out, lse, opts, zero_batch_strides=True)
+    prm["cu_seqlens_q"], prm["cu_seqlens_k"] = cq.data.ptr, ck.data.ptr
+    name = _launch(plan, prm, dev_id)
+    del keep, cq, ck
+    return name

@@ -15,7 +15,10 @@ Three kernels in kernels_cu/bwd.cu, launched in order on the current stream:
 Extra device memory: D (4·b·h·s_q bytes) and the accumulator (4·b·h·s_q·d bytes), times
 num_n_blocks = ceil(s_k / BN) in deterministic mode (see docs/backward.md).
 
-``backward(dout, q, k, v, out, lse, dq, dk, dv, opts) -> str`` is the launcher the API calls.
+``backward(dout, q, k, v, out, lse, dq, dk, dv, opts, dbias=None) -> str`` is the launcher the
+API calls; with a bias or mask it runs the GENERAL variant (``flash_bwd<..., true, true, true>``)
+and writes dbias (``dbias_plan`` says how dS is reduced to the bias's shape).
+``backward_varlen`` runs packed sequences in one launch set (``plan_backward_varlen``).
 """
 from __future__ import annotations
 
@@ -57,6 +60,7 @@ class BwdVariant(NamedTuple):
     nbuf: int
     window: bool
     score_mod: bool
+    general: bool = False   # GENERAL: bias (+ dbias) / mask / varlen (window and score_mod set)
 
     @property
     def bn(self) -> int:
@@ -65,8 +69,9 @@ class BwdVariant(NamedTuple):
     @property
     def name_expression(self) -> str:
         b = lambda x: "true" if x else "false"  # noqa: E731
+        gen = ", true" if self.general else ""   # the template's default is false
         return (f"flash_bwd<{self.elem}, {self.d}, {self.bm}, {self.nw}, {self.wd}, "
-                f"{self.nbuf}, {b(self.window)}, {b(self.score_mod)}>")
+                f"{self.nbuf}, {b(self.window)}, {b(self.score_mod)}{gen}>")
 
     @property
     def pre_expression(self) -> str:
@@ -78,7 +83,10 @@ class BwdVariant(NamedTuple):
 
     @property
     def name(self) -> str:
-        flags = ("_window" if self.window else "") + ("_mod" if self.score_mod else "")
+        if self.general:
+            flags = "_gen"
+        else:
+            flags = ("_window" if self.window else "") + ("_mod" if self.score_mod else "")
         return (f"bwd_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}w{self.nw}"
                 f"s{self.wd}b{self.nbuf}{flags}")
 
@@ -100,7 +108,9 @@ def smem_bytes(elem: str, d: int, bm: int, bn: int, nbuf: int) -> int:
     return (2 * bn * pr + 2 * nbuf * bm * pr + bn * pds) * es + 2 * nbuf * bm * 4
 
 
-def tiles(elem: str, d_bucket: int, smem_optin: int) -> Tuple[int, int, int, int]:
+def tiles(elem: str, d_bucket: int, smem_optin: int,
+          general: bool = False) -> Tuple[int, int, int, int]:
+    """(BM, NW, WD, NBUF); ``general`` (bias / mask / varlen) uses the same tiles."""
     return _TILES[(_plan.smem_class(smem_optin), _ELEM_SIZE[elem])][d_bucket]
 
 
@@ -113,6 +123,8 @@ def all_variants(smem_optin: int = 227 * 1024):
             for window in (False, True):
                 for mod in (False, True):
                     out.append(BwdVariant(elem, dbk, bm, nw, wd, nbuf, window, mod))
+            bm, nw, wd, nbuf = tiles(elem, dbk, smem_optin, general=True)
+            out.append(BwdVariant(elem, dbk, bm, nw, wd, nbuf, True, True, True))
     return out
 
 
@@ -132,21 +144,26 @@ def plan_backward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int,
                   bottom_right: bool = True, softcap: float = 0.0, has_alibi: bool = False,
                   allow_tf32: bool = False, deterministic: bool = False,
                   smem_optin: int = 227 * 1024, num_sms: int = 132,
-                  variant: Optional[BwdVariant] = None) -> BwdPlan:
-    """Choose the backward variant and launch shapes; fill the size/scalar fields of Params."""
+                  variant: Optional[BwdVariant] = None, has_bias: bool = False,
+                  has_mask: bool = False, varlen: bool = False) -> BwdPlan:
+    """Choose the backward variant and launch shapes; fill the size/scalar fields of Params.
+
+    A bias, a mask or varlen selects the GENERAL variant (the launcher fills their pointers,
+    strides and the dbias mode: ``dbias_plan``)."""
     if h % h_k:
         raise ValueError(f"heads {h} is not a multiple of heads_k {h_k}")
     if min(b, s_q, s_k, h, h_k, d, d_v) < 1:
         raise ValueError("empty problem: the launcher handles zero sizes before planning")
     elem = _plan.elem_tag(dtype_name, allow_tf32)
     dbk = _plan.head_dim_bucket(d, d_v)
-    window = window_left >= 0 or window_right >= 0
-    score_mod = softcap > 0 or has_alibi
+    general = has_bias or has_mask or varlen
+    window = window_left >= 0 or window_right >= 0 or general
+    score_mod = softcap > 0 or has_alibi or general
     if variant is None:
-        bm, nw, wd, nbuf = tiles(elem, dbk, smem_optin)
-        variant = BwdVariant(elem, dbk, bm, nw, wd, nbuf, window, score_mod)
+        bm, nw, wd, nbuf = tiles(elem, dbk, smem_optin, general)
+        variant = BwdVariant(elem, dbk, bm, nw, wd, nbuf, window, score_mod, general)
     elif (variant.elem != elem or variant.d < max(d, d_v) or (window and not variant.window)
-          or (score_mod and not variant.score_mod)):
+          or (score_mod and not variant.score_mod) or (general and not variant.general)):
         raise ValueError(f"kernel {variant.name} cannot compute this problem")
     if variant.smem_bytes > smem_optin:
         raise NotImplementedError(
@@ -177,6 +194,75 @@ def plan_backward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int,
     dq_blocks = max(1, min(-(-rows * d // 256), num_sms * 8))
     return BwdPlan(variant, (num_n, h_k, b), (variant.threads, 1, 1), variant.smem_bytes,
                    (-(-rows // 8), 1, 1), (dq_blocks, 1, 1), accum, prm)
+
+
+def plan_backward_varlen(dtype_name: str, batch: int, total_q: int, total_k: int,
+                         max_seqlen_q: int, max_seqlen_k: int, h: int, h_k: int, d: int, d_v: int,
+                         **kw) -> BwdPlan:
+    """The GENERAL backward over ``batch`` packed sequences (keywords as plan_backward).
+
+    flash_bwd grid (ceil(max_seqlen_k / BN), h_k, batch): blocks past their sequence's keys exit
+    at once. pre / dq kernels see the packed tokens as one batch (Params b = 1, s_q = total_q:
+    lse, D and the dQ accumulator are [1, h, total_q]). Deterministic mode: the launcher zeroes
+    the slabs and flash_bwd_dq sums all ceil(max_seqlen_k / BN) of them for every row.
+    """
+    bottom_right = kw.pop("bottom_right", True)
+    plan = plan_backward(dtype_name, 1, total_q, max(1, max_seqlen_k), h, h_k, d, d_v,
+                         bottom_right=bottom_right, varlen=True, **kw)
+    if batch > 65535:
+        raise NotImplementedError(f"{batch} sequences exceed CUDA's grid limit (65535)")
+    prm = plan.params
+    prm["s_k"] = total_k
+    prm["diag_offset"] = 0                        # per sequence, from varlen_bottom_right
+    prm["varlen_bottom_right"] = int(bool(bottom_right))
+    unbounded = total_q + total_k                 # past every sequence's own s_q + s_k
+    for side in ("window_left", "window_right"):
+        if kw.get(side, -1) < 0:
+            prm[side] = unbounded
+    return plan._replace(grid=(plan.grid[0], h_k, batch))
+
+
+class DbiasPlan(NamedTuple):
+    """How flash_bwd reduces dS into dbias for one bias shape (see dbias_plan)."""
+
+    mode: int                     # Params.dbias_mode (DBIAS_* bits of common.cuh), -1: zero
+    slabs: int                    # float32 slabs of the reduced shape
+    shape: Tuple[int, ...]        # the bias's 4-D shape (each dimension 1 or full)
+    strides: Tuple[int, ...]      # element strides inside one slab, 0 along size-1 dims
+
+
+DBIAS_ROWS, DBIAS_ATOMIC, DBIAS_SLAB_B, DBIAS_SLAB_H = 1, 2, 4, 8
+
+
+def dbias_plan(bias_shape, b: int, h_k: int, deterministic: bool) -> DbiasPlan:
+    """dbias = dS summed over the bias's broadcast dimensions, by flash_bwd.
+
+    * key dimension broadcast (shape[3] == 1): dbias is exactly 0 (a per-row constant does not
+      change a softmax: Σ_j dS_ij = Σ_j P_ij dP_ij − D_i = 0), mode -1: the launcher zero-fills.
+    * row dimension broadcast: each warp sums its rows per key first (DBIAS_ROWS).
+    * one flash_bwd block owns a key tile of one (batch, kv head): contributions to one element
+      from other blocks exist only over a broadcast batch (b > 1) or a broadcast head dim
+      (h_k > 1). Then: float atomics into one slab, or, deterministic, one slab per such block
+      coordinate (DBIAS_SLAB_B / _H), summed in order afterwards. Otherwise one owner lane per
+      element adds in program order (no atomics, deterministic).
+    """
+    shape = tuple(int(n) for n in bias_shape)
+    if shape[3] == 1:
+        return DbiasPlan(-1, 0, shape, (0, 0, 0, 0))
+    mode = DBIAS_ROWS if shape[2] == 1 else 0
+    by_b = shape[0] == 1 and b > 1
+    by_h = shape[1] == 1 and h_k > 1
+    slabs = 1
+    if deterministic:
+        mode |= (DBIAS_SLAB_B if by_b else 0) | (DBIAS_SLAB_H if by_h else 0)
+        slabs = (b if by_b else 1) * (h_k if by_h else 1)
+    elif by_b or by_h:
+        mode |= DBIAS_ATOMIC
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(0 if n == 1 else acc)
+        acc *= n
+    return DbiasPlan(mode, slabs, shape, tuple(reversed(strides)))
 
 
 def query_tiles(n_block: int, bn: int, bm: int, s_q: int, s_k: int, window_left: int,
@@ -264,23 +350,10 @@ def _elem_strides(a, what):
     return _gpu._elem_strides(a, what)[:3]
 
 
-def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None) -> str:
-    """dq, dk, dv [...] = gradients of attention(q, k, v) at dout; returns the variant's name.
-
-    dout, out [b, s_q, h, d_v]; q [b, s_q, h, d]; k [b, s_k, h_k, d]; v [b, s_k, h_k, d_v]:
-    CuPy bshd views of one dtype with a contiguous last dimension; lse float32 [b, h, s_q]
-    contiguous (natural log, -inf for rows that see no key); dq, dk, dv preallocated with
-    q, k, v's shapes and dtype (any strides). Current device and stream. ``kernel``: None (the
-    planner: the Hopper main kernel, _gpu_bwd_sm90, on compute capability 9.0 where it covers
-    the call, else the portable one), "portable", "sm90" (ValueError where it cannot run), or a
-    BwdVariant to force (tuning, benchmarks). Raises NotImplementedError for bias / mask,
-    head dims > 256, other dtypes, pre-sm_80 GPUs.
-    """
-    import cupy
+def _checks(dout, q, k, v, out, lse, dq, dk, dv):
+    """dtype name of a launchable problem (same dtype everywhere, float32 contiguous lse)."""
     from . import _gpu
 
-    if opts.bias is not None or opts.mask is not None:
-        raise NotImplementedError("GPU backward: bias / mask are not supported yet")
     name = _gpu._DTYPE_NAMES.get(q.dtype)
     if name is None:
         raise NotImplementedError(f"GPU backward: dtype {q.dtype} (float16, bfloat16, float32)")
@@ -289,17 +362,15 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None) -> str:
         if a.dtype != q.dtype:
             raise ValueError(f"{w} has dtype {a.dtype}, q has {q.dtype}")
     if lse.dtype != np.float32 or not lse.flags.c_contiguous:
-        raise ValueError("lse must be a contiguous float32 array [b, h, s_q]")
-    b, s_q, h, d = q.shape
-    _, s_k, h_k, _ = k.shape
-    d_v = v.shape[3]
-    if b == 0 or h == 0:
-        return "empty"
-    if s_q == 0 or s_k == 0 or d == 0 or d_v == 0:   # no products: the gradients are zero
-        for a in (dq, dk, dv):
-            if a.size:
-                a.fill(0)
-        return "empty"
+        raise ValueError("lse must be a contiguous float32 array")
+    return name
+
+
+def _device():
+    """(device id, smem opt-in, SM count) of the current device; sm_80+ required."""
+    import cupy
+    from . import _gpu
+
     dev_id = cupy.cuda.runtime.getDevice()
     cc, smem, _ = _gpu._info(dev_id)
     if cc < 80:
@@ -308,18 +379,23 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None) -> str:
     num_sms = _NUM_SMS.get(dev_id)
     if num_sms is None:   # Device.attributes queries every attribute: once per device
         num_sms = _NUM_SMS[dev_id] = cupy.cuda.Device(dev_id).attributes["MultiProcessorCount"]
-    plan = plan_backward(
-        name, b, s_q, s_k, h, h_k, d, d_v, scale=float(opts.scale),
-        window_left=int(opts.window_left), window_right=int(opts.window_right),
-        bottom_right=bool(opts.bottom_right), softcap=float(opts.softcap or 0.0),
-        has_alibi=opts.alibi_slopes is not None, allow_tf32=bool(opts.allow_tf32),
-        deterministic=bool(opts.deterministic), smem_optin=smem, num_sms=num_sms,
-        variant=kernel if isinstance(kernel, BwdVariant) else None)
+    return dev_id, smem, num_sms
+
+
+def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
+                     zero_batch_strides=False, zero_accum=False, extra=None, hopper=None):
+    """Strides, pointers, ALiBi slopes into the plan's Params; D and dQ accumulator allocated;
+    ``extra(prm)`` writes the GENERAL fields; the three kernels launched in order, or
+    ``hopper(prm)`` launches them with the Hopper main kernel (None: it could not)."""
+    import cupy
+
     prm = plan.params.copy()
     strides = []
     for a, t in ((q, "q"), (k, "k"), (v, "v"), (out, "o"), (dout, "do"), (dq, "dq"), (dk, "dk"),
                  (dv, "dv")):
         sb, ss, sh = _elem_strides(a, t)
+        if zero_batch_strides:
+            sb = 0
         prm[f"{t}_stride_b"], prm[f"{t}_stride_s"], prm[f"{t}_stride_h"] = sb, ss, sh
         if t in ("q", "k", "v", "do"):
             strides += [sb, ss, sh]
@@ -331,33 +407,178 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None) -> str:
             alibi = cupy.ascontiguousarray(alibi, dtype=np.float32)
         prm["alibi"] = alibi.data.ptr
         prm["alibi_stride_b"] = alibi.strides[0] // 4 if alibi.shape[0] > 1 else 0
-    dsum = cupy.empty((b, h, s_q), np.float32)
-    accum = cupy.empty(plan.accum_elems, np.float32)
+    rows = plan.params["dq_accum_slab"] // max(1, int(plan.params["d"]))
+    dsum = cupy.empty(rows, np.float32)
+    accum = (cupy.zeros if zero_accum else cupy.empty)(plan.accum_elems, np.float32)
     for n, a in (("q", q), ("k", k), ("v", v), ("o", out), ("lse", lse), ("dout", dout),
                  ("dq", dq), ("dk", dk), ("dv", dv), ("dsum", dsum), ("dq_accum", accum)):
         prm[n] = a.data.ptr
-    if kernel is None or kernel == "sm90":   # the Hopper main kernel where it covers the call
-        from . import _gpu_bwd_sm90 as h90
-        why = h90.unsupported(
-            name, d, d_v, scale=float(opts.scale), softcap=float(opts.softcap or 0.0),
-            has_alibi=alibi is not None, deterministic=bool(opts.deterministic), cc=cc,
-            smem_optin=smem, tensors=[(a.shape, _gpu._elem_strides(a, t))
-                                      for a, t in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"))])
-        ran = None if why else h90.launch(
-            h90.Sm90BwdVariant(plan.variant.elem, d, plan.variant.window), prm, plan.pre_grid,
-            plan.dq_grid, q, k, v, dout, dev_id)
+    keep = extra(prm) if extra is not None else ()
+    if hopper is not None:
+        ran = hopper(prm)
         if ran is not None:
             return ran
-        if kernel == "sm90":
-            raise ValueError(f"kernel='sm90': the Hopper backward cannot run this call: "
-                             f"{why or 'a base address is not 16-byte aligned'}")
     main, pre, conv = get_functions(plan.variant, dev_id)
     rec = prm.reshape(1)[0]
     pre(plan.pre_grid, (256, 1, 1), (rec,))
     main(plan.grid, plan.block, (rec,), shared_mem=plan.smem)
     conv(plan.dq_grid, (256, 1, 1), (rec,))
+    del keep, alibi
     return plan.variant.name
 
 
-__all__ = ["BwdVariant", "BwdPlan", "plan_backward", "all_variants", "backward", "tiles",
+def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, forced):
+    """``hopper(prm)`` for _fill_and_launch when the Hopper main kernel covers the call (None
+    otherwise); ``forced`` (kernel="sm90") turns every refusal into a ValueError."""
+    from . import _gpu
+    from . import _gpu_bwd_sm90 as h90
+
+    cc = _gpu._info(dev_id)[0]
+    why = h90.unsupported(
+        name, q.shape[3], v.shape[3], scale=float(opts.scale),
+        softcap=float(opts.softcap or 0.0), has_alibi=opts.alibi_slopes is not None,
+        deterministic=bool(opts.deterministic), cc=cc, smem_optin=smem,
+        tensors=[(a.shape, _gpu._elem_strides(a, t))
+                 for a, t in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"))])
+    if why is not None:
+        if forced:
+            raise ValueError(f"kernel='sm90': the Hopper backward cannot run this call: {why}")
+        return None
+    variant = h90.Sm90BwdVariant(plan.variant.elem, q.shape[3], plan.variant.window)
+
+    def hopper(prm):
+        ran = h90.launch(variant, prm, plan.pre_grid, plan.dq_grid, q, k, v, dout, dev_id)
+        if ran is None and forced:
+            raise ValueError("kernel='sm90': a base address is not 16-byte aligned")
+        return ran
+
+    return hopper
+
+
+def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=None) -> str:
+    """dq, dk, dv [...] = gradients of attention(q, k, v) at dout; returns the variant's name.
+
+    dout, out [b, s_q, h, d_v]; q [b, s_q, h, d]; k [b, s_k, h_k, d]; v [b, s_k, h_k, d_v]:
+    CuPy bshd views of one dtype with a contiguous last dimension; lse float32 [b, h, s_q]
+    contiguous (natural log, -inf for rows that see no key); dq, dk, dv preallocated with
+    q, k, v's shapes and dtype (any strides). Current device and stream. ``kernel``: None (the
+    planner: the Hopper main kernel, _gpu_bwd_sm90, on compute capability 9.0 where it covers
+    the call, else the portable one), "portable", "sm90" (ValueError where it cannot run), or a
+    BwdVariant to force (tuning, benchmarks).
+    With ``opts.bias`` / ``opts.mask`` the GENERAL variant runs; ``dbias`` (a CuPy array of
+    opts.bias's 4-D shape, any float dtype) then receives dS summed over the bias's broadcast
+    dimensions (float32 accumulation; ``dbias_plan`` says how). Raises NotImplementedError for
+    head dims > 256, other dtypes, pre-sm_80 GPUs.
+    """
+    import cupy
+
+    name = _checks(dout, q, k, v, out, lse, dq, dk, dv)
+    bias = opts.bias
+    if bias is not None and dbias is None:
+        raise ValueError("backward with a bias needs the dbias output array")
+    b, s_q, h, d = q.shape
+    _, s_k, h_k, _ = k.shape
+    d_v = v.shape[3]
+    if b == 0 or h == 0:
+        return "empty"
+    if s_q == 0 or s_k == 0 or d == 0 or d_v == 0:   # no products: the gradients are zero
+        for a in (dq, dk, dv, dbias):
+            if a is not None and a.size:
+                a.fill(0)
+        return "empty"
+    dev_id, smem, num_sms = _device()
+    plan = plan_backward(
+        name, b, s_q, s_k, h, h_k, d, d_v, scale=float(opts.scale),
+        window_left=int(opts.window_left), window_right=int(opts.window_right),
+        bottom_right=bool(opts.bottom_right), softcap=float(opts.softcap or 0.0),
+        has_alibi=opts.alibi_slopes is not None, allow_tf32=bool(opts.allow_tf32),
+        deterministic=bool(opts.deterministic), smem_optin=smem, num_sms=num_sms,
+        variant=kernel if isinstance(kernel, BwdVariant) else None, has_bias=bias is not None,
+        has_mask=opts.mask is not None)
+    hopper = None
+    if (kernel is None or kernel == "sm90") and not plan.variant.general:
+        hopper = _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem,
+                                  forced=kernel == "sm90")
+    extra = None
+    dplan = accum = None
+    if plan.variant.general:
+        from . import _gpu
+
+        if bias is not None:
+            dplan = dbias_plan(bias.shape, b, h_k, bool(opts.deterministic))
+            if dplan.mode >= 0:
+                n = dplan.slabs * int(np.prod(dplan.shape))
+                direct = (dplan.slabs == 1 and dbias.dtype == np.float32
+                          and dbias.flags.c_contiguous and dbias.shape == dplan.shape)
+                if direct:   # the float32 output is its own accumulator
+                    accum = dbias.reshape(-1)
+                    accum.fill(0)
+                else:
+                    accum = cupy.zeros(n, np.float32)
+
+        def extra(prm):
+            keep = _gpu.set_bias_mask(prm, opts, q.dtype)
+            if accum is not None:
+                prm["dbias_accum"] = accum.data.ptr
+                prm["dbias_mode"] = dplan.mode
+                prm["dbias_slab"] = int(np.prod(dplan.shape))
+                for a, st in zip("bhqk", dplan.strides):
+                    prm[f"dbias_stride_{a}"] = st
+            return keep
+
+    res = _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, extra=extra,
+                           hopper=hopper)
+    if dplan is not None:
+        if dplan.mode < 0:     # bias constant along keys: exactly zero gradient
+            dbias.fill(0)
+        elif accum is not None and accum.data.ptr != dbias.data.ptr:
+            acc = accum.reshape((dplan.slabs,) + dplan.shape)
+            red = acc[0] if dplan.slabs == 1 else acc.sum(axis=0)   # slabs in a fixed order
+            dbias[...] = red.astype(dbias.dtype, copy=False)
+    return res
+
+
+def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, dq, dk, dv, opts) -> str:
+    """Gradients of _gpu.forward_varlen in one GENERAL launch set.
+
+    dout, out [1, total_q, h, d_v]; q [1, total_q, h, d]; k [1, total_k, h_k, d]; v [1, total_k,
+    h_k, d_v] (CuPy bshd views of the packed tokens); lse float32 [h, total_q] contiguous from
+    the varlen forward; cu_seqlens_q / _k int32 CuPy [batch + 1]; dq, dk, dv preallocated like
+    q, k, v (every element written). Returns the variant's name.
+    """
+    import cupy
+
+    name = _checks(dout, q, k, v, out, lse, dq, dk, dv)
+    total_q, total_k = q.shape[1], k.shape[1]
+    _, _, h, d = q.shape
+    h_k, d_v = k.shape[2], v.shape[3]
+    nseq = cu_seqlens_q.shape[0] - 1
+    if total_q == 0 or total_k == 0 or h == 0 or nseq == 0 or max_seqlen_k == 0:
+        for a in (dq, dk, dv):
+            if a.size:
+                a.fill(0)
+        return "empty"
+    dev_id, smem, num_sms = _device()
+    plan = plan_backward_varlen(
+        name, nseq, total_q, total_k, int(max_seqlen_q), int(max_seqlen_k), h, h_k, d, d_v,
+        scale=float(opts.scale), window_left=int(opts.window_left),
+        window_right=int(opts.window_right), bottom_right=bool(opts.bottom_right),
+        softcap=float(opts.softcap or 0.0), has_alibi=opts.alibi_slopes is not None,
+        allow_tf32=bool(opts.allow_tf32), deterministic=bool(opts.deterministic),
+        smem_optin=smem, num_sms=num_sms)
+    cq = cupy.ascontiguousarray(cu_seqlens_q, dtype=np.int32)
+    ck = cupy.ascontiguousarray(cu_seqlens_k, dtype=np.int32)
+
+    def extra(prm):
+        prm["cu_seqlens_q"], prm["cu_seqlens_k"] = cq.data.ptr, ck.data.ptr
+        return (cq, ck)
+
+    return _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id,
+                            zero_batch_strides=True, zero_accum=bool(opts.deterministic),
+                            extra=extra)
+
+
+__all__ = ["BwdVariant", "BwdPlan", "plan_backward", "plan_backward_varlen", "dbias_plan",
+           "DbiasPlan", "all_variants", "backward", "backward_varlen", "tiles",
            "smem_bytes", "flops", "program", "precompile"]

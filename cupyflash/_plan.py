@@ -51,6 +51,12 @@ _TILES = {
 }
 
 
+#: GENERAL template bits of flash_fwd (common.cuh): varlen alone runs on the plain tiles; a bias
+#: or mask takes GEN_VARLEN | GEN_BIAS_MASK on the ``general`` tiles.
+GEN_VARLEN, GEN_BIAS_MASK = 1, 2
+GEN_ALL = GEN_VARLEN | GEN_BIAS_MASK
+
+
 class Variant(NamedTuple):
     """One template instantiation of flash_fwd."""
 
@@ -62,17 +68,22 @@ class Variant(NamedTuple):
     window: bool
     score_mod: bool
     stages: int = 1      # K buffers (KSTAGES)
+    general: int = 0     # GENERAL bits: GEN_VARLEN (1), GEN_BIAS_MASK (2); window, score_mod set
 
     @property
     def name_expression(self) -> str:
         b = lambda x: "true" if x else "false"  # noqa: E731
+        gen = f", {int(self.general)}" if self.general else ""   # the template's default is 0
         return (f"flash_fwd<{self.elem}, {self.d}, {self.bm}, {self.bn}, {self.nw}, "
-                f"{self.stages}, {b(self.window)}, {b(self.score_mod)}>")
+                f"{self.stages}, {b(self.window)}, {b(self.score_mod)}{gen}>")
 
     @property
     def name(self) -> str:
         """Short human-readable name, returned by _gpu.forward."""
-        flags = ("_window" if self.window else "") + ("_mod" if self.score_mod else "")
+        if self.general:
+            flags = "_gen" if self.general & GEN_BIAS_MASK else "_varlen"
+        else:
+            flags = ("_window" if self.window else "") + ("_mod" if self.score_mod else "")
         st = "s2" if self.stages == 2 else ""
         return f"fwd_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}w{self.nw}{st}{flags}"
 
@@ -122,9 +133,17 @@ def elem_tag(dtype_name: str, allow_tf32: bool) -> str:
         f"dtype {dtype_name}: the GPU forward kernel takes float16, bfloat16 or float32")
 
 
-def tiles(elem: str, d_bucket: int, smem_optin: int) -> Tuple[int, int, int, int]:
-    """(BM, BN, warps, K stages): 16-bit types take two K buffers wherever they fit."""
+def tiles(elem: str, d_bucket: int, smem_optin: int,
+          general: int = 0) -> Tuple[int, int, int, int]:
+    """(BM, BN, warps, K stages): 16-bit types take two K buffers wherever they fit.
+
+    ``general`` with GEN_BIAS_MASK (bias / mask): where the plain tile gives each warp two 16-row slabs
+    (MT = 2, 255 registers), the GENERAL kernel takes twice the warps with one slab each: its bias
+    and mask reads need registers, and MT = 2 spills 0.5-0.9 KB there (ptxas, docs/kernels.md).
+    """
     bm, bn, nw = _TILES[(smem_class(smem_optin), _ELEM_SIZE[elem])][d_bucket]
+    if general & GEN_BIAS_MASK and bm // (16 * nw) == 2:
+        nw *= 2
     # float32 keeps one K buffer: occupancy matters more there (measured 26.5 vs 21.6 TFLOP/s)
     stages = 2 if _ELEM_SIZE[elem] == 2 and smem_bytes(elem, d_bucket, bm, bn, 2) <= smem_optin else 1
     return bm, bn, nw, stages
@@ -139,6 +158,9 @@ def all_variants(smem_optin: int = 227 * 1024):
             for window in (False, True):
                 for mod in (False, True):
                     out.append(Variant(elem, dbk, bm, bn, nw, window, mod, st))
+            out.append(Variant(elem, dbk, bm, bn, nw, True, True, st, GEN_VARLEN))
+            bm, bn, nw, st = tiles(elem, dbk, smem_optin, general=GEN_ALL)
+            out.append(Variant(elem, dbk, bm, bn, nw, True, True, st, GEN_ALL))
     return out
 
 
@@ -153,6 +175,11 @@ PARAMS_FIELDS = (
                                "window_left", "window_right", "diag_offset", "vec_ok",
                                "num_m_blocks", "flags")]
     + [(n, np.float32) for n in ("scale_log2", "softcap_pre", "softcap_post", "pad0")]
+    # bias / mask / varlen (GENERAL instantiations only; null pointer = feature off)
+    + [(n, np.uint64) for n in ("bias", "mask", "cu_seqlens_q", "cu_seqlens_k", "dbias_accum")]
+    + [(f"{t}_stride_{a}", np.int64) for t in ("bias", "mask", "dbias") for a in "bhqk"]
+    + [("dbias_slab", np.int64)]
+    + [(n, np.int32) for n in ("bias_f32", "dbias_mode", "varlen_bottom_right", "bias_pair")]
     # backward only (kernels_cu/bwd.cu, planned in _gpu_bwd.py)
     + [(n, np.uint64) for n in ("dout", "dq", "dk", "dv", "dsum", "dq_accum")]
     + [(f"{t}_stride_{a}", np.int64) for t in ("do", "dq", "dk", "dv") for a in "bsh"]
@@ -202,22 +229,29 @@ def plan_forward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, 
                  d_v: int, *, scale: float, window_left: int = -1, window_right: int = -1,
                  bottom_right: bool = True, softcap: float = 0.0, has_alibi: bool = False,
                  allow_tf32: bool = False, smem_optin: int = 227 * 1024,
-                 variant: Optional[Variant] = None) -> Plan:
-    """Choose the kernel variant and launch shape; fill the size/scalar fields of Params."""
+                 variant: Optional[Variant] = None, has_bias: bool = False,
+                 has_mask: bool = False, varlen: bool = False) -> Plan:
+    """Choose the kernel variant and launch shape; fill the size/scalar fields of Params.
+
+    A bias, a mask or varlen selects the GENERAL variant (bias / mask pointers and strides are the
+    launcher's to fill, like the other pointers).
+    """
     if h % h_k:
         raise ValueError(f"heads {h} is not a multiple of heads_k {h_k}")
     if min(b, s_q, s_k, h, h_k, d, d_v) < 1:
         raise ValueError("empty problem: the launcher handles zero sizes before planning")
     elem = elem_tag(dtype_name, allow_tf32)
     dbk = head_dim_bucket(d, d_v)
-    window = window_left >= 0 or window_right >= 0
-    score_mod = softcap > 0 or has_alibi or not scale > 0
+    general = GEN_ALL if has_bias or has_mask else (GEN_VARLEN if varlen else 0)
+    window = window_left >= 0 or window_right >= 0 or general
+    score_mod = softcap > 0 or has_alibi or not scale > 0 or general
     if variant is None:
-        bm, bn, nw, st = tiles(elem, dbk, smem_optin)
-        variant = Variant(elem, dbk, bm, bn, nw, window, score_mod, st)
+        bm, bn, nw, st = tiles(elem, dbk, smem_optin, general)
+        variant = Variant(elem, dbk, bm, bn, nw, window, score_mod, st, general)
     else:   # forced variant (benchmarks, tests): must still be able to compute this problem
         if (variant.elem != elem or variant.d < max(d, d_v) or (window and not variant.window)
-                or (score_mod and not variant.score_mod)):
+                or (score_mod and not variant.score_mod)
+                or (variant.general & general) != general):
             raise ValueError(f"kernel {variant.name} cannot compute this problem")
     if variant.smem_bytes > smem_optin:
         raise NotImplementedError(
@@ -386,6 +420,35 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
     return Plan(variant, (min(work, num_sms), 1, 1), (SM90_THREADS, 1, 1), variant.smem_bytes, prm)
 
 
+def plan_forward_varlen(dtype_name: str, batch: int, total_q: int, total_k: int,
+                        max_seqlen_q: int, max_seqlen_k: int, h: int, h_k: int, d: int, d_v: int,
+                        *, scale: float, window_left: int = -1, window_right: int = -1,
+                        bottom_right: bool = True, softcap: float = 0.0, has_alibi: bool = False,
+                        allow_tf32: bool = False, smem_optin: int = 227 * 1024) -> Plan:
+    """The GENERAL variant over ``batch`` packed sequences: grid (ceil(max_seqlen_q / BM), h,
+    batch); blocks past their sequence's end exit at once. Params: b = 1, s_q / s_k = the packed
+    totals (lse is [1, h, total_q]); each block reads its own lengths from cu_seqlens and aligns
+    its causal / window diagonal to them (``varlen_bottom_right``). The launcher sets the
+    cu_seqlens pointers and zero batch strides. Requires max_seqlen_q >= 1, total_k >= 1.
+    """
+    plan = plan_forward(dtype_name, 1, max(1, max_seqlen_q), max(1, max_seqlen_k), h, h_k, d,
+                        d_v, scale=scale, window_left=window_left, window_right=window_right,
+                        bottom_right=bottom_right, softcap=softcap, has_alibi=has_alibi,
+                        allow_tf32=allow_tf32, smem_optin=smem_optin, varlen=True)
+    v = plan.variant
+    prm = plan.params
+    unbounded = total_q + total_k                  # past every sequence's own s_q + s_k
+    prm["s_q"], prm["s_k"] = total_q, total_k
+    prm["window_left"] = window_left if window_left >= 0 else unbounded
+    prm["window_right"] = window_right if window_right >= 0 else unbounded
+    prm["diag_offset"] = 0                         # per sequence, from varlen_bottom_right
+    prm["varlen_bottom_right"] = int(bool(bottom_right))
+    if batch > 65535:
+        raise NotImplementedError(f"{batch} sequences exceed CUDA's grid limit (65535)")
+    grid = (plan.grid[0], h, batch)
+    return Plan(v, grid, plan.block, plan.smem, prm)
+
+
 def vec_ok(ptrs, strides, itemsize: int) -> bool:
     """True when every row start is 16-byte aligned: base pointers and all (element) strides."""
     mask = 15
@@ -403,7 +466,8 @@ def flops(b: int, h: int, s_q: int, s_k: int, d: int, d_v: int, causal: bool = F
     return f / 2 if causal else f
 
 
-__all__ = ["Variant", "Plan", "plan_forward", "all_variants", "Sm90Variant", "sm90_variants",
-           "sm90_unsupported", "plan_forward_sm90", "tma_tensor", "tma_strides_ok", "PARAMS_DTYPE", "PARAMS_FIELDS",
+__all__ = ["Variant", "Plan", "plan_forward", "plan_forward_varlen", "all_variants",
+           "Sm90Variant", "sm90_variants", "sm90_unsupported", "plan_forward_sm90", "tma_tensor",
+           "tma_strides_ok", "PARAMS_DTYPE", "PARAMS_FIELDS",
            "HEAD_DIM_BUCKETS", "head_dim_bucket", "elem_tag", "tiles", "smem_bytes", "vec_ok",
            "flops"]

@@ -374,8 +374,9 @@ def _backward_bshd(backend, doutb, qb, kb, vb, outb, lse, dims, opts, layout):
 
         doutb, qb, kb, vb, outb = (_last_dim_contiguous(backend, x) for x in (doutb, qb, kb, vb, outb))
         grads = [xp.empty_like(x) for x in (qb, kb, vb)]  # bshd, written by the kernels
-        _gpu_bwd.backward(doutb, qb, kb, vb, outb, xp.ascontiguousarray(lse), *grads, opts)
-        dbias = None
+        dbias = None if opts.bias is None else xp.empty(opts.bias.shape, opts.bias.dtype)
+        _gpu_bwd.backward(doutb, qb, kb, vb, outb, xp.ascontiguousarray(lse), *grads, opts,
+                          dbias=dbias)
     if layout == "bhsd":
         grads = [xp.ascontiguousarray(g.transpose(0, 2, 1, 3)) for g in grads]
     if dbias is not None:
@@ -464,13 +465,18 @@ def _varlen_setup(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         host = cu if isinstance(cu, np.ndarray) else cu.get()
         bounds.append(ck.check_cu_seqlens(name, cu, n, host))
     cq, ckk = bounds
+    cu_dev = (backend.take(cu_seqlens_q), backend.take(cu_seqlens_k))
     if cq.size != ckk.size:
         ck.fail(ValueError, "cu_seqlens_k", f"{ckk.size - 1} sequences while cu_seqlens_q has {cq.size - 1}",
                 "the same number of sequences in both")
     ck.check_max_seqlen("max_seqlen_q", max_seqlen_q, np.diff(cq))
     ck.check_max_seqlen("max_seqlen_k", max_seqlen_k, np.diff(ckk))
     dims = dataclasses.replace(total, batch=cq.size - 1)
-    return qb, kb, vb, dtype, cq, ckk, dims
+    return qb, kb, vb, dtype, cq, ckk, dims, cu_dev
+
+
+def _longest(cu):
+    return int(np.diff(cu).max()) if cu.size > 1 else 0
 
 
 def _per_sequence(opts, i):
@@ -506,10 +512,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     -------
     out : (total_q, heads, head_dim_v); and lse : float32 (heads, total_q) when return_lse.
     A sequence with no keys gives out = 0 and lse = -inf.
+
+    On the GPU all sequences run in one launch (grid over the longest sequence's query tiles x
+    heads x sequences; tiles past a sequence's end exit at once); on the CPU one dense call per
+    sequence.
     """
 
     def body(backend):
-        qb, kb, vb, dtype, cq, ckk, dims = _varlen_setup(
+        qb, kb, vb, dtype, cq, ckk, dims, cu_dev = _varlen_setup(
             backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         opts = ck.make_options(dims, backend.xp, causal=causal, causal_align=causal_align,
                                window=window, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -517,6 +527,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         xp = backend.xp
         out = xp.empty((dims.seqlen_q, dims.heads, dims.head_dim_v), dtype)
         lse = xp.empty((dims.heads, dims.seqlen_q), np.float64 if dtype == np.float64 else _LSE_DTYPE)
+        if backend.where == "gpu":
+            qb, kb, vb = (_last_dim_contiguous(backend, x) for x in (qb, kb, vb))
+            _gpu_module().forward_varlen(qb, kb, vb, *cu_dev, _longest(cq), _longest(ckk),
+                                         out[None], lse, opts)
+            return (backend.give_back(out), backend.give_back(lse)) if return_lse else backend.give_back(out)
         for i in range(dims.batch):
             (q0, q1), (k0, k1) = cq[i:i + 2], ckk[i:i + 2]
             o, l = _forward_bshd(backend, qb[:, q0:q1], kb[:, k0:k1], vb[:, k0:k1],
@@ -538,10 +553,11 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
     dout, out : (total_q, heads, head_dim_v); lse : (heads, total_q) from
     ``attention_varlen(..., return_lse=True)``. Returns (dq, dk, dv) shaped like q, k, v.
+    On the GPU one launch set for all sequences; on the CPU one dense backward per sequence.
     """
 
     def body(backend):
-        qb, kb, vb, dtype, cq, ckk, dims = _varlen_setup(
+        qb, kb, vb, dtype, cq, ckk, dims, cu_dev = _varlen_setup(
             backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         d_, o_, l_ = (backend.take(x) for x in (dout, out, lse))
         packed_out = (dims.seqlen_q, dims.heads, dims.head_dim_v)
@@ -552,6 +568,17 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         opts = ck.make_options(dims, backend.xp, causal=causal, causal_align=causal_align,
                                window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                                scale=scale, deterministic=deterministic, allow_tf32=allow_tf32)
+        if backend.where == "gpu":
+            from . import _gpu_bwd  # imports CuPy: only on the GPU path
+
+            xp = backend.xp
+            qb, kb, vb = (_last_dim_contiguous(backend, x) for x in (qb, kb, vb))
+            d_, o_ = (_last_dim_contiguous(backend, x) for x in (d_, o_))
+            grads = [xp.empty_like(x[0]) for x in (qb, kb, vb)]
+            _gpu_bwd.backward_varlen(d_[None], qb, kb, vb, o_[None], xp.ascontiguousarray(l_),
+                                     *cu_dev, _longest(cq), _longest(ckk),
+                                     *(g[None] for g in grads), opts)
+            return tuple(backend.give_back(g) for g in grads)
         grads = [backend.xp.zeros_like(x[0]) for x in (qb, kb, vb)]
         for i in range(dims.batch):
             (q0, q1), (k0, k1) = cq[i:i + 2], ckk[i:i + 2]

@@ -24,6 +24,8 @@
 //             during the whole step; 1: during the dQ product only)
 //   WINDOW    causal or sliding window: only the query tiles that see the key tile; edges masked
 //   SCORE_MOD softcap and/or ALiBi
+//   GENERAL   bias (+ dbias), boolean mask, varlen; each on when its Params pointer is set; only
+//             instantiated with WINDOW and SCORE_MOD (docs/backward.md, "bias, mask, varlen")
 #include "common.cuh"
 
 // Shared-memory row pitch (elements). 16-bit rows padded by 16 bytes: ldmatrix reads
@@ -230,7 +232,8 @@ flash_bwd_pre(const Params p) {
 // Main kernel: one block per (key tile, kv head, batch); loops over the query heads of the
 // group and the query tiles that see the key tile; dK, dV in registers throughout.
 // ---------------------------------------------------------------------------------------------
-template <typename E, int D, int BM, int NW, int WD, int NBUF, bool WINDOW, bool SCORE_MOD>
+template <typename E, int D, int BM, int NW, int WD, int NBUF, bool WINDOW, bool SCORE_MOD,
+          bool GENERAL = false>
 __global__ void __launch_bounds__(NW * 32)
 flash_bwd(const Params p) {
     typedef typename Elem<E>::storage S;
@@ -245,6 +248,7 @@ flash_bwd(const Params p) {
     static_assert(BM % 16 == 0 && NW % WMQ == 0, "BM / 16 must divide NW");
     static_assert(DW % CG == 0 && DQW % CG == 0, "column split must keep whole fragments");
     static_assert(NBUF == 1 || NBUF == 2, "one or two Q / dO buffers");
+    static_assert(!GENERAL || (WINDOW && SCORE_MOD), "GENERAL runs on the window and score-mod paths");
     constexpr int PR = BwdPitch<E, D>::ROW, PDS = DsPitch<E, BM>::ROW;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -260,22 +264,36 @@ flash_bwd(const Params p) {
     const int g = lane >> 2, t = lane & 3;        // accumulator row / column pair of this lane
     const int n_block = blockIdx.x, head_k = blockIdx.y, batch = blockIdx.z;
     const int n0 = n_block * BN;
-    const int n_rows = min(BN, p.s_k - n0);
+
+    // This block's sequence: batch entry `batch`, or (varlen) packed rows cu_seqlens[batch]..
+    // [batch + 1] (batch strides are 0 then; lse, D and the dQ accumulator are [1, h, total_q])
+    int s_q = p.s_q, s_k = p.s_k, diag_offset = p.diag_offset;
+    i64 q_tok0 = 0, k_tok0 = 0;                   // first packed row of the sequence
+    int lse_b = batch;                            // batch index into the [b, h, s_q] row arrays
+    if (GENERAL && p.cu_seqlens_q) {
+        const int q_beg = p.cu_seqlens_q[batch], k_beg = p.cu_seqlens_k[batch];
+        s_q = p.cu_seqlens_q[batch + 1] - q_beg;
+        s_k = p.cu_seqlens_k[batch + 1] - k_beg;
+        q_tok0 = q_beg; k_tok0 = k_beg; lse_b = 0;
+        diag_offset = p.varlen_bottom_right ? s_k - s_q : 0;
+        if (n0 >= s_k) return;                    // key tile past this sequence (whole block, before any barrier)
+    }
+    const int n_rows = min(BN, s_k - n0);
     const int key0 = (warp / WD) * 16;            // this warp's 16 keys (tile rows)
     const int col0 = (warp % WD) * DW;            // this warp's dK / dV columns
     const int qrow0 = (warp % WMQ) * 16;          // dQ phase: this warp's 16 query rows
     const int qcol0 = (warp / WMQ) * DQW;         //           and columns
     const float scale = p.scale;
 
-    const S* k_gmem = (const S*)p.k + batch * p.k_stride_b + head_k * p.k_stride_h + (i64)n0 * p.k_stride_s;  // [n_rows, d]
-    const S* v_gmem = (const S*)p.v + batch * p.v_stride_b + head_k * p.v_stride_h + (i64)n0 * p.v_stride_s;  // [n_rows, d_v]
+    const S* k_gmem = (const S*)p.k + batch * p.k_stride_b + head_k * p.k_stride_h + (k_tok0 + n0) * p.k_stride_s;  // [n_rows, d]
+    const S* v_gmem = (const S*)p.v + batch * p.v_stride_b + head_k * p.v_stride_h + (k_tok0 + n0) * p.v_stride_s;  // [n_rows, d_v]
 
     // Query rows that see some key of this tile: [i_lo, i_hi] (key j kept for row i when
     // i + diag_offset − left <= j <= i + diag_offset + right)
-    int i_lo = 0, i_hi = p.s_q - 1;
+    int i_lo = 0, i_hi = s_q - 1;
     if (WINDOW) {
-        i_lo = max(0, n0 - p.diag_offset - p.window_right);
-        i_hi = min(p.s_q - 1, n0 + n_rows - 1 - p.diag_offset + p.window_left);
+        i_lo = max(0, n0 - diag_offset - p.window_right);
+        i_hi = min(s_q - 1, n0 + n_rows - 1 - diag_offset + p.window_left);
     }
     const int m_first = i_lo / BM;
     const int num_m = i_hi >= i_lo ? i_hi / BM - m_first + 1 : 0;   // query tiles per head
@@ -288,12 +306,12 @@ flash_bwd(const Params p) {
     // Issue the loads of step `it` into buffer `buf`: Q, dO tiles (cp.async), lse·log2(e) and D.
     auto load_step = [&](int it, int buf) {
         const int head = step_head(it), m0 = step_m0(it);
-        const int m_rows = min(BM, p.s_q - m0);
-        const S* q_gmem = (const S*)p.q + batch * p.q_stride_b + head * p.q_stride_h + (i64)m0 * p.q_stride_s;          // [m_rows, d]
-        const S* do_gmem = (const S*)p.dout + batch * p.do_stride_b + head * p.do_stride_h + (i64)m0 * p.do_stride_s;  // [m_rows, d_v]
+        const int m_rows = min(BM, s_q - m0);
+        const S* q_gmem = (const S*)p.q + batch * p.q_stride_b + head * p.q_stride_h + (q_tok0 + m0) * p.q_stride_s;          // [m_rows, d]
+        const S* do_gmem = (const S*)p.dout + batch * p.do_stride_b + head * p.do_stride_h + (q_tok0 + m0) * p.do_stride_s;  // [m_rows, d_v]
         copy_tile<BM, D, PR, NT>(q_smem + buf * BM * PR, q_gmem, p.q_stride_s, m_rows, p.d, p.vec_ok, p.q, tid);
         copy_tile<BM, D, PR, NT>(do_smem + buf * BM * PR, do_gmem, p.do_stride_s, m_rows, p.d_v, p.vec_ok, p.dout, tid);
-        const i64 row0 = ((i64)batch * p.h + head) * p.s_q + m0;   // [b, h, s_q] index of row m0
+        const i64 row0 = ((i64)lse_b * p.h + head) * p.s_q + q_tok0 + m0;   // [b, h, s_q] index of row m0
         for (int r = tid; r < BM; r += NT) {
             float l2 = CF_INF, dsum = 0.f;     // rows past s_q and rows with lse = −inf: P = 0
             if (r < m_rows) {
@@ -311,6 +329,15 @@ flash_bwd(const Params p) {
     for (int j = 0; j < DW / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dk_frag[j][e] = dv_frag[j][e] = 0.f;
+
+    // dbias: this block's plane of the float32 accumulator (its slab in deterministic mode), or
+    // null. Only the warps owning column 0 write (with WD > 1 the others recompute the same dS).
+    float* dbias_gmem = nullptr;                  // [s_q', s_k'] at (batch, head 0) with dbias strides
+    if (GENERAL && p.dbias_accum && col0 == 0) {
+        const bool by_b = p.dbias_mode & DBIAS_SLAB_B, by_h = p.dbias_mode & DBIAS_SLAB_H;
+        const i64 slab = (i64)(by_b ? batch : 0) * (by_h ? p.h_k : 1) + (by_h ? head_k : 0);
+        dbias_gmem = p.dbias_accum + slab * p.dbias_slab + batch * p.dbias_stride_b;
+    }
 
     if (total > 0) {
         // K, V tiles (kept for the whole block) and the first Q / dO tile in flight
@@ -347,9 +374,20 @@ flash_bwd(const Params p) {
         // s_frag becomes Pᵀ, dp_frag becomes dSᵀ
         float slope_log2 = 0.f;
         if (SCORE_MOD && p.alibi) slope_log2 = p.alibi[batch * p.alibi_stride_b + head] * CF_LOG2E;
-        const bool need_mask = (n0 + BN > p.s_k) ||
-            (WINDOW && (n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
-                        n0 < m0 + BM - 1 + p.diag_offset - p.window_left));
+        // bias / mask planes [s_q, s_k] of this (batch, head), dbias plane (null: off)
+        const char* bias_step = nullptr;
+        const unsigned char* mask_step = nullptr;
+        float* dbias_step = nullptr;
+        if (GENERAL && p.bias)
+            bias_step = (const char*)p.bias + (batch * p.bias_stride_b + head * p.bias_stride_h) * (p.bias_f32 ? 4 : (i64)sizeof(S));
+        if (GENERAL && p.mask) mask_step = p.mask + batch * p.mask_stride_b + head * p.mask_stride_h;
+        if (GENERAL && dbias_gmem) dbias_step = dbias_gmem + head * p.dbias_stride_h;
+        const bool dbias_rows = GENERAL && (p.dbias_mode & DBIAS_ROWS);
+        const bool dbias_atomic = GENERAL && (p.dbias_mode & DBIAS_ATOMIC);
+        float dbias_key[2] = {0.f, 0.f};          // DBIAS_ROWS: this lane's dS sums for keys g, g + 8
+        const bool need_mask = (n0 + BN > s_k) || (GENERAL && mask_step) ||
+            (WINDOW && (n0 + BN - 1 > m0 + diag_offset + p.window_right ||
+                        n0 < m0 + BM - 1 + diag_offset - p.window_left));
 #pragma unroll
         for (int j = 0; j < BM / 8; ++j) {
             const float2 l2 = *(const float2*)(lse2b + j * 8 + 2 * t);    // queries j*8 + 2t, +1
@@ -359,16 +397,44 @@ flash_bwd(const Params p) {
                 const int key = n0 + key0 + g + (e >> 1) * 8;
                 const int row = m0 + j * 8 + 2 * t + (e & 1);
                 float ds_dqk;
-                float s = score_log2<SCORE_MOD>(s_frag[j][e], p, slope_log2, row, key, scale, &ds_dqk);
+                float s = score_log2<SCORE_MOD>(s_frag[j][e], p, slope_log2, row, key, diag_offset, scale, &ds_dqk);
+                if (GENERAL && bias_step) {   // s += bias[row, key] · log2(e) (clamped past the ends: dropped anyway)
+                    const i64 off = (i64)min(row, s_q - 1) * p.bias_stride_q + (i64)min(key, s_k - 1) * p.bias_stride_k;
+                    const float bv = p.bias_f32 ? ((const float*)bias_step)[off] : to_float<E>(((const S*)bias_step)[off]);
+                    s = fmaf(bv, CF_LOG2E, s);
+                }
                 if (need_mask) {
-                    const int diag = row + p.diag_offset;
-                    bool keep = key < p.s_k;
+                    const int diag = row + diag_offset;
+                    bool keep = key < s_k;
                     if (WINDOW) keep = keep && key >= diag - p.window_left && key <= diag + p.window_right;
+                    if (GENERAL && mask_step)
+                        keep = keep && mask_step[(i64)min(row, s_q - 1) * p.mask_stride_q + (i64)min(key, s_k - 1) * p.mask_stride_k];
                     if (!keep) s = -CF_INF;
                 }
                 const float pr = fast_exp2(s - ((e & 1) ? l2.y : l2.x));
                 s_frag[j][e] = pr;
-                dp_frag[j][e] = pr * (dp_frag[j][e] - ((e & 1) ? dd.y : dd.x)) * ds_dqk;
+                // dS in natural units before the chain rule through softcap / scale: dbias
+                const float ds = pr * (dp_frag[j][e] - ((e & 1) ? dd.y : dd.x));
+                dp_frag[j][e] = ds * ds_dqk;
+                if (GENERAL && dbias_step) {
+                    if (dbias_rows) {
+                        dbias_key[e >> 1] += ds;   // summed over this lane's rows (0 past s_q: P = 0)
+                    } else if (row < s_q && key < s_k) {   // one owner lane per element in this block
+                        float* dst = dbias_step + (i64)row * p.dbias_stride_q + (i64)key * p.dbias_stride_k;
+                        if (dbias_atomic) red_add_f32(dst, ds); else *dst += ds;
+                    }
+                }
+            }
+        }
+        if (GENERAL && dbias_step && dbias_rows) {   // bias broadcast over rows: one sum per key
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float v = quad_sum(dbias_key[half]);   // the 4 lanes of a key hold its row pairs
+                const int key = n0 + key0 + g + half * 8;
+                if (t == 0 && key < s_k) {
+                    float* dst = dbias_step + (i64)key * p.dbias_stride_k;
+                    if (dbias_atomic) red_add_f32(dst, v); else *dst += v;
+                }
             }
         }
 
@@ -401,13 +467,13 @@ flash_bwd(const Params p) {
         for (int j = 0; j < DQW / 8; ++j) dq_frag[j][0] = dq_frag[j][1] = dq_frag[j][2] = dq_frag[j][3] = 0.f;
         mma_tn<E, BN, DQW, PDS, PR>(dq_frag, dst_smem + qrow0, k_smem + qcol0, lane, p.d - qcol0);
         float* dq_gmem = p.dq_accum + (p.deterministic ? (i64)n_block * p.dq_accum_slab : 0)
-                         + (((i64)batch * p.h + head) * p.s_q + m0) * p.d;   // [s_q − m0, d]
+                         + (((i64)lse_b * p.h + head) * p.s_q + q_tok0 + m0) * p.d;   // [s_q − m0, d]
 #pragma unroll
         for (int j = 0; j < DQW / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = qrow0 + g + (e >> 1) * 8, c = qcol0 + j * 8 + 2 * t + (e & 1);
-                if (m0 + r < p.s_q && c < p.d) {
+                if (m0 + r < s_q && c < p.d) {
                     float* dst = dq_gmem + (i64)r * p.d + c;
                     if (p.deterministic) *dst = dq_frag[j][e];   // this slab's element: one writer
                     else red_add_f32(dst, dq_frag[j][e]);
@@ -416,14 +482,14 @@ flash_bwd(const Params p) {
     }
 
     // dK, dV [16 keys, DW] of this warp to global memory in E (zeros when no query sees the tile)
-    S* dk_gmem = (S*)p.dk + batch * p.dk_stride_b + head_k * p.dk_stride_h;   // [s_k, d]
-    S* dv_gmem = (S*)p.dv + batch * p.dv_stride_b + head_k * p.dv_stride_h;   // [s_k, d_v]
+    S* dk_gmem = (S*)p.dk + batch * p.dk_stride_b + head_k * p.dk_stride_h + k_tok0 * p.dk_stride_s;   // [s_k, d]
+    S* dv_gmem = (S*)p.dv + batch * p.dv_stride_b + head_k * p.dv_stride_h + k_tok0 * p.dv_stride_s;   // [s_k, d_v]
 #pragma unroll
     for (int j = 0; j < DW / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int key = n0 + key0 + g + (e >> 1) * 8, c = col0 + j * 8 + 2 * t + (e & 1);
-            if (key < p.s_k) {
+            if (key < s_k) {
                 if (c < p.d) dk_gmem[(i64)key * p.dk_stride_s + c] = from_float<E>(dk_frag[j][e]);
                 if (c < p.d_v) dv_gmem[(i64)key * p.dv_stride_s + c] = from_float<E>(dv_frag[j][e]);
             }
@@ -432,7 +498,8 @@ flash_bwd(const Params p) {
 
 // ---------------------------------------------------------------------------------------------
 // dq = E(dQ accumulator): one thread per element. Deterministic mode sums the slabs of the key
-// tiles that row i can see, in ascending tile order (the others hold nothing for row i).
+// tiles that row i can see, in ascending tile order (the others hold nothing for row i); varlen
+// (sequences of their own lengths) sums every slab, zero-filled where its tile did not write.
 // ---------------------------------------------------------------------------------------------
 template <typename E>
 __global__ void __launch_bounds__(256)
@@ -445,7 +512,10 @@ flash_bwd_dq(const Params p) {
         const int i = (int)(row % p.s_q);
         const int head = (int)((row / p.s_q) % p.h), batch = (int)(row / ((i64)p.s_q * p.h));
         float acc;
-        if (p.deterministic) {
+        if (p.deterministic && p.cu_seqlens_q) {   // varlen: every slab (zeroed by the launcher), in order
+            acc = 0.f;
+            for (int nb = 0; nb < p.num_n_blocks; ++nb) acc += p.dq_accum[nb * p.dq_accum_slab + idx];
+        } else if (p.deterministic) {
             const int diag = i + p.diag_offset;
             const int j_lo = max(0, diag - p.window_left), j_hi = min(p.s_k - 1, diag + p.window_right);
             acc = 0.f;

@@ -45,6 +45,22 @@ struct Params {
     float softcap_pre;      // scale / softcap (0 when off)
     float softcap_post;     // softcap * log2(e)
     float pad0;
+    // ---- bias / mask / varlen: read only by the GENERAL instantiations (flash_fwd, flash_bwd);
+    //      a null pointer turns its feature off ----
+    const void* bias;       // [b', h', s_q', s_k'] broadcast to [b, h, s_q, s_k] (stride 0 where 1);
+                            // elements: E's storage, or float32 when bias_f32
+    const unsigned char* mask;   // [b', h', s_q', s_k'] likewise, 1 = attend
+    const int* cu_seqlens_q;     // [batch + 1] varlen: sequence z is packed rows cu[z]..cu[z+1]
+    const int* cu_seqlens_k;     // [batch + 1]
+    float* dbias_accum;     // backward: [slabs, b', h', s_q', s_k'] float32, zeroed by the launcher
+    i64 bias_stride_b, bias_stride_h, bias_stride_q, bias_stride_k;      // elements, 0 = broadcast
+    i64 mask_stride_b, mask_stride_h, mask_stride_q, mask_stride_k;      // elements, 0 = broadcast
+    i64 dbias_stride_b, dbias_stride_h, dbias_stride_q, dbias_stride_k;  // in one slab, 0 = summed
+    i64 dbias_slab;         // elements of one dbias slab
+    int bias_f32;           // 1: bias elements are float32; 0: E's storage type
+    int dbias_mode;         // DBIAS_* bits below
+    int varlen_bottom_right;   // varlen: 1 diag(i) = i + s_k(z) - s_q(z), 0 diag(i) = i
+    int bias_pair;          // 1: unit key stride, even s_k, 4-byte aligned pairs (forward pair loads)
     // ---- backward only (kernels_cu/bwd.cu); the forward never reads these ----
     const void* dout;       // [b, s_q, h, d_v]
     void* dq;               // [b, s_q, h, d]
@@ -75,6 +91,16 @@ struct Params {
 static_assert(sizeof(Params) == CUPYFLASH_PARAMS_NBYTES,
               "struct Params differs from its mirror PARAMS_DTYPE in cupyflash/_plan.py");
 #endif
+
+// GENERAL template bits of flash_fwd (flash_bwd's GENERAL is one flag: both features)
+#define GEN_VARLEN 1      // packed sequences: per-block lengths and offsets from cu_seqlens
+#define GEN_BIAS_MASK 2   // additive bias and boolean mask
+
+// Params::dbias_mode bits (backward with a bias):
+#define DBIAS_ROWS 1      // the bias broadcasts over s_q: each warp sums its rows before writing
+#define DBIAS_ATOMIC 2    // other blocks add to the same element: red.global.add.f32
+#define DBIAS_SLAB_B 4    // deterministic: one slab per batch entry (bias broadcast over batch)
+#define DBIAS_SLAB_H 8    // deterministic: one slab per kv head (bias broadcast over heads)
 
 // ---------------------------------------------------------------------------------------------
 // Element types. f16_t / bf16_t are stored as 16-bit patterns; the two float32 tags differ only
@@ -223,11 +249,12 @@ __device__ __forceinline__ void red_add_f32(float* addr, float v) {
 }
 
 // One score through the design.md §1 pipeline, in base-2 units: s = scale·qk, softcap
-// c·tanh(s/c), ALiBi −slope·|diag − col|. Masks are applied by the caller. *ds_dqk receives
+// c·tanh(s/c), ALiBi −slope·|diag − col| with diag = row + diag_offset. Masks (and a bias) are
+// applied by the caller. *ds_dqk receives
 // d s / d(qk) in natural units: scale, times 1 − tanh²(s/c) under softcap.
 template <bool SCORE_MOD>
 __device__ __forceinline__ float score_log2(float qk, const Params& p, float slope_log2, int row,
-                                            int col, float scale, float* ds_dqk) {
+                                            int col, int diag_offset, float scale, float* ds_dqk) {
     if (!SCORE_MOD) { *ds_dqk = scale; return qk * p.scale_log2; }
     float s;
     if (p.softcap_post > 0.f) {   // softcap on (softcap_pre may be negative with a negative scale)
@@ -238,5 +265,5 @@ __device__ __forceinline__ float score_log2(float qk, const Params& p, float slo
         s = qk * p.scale_log2;
         *ds_dqk = scale;
     }
-    return s - slope_log2 * fabsf((float)(row + p.diag_offset - col));
+    return s - slope_log2 * fabsf((float)(row + diag_offset - col));
 }

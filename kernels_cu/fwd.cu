@@ -19,6 +19,10 @@
 //   WINDOW   causal or sliding window: skip tiles outside, mask the boundary tiles
 //   SCORE_MOD softcap and/or ALiBi (or a non-positive scale): scores are transformed to base-2
 //            units before the max
+//   GENERAL  feature bits, each feature on at run time when its Params pointer is set; only
+//            instantiated with WINDOW and SCORE_MOD (docs/kernels.md, "bias, mask, varlen"):
+//            GEN_VARLEN packed sequences (cu_seqlens), GEN_BIAS_MASK bias and boolean mask.
+//            0 = neither (the plain kernels); 1 = varlen alone, on the plain tiles; 3 = all
 #include "common.cuh"
 
 // Unroll of the k loop of S = Q Kᵀ: 1 for 16-bit types at D <= 64, else 2 (the next step's loads
@@ -200,14 +204,93 @@ __device__ __forceinline__ void gemm_pv(float (&o_frag)[MT][D / 8][4], float (&s
     }
 }
 
-template <typename E, int D, int BM, int BN, int NW, int KSTAGES, bool WINDOW, bool SCORE_MOD>
+// Scores of one S tile moved to base-2 units in place, in design.md §1 order: scale·qk or softcap
+// c·tanh(scale·qk / c), + bias (HAS_BIAS; BT = the bias element type), − ALiBi slope·|diag − j|.
+// Each step is one pass over the registers behind a block-uniform branch (a step that is off
+// costs nothing per score). bias_gmem: the [s_q, s_k] bias plane of this (batch, head) with
+// element strides p.bias_stride_q / _k; rows / columns past the sequence are clamped to its last
+// ones (their scores are dropped by the caller: rows never stored, columns masked). With
+// p.bias_pair (unit key stride, even s_k, 4-byte aligned pairs: set by the launcher) each lane
+// reads its two adjacent columns in one load.
+template <typename E, bool HAS_BIAS, typename BT, int BN, int MT>
+__device__ __forceinline__ void score_mod_tile(float (&s_frag)[MT][BN / 8][4], const Params& p,
+                                               const BT* bias_gmem,   // [s_q, s_k] (strided)
+                                               float slope_log2, int row0, int n0, int g, int t,
+                                               int s_q, int s_k, int diag_offset) {
+    // s = softcap·tanh(qk·scale / softcap), or s = qk·scale, in base-2 units
+    if (p.softcap_post > 0.f) {   // softcap on (softcap_pre is negative with a negative scale)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s_frag[mt][j][e] = p.softcap_post * tanhf(s_frag[mt][j][e] * p.softcap_pre);
+    } else {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s_frag[mt][j][e] *= p.scale_log2;
+    }
+    // s += bias[row, col] · log2(e)
+    if constexpr (HAS_BIAS) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = min(row0 + mt * 16 + g + half * 8, s_q - 1);
+                const BT* row_gmem = bias_gmem + (i64)row * p.bias_stride_q;   // [s_k] (strided)
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j) {
+                    const int col = n0 + j * 8 + 2 * t;                        // even
+                    float b0, b1;
+                    if (p.bias_pair) {   // columns col, col + 1 in one load (s_k even: both in the row)
+                        const int c = min(col, s_k - 2);
+                        if constexpr (sizeof(BT) == 4) {
+                            const float2 v = *(const float2*)(row_gmem + c);
+                            b0 = v.x; b1 = v.y;
+                        } else {
+                            const u32 v = *(const u32*)(row_gmem + c);
+                            b0 = to_float<E>((BT)(v & 0xffffu)); b1 = to_float<E>((BT)(v >> 16));
+                        }
+                    } else {
+                        const BT v0 = row_gmem[(i64)min(col, s_k - 1) * p.bias_stride_k];
+                        const BT v1 = row_gmem[(i64)min(col + 1, s_k - 1) * p.bias_stride_k];
+                        if constexpr (sizeof(BT) == 4) { b0 = v0; b1 = v1; }
+                        else { b0 = to_float<E>(v0); b1 = to_float<E>(v1); }
+                    }
+                    s_frag[mt][j][2 * half] = fmaf(b0, CF_LOG2E, s_frag[mt][j][2 * half]);
+                    s_frag[mt][j][2 * half + 1] = fmaf(b1, CF_LOG2E, s_frag[mt][j][2 * half + 1]);
+                }
+            }
+    }
+    // s −= slope · |diag − col|  (ALiBi, slope in base-2 units)
+    if (slope_log2 != 0.f) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = row0 + mt * 16 + g + (e >> 1) * 8;
+                    const int col = n0 + j * 8 + 2 * t + (e & 1);
+                    s_frag[mt][j][e] -= slope_log2 * fabsf((float)(row + diag_offset - col));
+                }
+    }
+}
+
+template <typename E, int D, int BM, int BN, int NW, int KSTAGES, bool WINDOW, bool SCORE_MOD,
+          int GENERAL = 0>
 __global__ void __launch_bounds__(NW * 32)
 flash_fwd(const Params p) {
+    constexpr bool VARLEN = GENERAL & GEN_VARLEN, BIAS_MASK = GENERAL & GEN_BIAS_MASK;
     typedef typename Elem<E>::storage S;
     constexpr int NT = NW * 32;
     constexpr int MT = BM / (16 * NW);            // 16-row slabs per warp
     static_assert(MT * 16 * NW == BM, "BM must be a multiple of 16 * NW");
     static_assert(KSTAGES == 1 || KSTAGES == 2, "one or two K buffers");
+    static_assert(!GENERAL || (WINDOW && SCORE_MOD), "GENERAL runs on the window and score-mod paths");
     constexpr int PQK = Pitch<E, D>::QK, PV = Pitch<E, D>::V;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -221,19 +304,39 @@ flash_fwd(const Params p) {
     const int head = blockIdx.y, batch = blockIdx.z;
     const int head_k = head / p.h_per_hk;          // GQA / MQA
     const int m0 = m_block * BM;
-    const int m_rows = min(BM, p.s_q - m0);
 
-    const S* q_gmem = (const S*)p.q + batch * p.q_stride_b + head * p.q_stride_h + (i64)m0 * p.q_stride_s;  // [m_rows, d]
-    const S* k_gmem = (const S*)p.k + batch * p.k_stride_b + head_k * p.k_stride_h;                        // [s_k, d]
-    const S* v_gmem = (const S*)p.v + batch * p.v_stride_b + head_k * p.v_stride_h;                        // [s_k, d_v]
-    S* o_gmem = (S*)p.o + batch * p.o_stride_b + head * p.o_stride_h + (i64)m0 * p.o_stride_s;             // [m_rows, d_v]
-    float* lse_gmem = p.lse + ((i64)batch * p.h + head) * p.s_q + m0;                                      // [m_rows]
+    // This block's sequence: batch entry `batch`, or (varlen) packed rows cu_seqlens[batch]..
+    // [batch + 1] of q (k, v likewise; batch strides are 0 then)
+    int s_q = p.s_q, s_k = p.s_k, diag_offset = p.diag_offset;
+    i64 q_tok0 = 0, k_tok0 = 0;                    // first packed row of the sequence
+    int lse_b = batch;                             // batch index into lse [b, h, s_q] ([1, h, total_q] varlen)
+    if (VARLEN && p.cu_seqlens_q) {
+        const int q_beg = p.cu_seqlens_q[batch], k_beg = p.cu_seqlens_k[batch];
+        s_q = p.cu_seqlens_q[batch + 1] - q_beg;
+        s_k = p.cu_seqlens_k[batch + 1] - k_beg;
+        q_tok0 = q_beg; k_tok0 = k_beg; lse_b = 0;
+        diag_offset = p.varlen_bottom_right ? s_k - s_q : 0;
+        if (m0 >= s_q) return;                     // tile past this sequence (whole block, before any barrier)
+    }
+    const int m_rows = min(BM, s_q - m0);
+
+    const S* q_gmem = (const S*)p.q + batch * p.q_stride_b + head * p.q_stride_h + (q_tok0 + m0) * p.q_stride_s;  // [m_rows, d]
+    const S* k_gmem = (const S*)p.k + batch * p.k_stride_b + head_k * p.k_stride_h + k_tok0 * p.k_stride_s;      // [s_k, d]
+    const S* v_gmem = (const S*)p.v + batch * p.v_stride_b + head_k * p.v_stride_h + k_tok0 * p.v_stride_s;      // [s_k, d_v]
+    S* o_gmem = (S*)p.o + batch * p.o_stride_b + head * p.o_stride_h + (q_tok0 + m0) * p.o_stride_s;             // [m_rows, d_v]
+    float* lse_gmem = p.lse + ((i64)lse_b * p.h + head) * p.s_q + q_tok0 + m0;                                   // [m_rows]
+    // bias / mask planes of this (batch, head): [s_q, s_k] with their own strides (null: off)
+    const void* bias_gmem = nullptr;
+    const unsigned char* mask_gmem = nullptr;
+    if (BIAS_MASK && p.bias)
+        bias_gmem = (const char*)p.bias + (batch * p.bias_stride_b + head * p.bias_stride_h) * (p.bias_f32 ? 4 : (i64)sizeof(S));
+    if (BIAS_MASK && p.mask) mask_gmem = p.mask + batch * p.mask_stride_b + head * p.mask_stride_h;
 
     // Key range any row of this tile can see: [n_lo, n_hi)
-    int n_lo = 0, n_hi = p.s_k;
+    int n_lo = 0, n_hi = s_k;
     if (WINDOW) {
-        n_lo = max(0, m0 + p.diag_offset - p.window_left);
-        n_hi = min(p.s_k, m0 + m_rows - 1 + p.diag_offset + p.window_right + 1);
+        n_lo = max(0, m0 + diag_offset - p.window_left);
+        n_hi = min(s_k, m0 + m_rows - 1 + diag_offset + p.window_right + 1);
     }
     const bool any_key = n_hi > n_lo;
     const int nb_min = n_lo / BN;
@@ -260,7 +363,7 @@ flash_fwd(const Params p) {
         load_tile<BM, D, PQK, NT>(q_smem, q_gmem, p.q_stride_s, m_rows, p.d, p.vec_ok, p.q, tid);
         {
             const int n0 = (nb_max - 1) * BN;
-            load_tile<BN, D, PQK, NT>(k_smem0, k_gmem + (i64)n0 * p.k_stride_s, p.k_stride_s, p.s_k - n0, p.d, p.vec_ok, p.k, tid);
+            load_tile<BN, D, PQK, NT>(k_smem0, k_gmem + (i64)n0 * p.k_stride_s, p.k_stride_s, s_k - n0, p.d, p.vec_ok, p.k, tid);
         }
         cp_async_commit();
 
@@ -271,13 +374,13 @@ flash_fwd(const Params p) {
             cp_async_wait<0>();
             __syncthreads();   // K(nb) (and Q) landed for all threads; every warp finished PV on the V
                                // buffer and S on the other K buffer
-            load_tile<BN, D, PV, NT>(v_smem, v_gmem + (i64)n0 * p.v_stride_s, p.v_stride_s, p.s_k - n0, p.d_v, p.vec_ok, p.v, tid);
+            load_tile<BN, D, PV, NT>(v_smem, v_gmem + (i64)n0 * p.v_stride_s, p.v_stride_s, s_k - n0, p.d_v, p.vec_ok, p.v, tid);
             cp_async_commit();
             if (KSTAGES == 2) {   // K(nb-1) into the other buffer: a whole iteration to land
                 if (nb > nb_min) {
                     const int n1 = n0 - BN;
                     load_tile<BN, D, PQK, NT>(k_smem0 + ((it + 1) & 1) * BN * PQK, k_gmem + (i64)n1 * p.k_stride_s,
-                                              p.k_stride_s, p.s_k - n1, p.d, p.vec_ok, p.k, tid);
+                                              p.k_stride_s, s_k - n1, p.d, p.vec_ok, p.k, tid);
                 }
                 cp_async_commit();   // (possibly empty) group, so the wait below counts right
             }
@@ -290,27 +393,27 @@ flash_fwd(const Params p) {
                 for (int j = 0; j < BN / 8; ++j) s_frag[mt][j][0] = s_frag[mt][j][1] = s_frag[mt][j][2] = s_frag[mt][j][3] = 0.f;
             gemm_qk<E, D, BN, MT>(s_frag, q_smem + warp_row0 * PQK, k_smem, lane, p.d);
 
-            // Score modifications, in base-2 units: softcap c·tanh(s/c), then ALiBi −slope·|diag − j|
-            if (SCORE_MOD) {
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            float s = s_frag[mt][j][e];
-                            s = p.softcap_pre > 0.f ? p.softcap_post * tanhf(s * p.softcap_pre) : s * p.scale_log2;
-                            const int row = m0 + warp_row0 + mt * 16 + g + (e >> 1) * 8;
-                            const int col = n0 + j * 8 + 2 * t + (e & 1);
-                            s -= slope_log2 * fabsf((float)(row + p.diag_offset - col));
-                            s_frag[mt][j][e] = s;
-                        }
+            // Score modifications, in base-2 units: softcap c·tanh(s/c), + bias, ALiBi −slope·|diag − j|
+            if constexpr (BIAS_MASK) {
+                if (bias_gmem && p.bias_f32)
+                    score_mod_tile<E, true, float, BN, MT>(s_frag, p, (const float*)bias_gmem, slope_log2,
+                                                          m0 + warp_row0, n0, g, t, s_q, s_k, diag_offset);
+                else if (bias_gmem)
+                    score_mod_tile<E, true, S, BN, MT>(s_frag, p, (const S*)bias_gmem, slope_log2,
+                                                      m0 + warp_row0, n0, g, t, s_q, s_k, diag_offset);
+                else
+                    score_mod_tile<E, false, S, BN, MT>(s_frag, p, nullptr, slope_log2,
+                                                       m0 + warp_row0, n0, g, t, s_q, s_k, diag_offset);
+            } else if constexpr (SCORE_MOD) {
+                score_mod_tile<E, false, S, BN, MT>(s_frag, p, nullptr, slope_log2,
+                                                   m0 + warp_row0, n0, g, t, s_q, s_k, diag_offset);
             }
 
-            // Mask only the tiles that need it: the ragged last tile, and window / causal edges
-            const bool need_mask = (n0 + BN > p.s_k) ||
-                (WINDOW && (n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
-                            n0 < m0 + m_rows - 1 + p.diag_offset - p.window_left));
+            // Mask only the tiles that need it: the ragged last tile, window / causal edges, and
+            // every tile when a boolean mask is given
+            const bool need_mask = (n0 + BN > s_k) || (BIAS_MASK && mask_gmem) ||
+                (WINDOW && (n0 + BN - 1 > m0 + diag_offset + p.window_right ||
+                            n0 < m0 + m_rows - 1 + diag_offset - p.window_left));
             if (need_mask) {
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
@@ -320,9 +423,12 @@ flash_fwd(const Params p) {
                         for (int e = 0; e < 4; ++e) {
                             const int row = m0 + warp_row0 + mt * 16 + g + (e >> 1) * 8;
                             const int col = n0 + j * 8 + 2 * t + (e & 1);
-                            const int diag = row + p.diag_offset;
-                            bool keep = col < p.s_k;
+                            const int diag = row + diag_offset;
+                            bool keep = col < s_k;
                             if (WINDOW) keep = keep && col >= diag - p.window_left && col <= diag + p.window_right;
+                            if (BIAS_MASK && mask_gmem)   // boolean mask [row, col] (clamped like the bias)
+                                keep = keep && mask_gmem[(i64)min(row, s_q - 1) * p.mask_stride_q
+                                                         + (i64)min(col, s_k - 1) * p.mask_stride_k];
                             if (!keep) s_frag[mt][j][e] = -CF_INF;
                         }
             }
@@ -335,7 +441,7 @@ flash_fwd(const Params p) {
                 __syncthreads();      // V(nb) landed for all threads; every warp finished reading K(nb)
                 if (nb > nb_min) {
                     const int n1 = n0 - BN;
-                    load_tile<BN, D, PQK, NT>(k_smem, k_gmem + (i64)n1 * p.k_stride_s, p.k_stride_s, p.s_k - n1, p.d, p.vec_ok, p.k, tid);
+                    load_tile<BN, D, PQK, NT>(k_smem, k_gmem + (i64)n1 * p.k_stride_s, p.k_stride_s, s_k - n1, p.d, p.vec_ok, p.k, tid);
                 }
                 cp_async_commit();
             }

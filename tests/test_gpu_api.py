@@ -94,10 +94,14 @@ def test_backward_of_cupy_inputs_runs_on_the_gpu(rng, cp, layout):
         np.testing.assert_allclose(cp.asnumpy(g).astype(np.float64), to(g_ref), rtol=2e-2, atol=2e-2)
 
 
-def test_bias_on_cupy_inputs_is_refused_until_the_gpu_kernels_take_it(rng, cp):
-    q, k, v = (cp.asarray(x) for x in _qkv(rng))
-    with pytest.raises(NotImplementedError, match="bias"):
-        cf.attention(q, k, v, bias=cp.zeros((53,), cp.float32))
+def test_bias_and_mask_on_cupy_inputs_run_on_the_gpu(rng, cp):
+    q, k, v = _qkv(rng)
+    bias = rng.standard_normal((53,)).astype(np.float32)
+    mask = rng.random((37, 53)) > 0.2
+    out = cf.attention(*(cp.asarray(x) for x in (q, k, v)), bias=cp.asarray(bias),
+                       mask=cp.asarray(mask))
+    assert isinstance(out, cp.ndarray)
+    _close(cp.asnumpy(out), reference.attention(q, k, v, bias=bias, mask=mask), BF16)
 
 
 def test_numpy_backward_falls_back_to_the_cpu_under_auto(rng):

@@ -290,12 +290,3 @@ def test_empty_and_zero_keys(rng):
     lse = cp.full((1, 2, 5), -cp.inf, cp.float32)
     backward(q, q, k, k, q, lse, dq, k.copy(), k.copy(), opts)
     assert (dq == 0).all()
-
-
-def test_not_implemented_bias():
-    from cupyflash._gpu_bwd import backward
-    q = cp.zeros((1, 4, 1, 32), cp.float16)
-    opts = Options(scale=0.1, bias=cp.zeros((1, 1, 4, 4), cp.float32))
-    with pytest.raises(NotImplementedError):
-        backward(q, q, q, q, q, cp.zeros((1, 1, 4), cp.float32), q.copy(), q.copy(), q.copy(),
-                 opts)

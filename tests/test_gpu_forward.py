@@ -300,11 +300,3 @@ def test_int64_offsets(rng, kernel):
         ref_lse = (cp.log(p.sum(-1)) + m[:, 0])
         assert float(cp.abs(lse[b - 1, :, i] - ref_lse).max()) < 2e-3
     del k, v
-
-
-def test_not_implemented_bias():
-    from cupyflash._gpu import forward
-    q = cp.zeros((1, 4, 1, 32), cp.float16)
-    opts = Options(scale=0.1, bias=cp.zeros((1, 1, 4, 4), cp.float32))
-    with pytest.raises(NotImplementedError):
-        forward(q, q, q, q.copy(), cp.zeros((1, 1, 4), cp.float32), opts)

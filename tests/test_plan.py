@@ -26,7 +26,8 @@ def test_params_dtype_mirrors_c_struct():
     src = (KERNELS / "common.cuh").read_text()
     body = re.search(r"struct Params \{(.*?)\n\};", src, re.S).group(1)
     ctype = {"const void*": np.uint64, "void*": np.uint64, "float*": np.uint64,
-             "const float*": np.uint64, "unsigned int*": np.uint64, "i64": np.int64, "int": np.int32, "float": np.float32}
+             "const float*": np.uint64, "const int*": np.uint64, "const unsigned char*": np.uint64,
+             "unsigned int*": np.uint64, "i64": np.int64, "int": np.int32, "float": np.float32}
     fields, tma = [], []
     for line in body.splitlines():
         line = line.split("//")[0].strip().rstrip(";")
@@ -35,7 +36,7 @@ def test_params_dtype_mirrors_c_struct():
         if line.startswith("TmaDesc "):
             tma.append(line.split()[1])
             continue
-        m = re.match(r"(const void\*|void\*|const float\*|float\*|unsigned int\*|i64|int|float)\s+(.*)", line)
+        m = re.match(r"(const void\*|void\*|const float\*|float\*|const int\*|const unsigned char\*|unsigned int\*|i64|int|float)\s+(.*)", line)
         assert m, line
         for name in m.group(2).split(","):
             fields.append((name.strip(), ctype[m.group(1)]))
@@ -189,3 +190,52 @@ def test_modules_finds_sources_and_hashes():
     assert any(o.startswith("-DCUPYFLASH_SRC_HASH=0x" + h) for o in opts)
     assert names == [v.name_expression for v in _plan.all_variants()[:3]]
     assert "flash_fwd" in src
+
+
+# ------------------------------------------------------------------------------------------
+# GENERAL variants: bias / mask / varlen
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw", [dict(has_bias=True), dict(has_mask=True),
+                                dict(has_bias=True, has_mask=True, window_right=0)],
+                         ids=["bias", "mask", "bias_mask_causal"])
+def test_bias_or_mask_selects_the_general_variant(kw):
+    pl = _plan_simple(**kw)
+    v = pl.variant
+    assert v.general == _plan.GEN_ALL and v.window and v.score_mod
+    assert v.name.endswith("_gen") and v.name_expression.endswith(", 3>")
+    assert v.nw == 8 and v.bm // (16 * v.nw) == 1        # one 16-row slab per warp (registers)
+    assert pl.grid == (-(-1000 // v.bm), 16, 2)
+
+
+def test_plain_problem_keeps_the_plain_variant_and_its_expression():
+    v = _plan_simple().variant
+    assert v.general == 0 and not v.name_expression.endswith(", 0>")
+    assert v.name_expression == "flash_fwd<bf16_t, 128, 128, 64, 4, 2, false, false>"
+
+
+def test_varlen_plan_fields():
+    pl = _plan.plan_forward_varlen("float16", 5, 900, 1200, 300, 500, 8, 2, 64, 64, scale=0.1,
+                                   window_right=0, bottom_right=False)
+    v = pl.variant
+    assert v.general == _plan.GEN_VARLEN and v.name.endswith("_varlen")
+    assert (v.bm, v.bn, v.nw) == _plan.tiles("f16_t", 64, 227 * 1024)[:3]   # plain tiles
+    assert pl.grid == (-(-300 // v.bm), 8, 5)
+    prm = pl.params
+    assert (prm["b"], prm["s_q"], prm["s_k"]) == (1, 900, 1200)
+    assert prm["window_left"] == 2100 and prm["window_right"] == 0
+    assert prm["varlen_bottom_right"] == 0 and prm["diag_offset"] == 0
+    assert prm["num_m_blocks"] == pl.grid[0]
+
+
+def test_forced_plain_variant_refuses_a_bias():
+    v = _plan_simple().variant
+    with pytest.raises(ValueError, match="cannot compute"):
+        _plan_simple(has_bias=True, variant=v)
+
+
+def test_all_variants_hold_one_varlen_and_one_general_per_bucket():
+    vs = _plan.all_variants()
+    for elem in _plan.ELEMS:
+        for dbk in _plan.HEAD_DIM_BUCKETS:
+            gens = sorted(v.general for v in vs if v.elem == elem and v.d == dbk and v.general)
+            assert gens == [_plan.GEN_VARLEN, _plan.GEN_ALL]

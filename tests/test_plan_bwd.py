@@ -14,7 +14,7 @@ SMEMS = (99 * 1024, 163 * 1024, 227 * 1024)
 @pytest.mark.parametrize("smem", SMEMS)
 def test_every_variant_fits_and_meets_the_kernel_static_asserts(smem):
     vs = _gpu_bwd.all_variants(smem)
-    assert len(vs) == len(_plan.ELEMS) * len(_plan.HEAD_DIM_BUCKETS) * 4
+    assert len(vs) == len(_plan.ELEMS) * len(_plan.HEAD_DIM_BUCKETS) * 5   # 4 flag pairs + GENERAL
     for v in vs:
         cg = 16 if v.elem in ("f16_t", "bf16_t") else 8   # column granularity (bwd.cu CG)
         wmq = v.bm // 16
@@ -99,3 +99,37 @@ def test_tile_skipping_covers_every_kept_pair(s_q, s_k, wl, wr, br):
     for ii in range(s_q):
         tiles = set(_gpu_bwd.key_tiles(ii, bn, s_k, left, right, off))
         assert tiles == {jj // bn for jj in np.nonzero(keep[ii])[0]}
+
+
+# ------------------------------------------------------------------------------------------
+# GENERAL backward: dbias reduction plan, varlen plan
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape,b,h_k,det,mode,slabs", [
+    ((2, 4, 10, 20), 2, 2, False, 0, 1),                 # full: one owner lane per element
+    ((1, 4, 10, 20), 2, 2, False, 2, 1),                 # over batch: atomics
+    ((1, 4, 10, 20), 2, 2, True, 4, 2),                  # ... deterministic: a slab per batch entry
+    ((1, 4, 10, 20), 1, 2, True, 0, 1),                  # batch 1: nothing to reduce across blocks
+    ((2, 1, 1, 20), 2, 2, False, 3, 1),                  # key padding: rows summed in-warp + atomics
+    ((2, 1, 1, 20), 2, 2, True, 9, 2),                   # ... deterministic: a slab per kv head
+    ((2, 1, 1, 20), 2, 1, False, 1, 1),                  # MQA: the group loop sums the heads
+    ((1, 1, 10, 20), 3, 2, True, 12, 6),
+    ((2, 4, 10, 1), 2, 2, False, -1, 0),                 # constant along keys: exactly zero
+])
+def test_dbias_plan(shape, b, h_k, det, mode, slabs):
+    pl = _gpu_bwd.dbias_plan(shape, b, h_k, det)
+    assert (pl.mode, pl.slabs) == (mode, slabs)
+    if mode >= 0:   # contiguous strides of the bias's own shape, 0 along its size-1 dims
+        want = np.zeros(shape, np.float32).strides
+        assert pl.strides == tuple(0 if n == 1 else s // 4 for n, s in zip(shape, want))
+
+
+def test_varlen_backward_plan():
+    pl = _gpu_bwd.plan_backward_varlen("bfloat16", 4, 700, 900, 300, 400, 8, 2, 64, 64,
+                                       scale=0.1, window_left=16, deterministic=True)
+    v, prm = pl.variant, pl.params
+    assert v.general and v.window and v.score_mod
+    assert pl.grid == (-(-400 // v.bn), 2, 4)
+    assert (prm["b"], prm["s_q"], prm["s_k"], prm["varlen_bottom_right"]) == (1, 700, 900, 1)
+    assert prm["window_left"] == 16 and prm["window_right"] == 1600
+    assert prm["num_n_blocks"] == pl.grid[0]
+    assert pl.accum_elems == pl.grid[0] * 8 * 700 * 64     # one zeroed slab per key tile

@@ -1,0 +1,505 @@
+"""GPU bias / mask / dbias and native varlen (the GENERAL kernels) against the float64 reference.
+
+Launcher-level tests (cupyflash._gpu.forward / forward_varlen, cupyflash._gpu_bwd.backward /
+backward_varlen) with every output poisoned with NaN before the call, and a few API-level ones.
+
+Criterion (design.md §4, as tests/test_gpu_forward.py and test_gpu_backward.py):
+- float16 / bfloat16: max|x − ref| <= 2·max|x_naive − ref| + floor·max(1, max|ref|) for out, lse,
+  dq, dk, dv, dbias, where x_naive is the materialized computation in the input dtype (matmuls
+  round to the dtype, softmax in float32, P and dS rounded to the dtype before their products;
+  the bias added in float32 as given; dbias summed in float32 and rounded to the bias's dtype);
+  floor 1e-4 (float16) / 1e-3 (bfloat16) (lse: 1e-4, absolute).
+- float32 (3xTF32): out and lse norm-wise relative error <= 1e-5; gradients (dbias included)
+  max|x − ref| <= 5e-5·max(1, max|ref|) (docs/backward.md).
+Rows that attend to nothing: out 0, lse -inf, dq 0. Inputs, bias and dout are fresh random
+normal draws; masks are random with fully masked rows and batch entries planted.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+import cupyflash as cf  # noqa: E402
+from cupyflash import _checks, reference  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32)}
+FLOOR = {"float16": 1e-4, "bfloat16": 1e-3}
+F32 = np.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs
+# ----------------------------------------------------------------------------------------------
+def _draw(rng, shape, dtype):
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+
+def _nan_like(shape, dtype):
+    return cp.full(shape, cp.nan, cp.float32).astype(dtype)
+
+
+def bias_shape(kind, b, h, sq, sk):
+    """The bias patterns of the issue (NumPy broadcasting: missing leading dims are 1)."""
+    return {"bhqk": (b, h, sq, sk),        # pair bias
+            "1hqk": (1, h, sq, sk),        # relative-position bias shared over the batch
+            "b11k": (b, 1, 1, sk),         # key padding
+            "b1qk": (b, 1, sq, sk),
+            "bhq1": (b, h, sq, 1),         # constant along keys: dbias is exactly 0
+            "qk": (sq, sk),
+            "k": (sk,),
+            "1111": (1, 1, 1, 1)}[kind]
+
+
+def make_bias(rng, shape, dtype, layout="contig"):
+    """(NumPy values, CuPy array) of a bias; layout "keys_strided": keys not contiguous."""
+    vals = (rng.standard_normal(shape) * 2).astype(dtype)
+    if layout == "keys_strided" and len(shape) >= 2:
+        buf = cp.asarray(np.ascontiguousarray(np.swapaxes(vals, -1, -2)))   # [..., sk, sq] storage
+        return vals, cp.swapaxes(buf, -1, -2)
+    return vals, cp.asarray(vals)
+
+
+def make_mask(rng, kind, b, h, sq, sk):
+    """Boolean masks with fully masked rows planted (True = attend)."""
+    if kind == "pad":          # (b, 1, 1, sk) key padding; batch 0 has no valid key at all
+        lens = rng.integers(1, sk + 1, size=b)
+        lens[0] = 0
+        return (np.arange(sk)[None, :] < lens[:, None])[:, None, None, :]
+    if kind == "rand2d":       # (sq, sk); rows 0 and sq // 2 see nothing
+        m = rng.random((sq, sk)) > 0.3
+        m[0] = False
+        m[sq // 2] = False
+        return m
+    if kind == "full":         # (b, h, sq, sk)
+        m = rng.random((b, h, sq, sk)) > 0.5
+        m[-1, -1, -1] = False
+        return m
+    if kind == "rows":         # (1, 1, sq, 1): every other row sees nothing
+        return (np.arange(sq) % 2 == 0)[None, None, :, None]
+    raise ValueError(kind)
+
+
+def _keep(sq, sk, causal, window, bottom_right=True):
+    i = np.arange(sq)[:, None]
+    diag = i + (sk - sq) if bottom_right else i
+    j = np.arange(sk)[None, :]
+    wl, wr = (-1, -1) if window is None else window
+    if causal:
+        wr = 0
+    keep = np.ones((sq, sk), bool)
+    if wl >= 0:
+        keep &= j >= diag - wl
+    if wr >= 0:
+        keep &= j <= diag + wr
+    return keep, diag[:, 0]
+
+
+# ----------------------------------------------------------------------------------------------
+# naive computation in the input dtype (CuPy float32 math on dtype-rounded values)
+# ----------------------------------------------------------------------------------------------
+def _naive(q, k, v, do, dtype, scale, keep, bias, softcap, slopes, diag, bias_dtype=None):
+    """(out, lse, dq, dk, dv, dbias) materialized in ``dtype``; dbias in the bias's 4-D shape.
+
+    q [b, s_q, h, d] etc. as CuPy float arrays; keep bool broadcastable to [b, h, s_q, s_k];
+    bias float32 4-D or None; do None: forward only."""
+    f32 = cp.float32
+    rnd = lambda x: x.astype(dtype).astype(f32)  # noqa: E731
+    mm = lambda a, b: rnd(cp.matmul(a, b))       # noqa: E731
+    h, h_k = q.shape[2], k.shape[2]
+    grp = h // h_k
+    idx = cp.asarray(np.arange(h) // grp)
+    qt = q.transpose(0, 2, 1, 3).astype(f32)
+    kt = k.transpose(0, 2, 1, 3)[:, idx].astype(f32)
+    vt = v.transpose(0, 2, 1, 3)[:, idx].astype(f32)
+    raw = mm(qt, kt.swapaxes(-1, -2)) * scale
+    s = softcap * cp.tanh(raw / softcap) if softcap else raw
+    if bias is not None:
+        s = s + bias
+    if slopes is not None:
+        j = cp.arange(s.shape[-1])[None, :]
+        s = s - slopes[:, :, None, None] * cp.abs(cp.asarray(diag)[:, None] - j)
+    s = cp.where(cp.asarray(keep), s, -cp.inf)
+    m = s.max(-1, keepdims=True)
+    m = cp.where(cp.isfinite(m), m, 0)
+    e = cp.exp(s - m)
+    l = e.sum(-1, keepdims=True)
+    lse = cp.where(l[..., 0] > 0, cp.log(l[..., 0]) + m[..., 0], -cp.inf)
+    p = cp.where(l > 0, e / cp.where(l > 0, l, 1), 0)
+    p16 = rnd(p)
+    o = mm(p16, vt)
+    if do is None:
+        return o.astype(dtype).transpose(0, 2, 1, 3), lse
+    dot = do.transpose(0, 2, 1, 3).astype(f32)
+    dv = cp.matmul(p16.swapaxes(-1, -2), dot)
+    dp = mm(dot, vt.swapaxes(-1, -2))
+    ds = p * (dp - (dot * o).sum(-1, keepdims=True))
+    dbias = None
+    if bias is not None:
+        red = tuple(a for a in range(4) if bias.shape[a] == 1 and ds.shape[a] != 1)
+        dbias = ds.sum(axis=red, keepdims=True) if red else ds
+        dbias = dbias.astype(bias_dtype).astype(f32)
+    if softcap:
+        th = cp.tanh(raw / softcap)
+        ds = ds * (1 - th * th)
+    ds = rnd(ds)
+    dq = rnd(cp.matmul(ds, kt) * scale)
+    dk = cp.matmul(ds.swapaxes(-1, -2), qt) * scale
+    b_, _, s_k, d = dk.shape
+    dk = rnd(dk.reshape(b_, h_k, grp, s_k, d).sum(2))
+    dv = rnd(dv.reshape(b_, h_k, grp, s_k, -1).sum(2))
+    return (o.astype(dtype).transpose(0, 2, 1, 3), lse, dq.transpose(0, 2, 1, 3),
+            dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3), dbias)
+
+
+def _h(x):
+    return cp.asnumpy(x).astype(np.float64)
+
+
+def check_out_lse(dtype_name, got_out, got_lse, ref_out, ref_lse, naive_out=None, naive_lse=None,
+                  what=""):
+    """The forward criterion (module docstring); got_* / ref_* NumPy float64, same shapes."""
+    assert not np.isnan(got_out).any(), f"{what}: NaN in out (unwritten or NaN-producing)"
+    assert not np.isnan(got_lse).any(), f"{what}: NaN in lse"
+    dead = np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(got_lse), dead, f"{what}: lse -inf pattern")
+    live = ~dead
+    err_out = np.abs(got_out - ref_out).max() if got_out.size else 0.0
+    err_lse = np.abs(got_lse[live] - ref_lse[live]).max() if live.any() else 0.0
+    if dtype_name == "float32":
+        rel = np.linalg.norm(got_out - ref_out) / max(np.linalg.norm(ref_out), 1e-30)
+        assert rel <= 1e-5, f"{what}: out relative error {rel:.3g}"
+        rl = np.linalg.norm(got_lse[live] - ref_lse[live]) / max(np.linalg.norm(ref_lse[live]), 1.0)
+        assert rl <= 1e-5, f"{what}: lse relative error {rl:.3g}"
+        return
+    n_out = np.abs(naive_out - ref_out).max() if got_out.size else 0.0
+    n_lse = np.abs(naive_lse[live] - ref_lse[live]).max() if live.any() else 0.0
+    tol_out = 2 * n_out + FLOOR[dtype_name]
+    tol_lse = 2 * n_lse + 1e-4
+    assert err_out <= tol_out, f"{what}: out err {err_out:.3g} > {tol_out:.3g} (naive {n_out:.3g})"
+    assert err_lse <= tol_lse, f"{what}: lse err {err_lse:.3g} > {tol_lse:.3g} (naive {n_lse:.3g})"
+
+
+def check_grad(dtype_name, w, got, ref, naive=None):
+    assert not np.isnan(got).any(), f"NaN in {w} (unwritten or NaN-producing)"
+    err = np.abs(got - ref).max() if got.size else 0.0
+    sc = max(1.0, np.abs(ref).max() if ref.size else 0.0)
+    if dtype_name == "float32":
+        assert err <= 5e-5 * sc, f"{w}: error {err:.3g} > 5e-5 * {sc:.3g}"
+        return
+    n_err = np.abs(naive - ref).max() if got.size else 0.0
+    tol = 2 * n_err + FLOOR[dtype_name] * sc
+    assert err <= tol, f"{w}: err {err:.3g} > {tol:.3g} (naive {n_err:.3g}, scale {sc:.3g})"
+
+
+# ----------------------------------------------------------------------------------------------
+# dense: bias and mask, forward and backward
+# ----------------------------------------------------------------------------------------------
+def run_dense(rng, dtype_name, b, sq, sk, h, hk, d, *, bias=None, bias_dtype=None,
+              bias_layout="contig", mask=None, causal=False, window=None, softcap=0.0,
+              alibi=False, backward=True, deterministic=False, repeats=1):
+    from cupyflash import _gpu, _gpu_bwd
+    dtype = DTYPES[dtype_name]
+    bias_dtype = dtype if bias_dtype is None else np.dtype(bias_dtype)
+    qn, kn, vn = _draw(rng, (b, sq, h, d), dtype), _draw(rng, (b, sk, hk, d), dtype), \
+        _draw(rng, (b, sk, hk, d), dtype)
+    don = _draw(rng, (b, sq, h, d), dtype)
+    q, k, v, dout = (cp.asarray(x) for x in (qn, kn, vn, don))
+    bias_n = bias_d = mask_n = None
+    if bias is not None:
+        bias_n, bias_d = make_bias(rng, bias_shape(bias, b, h, sq, sk), bias_dtype, bias_layout)
+    if mask is not None:
+        mask_n = make_mask(rng, mask, b, h, sq, sk)
+    slopes = rng.uniform(0.01, 0.3, (b, h)).astype(np.float32) if alibi else None
+    dims = _checks.check_qkv(q, k, v)
+    opts = _checks.make_options(dims, cp, causal=causal, window=window, bias=bias_d,
+                                mask=None if mask_n is None else cp.asarray(mask_n),
+                                softcap=softcap or None, alibi_slopes=slopes,
+                                deterministic=deterministic)
+    out = _nan_like((b, sq, h, d), dtype)
+    lse = cp.full((b, h, sq), cp.nan, cp.float32)
+    name = _gpu.forward(q, k, v, out, lse, opts)
+    cp.cuda.get_current_stream().synchronize()
+    assert name.endswith("_gen"), name
+
+    scale = 1.0 / math.sqrt(d)
+    kw = dict(scale=scale, causal=causal, window=window, softcap=softcap or None,
+              bias=None if bias_n is None else bias_n.astype(np.float64), mask=mask_n,
+              alibi_slopes=slopes)
+    ref_out, ref_lse = reference.attention(qn, kn, vn, return_lse=True, **kw)
+    keep, diag = _keep(sq, sk, causal, window)
+    keep = keep if mask_n is None else keep & np.broadcast_to(mask_n.reshape(
+        (1,) * (4 - mask_n.ndim) + mask_n.shape), (b, h, sq, sk))
+    bias4 = None
+    if bias_n is not None:
+        bias4 = cp.asarray(bias_n.astype(np.float32).reshape((1,) * (4 - bias_n.ndim) + bias_n.shape))
+    naive = _naive(q, k, v, dout if backward else None, dtype, scale, keep, bias4, softcap,
+                   None if slopes is None else cp.asarray(slopes), diag, bias_dtype)
+    check_out_lse(dtype_name, _h(out), _h(lse), ref_out, ref_lse, _h(naive[0]), _h(naive[1]),
+                  what=name)
+    dead = np.isneginf(ref_lse)
+    assert (_h(out).transpose(0, 2, 1, 3)[dead] == 0).all(), "rows that see nothing must give 0"
+    if not backward:
+        return name
+
+    results = []
+    for _ in range(repeats):
+        grads = [_nan_like(x.shape, dtype) for x in (q, k, v)]
+        dbias = None if bias_d is None else _nan_like(opts.bias.shape, bias_dtype)
+        bname = _gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts, dbias=dbias)
+        cp.cuda.get_current_stream().synchronize()
+        results.append([_h(x) for x in grads] + ([] if dbias is None else [_h(dbias)]))
+    assert bname.endswith("_gen"), bname
+    for other in results[1:]:
+        for w, x, y in zip(("dq", "dk", "dv", "dbias"), results[0], other):
+            assert np.array_equal(x, y, equal_nan=True), f"{bname}: {w} differs between runs"
+    refs = reference.attention_backward(don, qn, kn, vn, **kw)
+    got = results[0]
+    assert (got[0].transpose(0, 2, 1, 3)[dead] == 0).all(), "rows that see nothing: dq must be 0"
+    names = ("dq", "dk", "dv", "dbias")
+    for i, (w, g) in enumerate(zip(names, got)):
+        ref = refs[i]
+        if w == "dbias":
+            ref = ref.reshape(g.shape)
+        nv = None if dtype_name == "float32" else _h(naive[2 + i]).reshape(g.shape)
+        check_grad(dtype_name, f"{bname} {w}", g, ref, nv)
+    return bname
+
+
+BIAS_KINDS = ["bhqk", "1hqk", "b11k", "b1qk", "bhq1", "qk", "k", "1111"]
+
+
+@pytest.mark.parametrize("kind", BIAS_KINDS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_bias_patterns_fwd_bwd(rng, dtype, kind):
+    run_dense(rng, dtype, 2, 113, 203, 4, 2, 64, bias=kind)
+
+
+@pytest.mark.parametrize("kind", ["bhqk", "1hqk", "b11k"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_bias_hd128_causal(rng, dtype, kind):
+    run_dense(rng, dtype, 2, 157, 131, 4, 1, 128, bias=kind, causal=True)
+
+
+@pytest.mark.parametrize("bias_dtype,layout", [("float32", "contig"), ("float16", "contig"),
+                                               ("bfloat16", "keys_strided"),
+                                               ("float32", "keys_strided")],
+                         ids=["f32_bias", "f16_bias_cast", "keys_strided", "f32_keys_strided"])
+def test_bias_dtypes_and_strides_bf16(rng, bias_dtype, layout):
+    dt = BF16 if bias_dtype == "bfloat16" else bias_dtype
+    run_dense(rng, "bfloat16", 2, 97, 130, 4, 2, 59, bias="1hqk", bias_dtype=dt, bias_layout=layout)
+
+
+@pytest.mark.parametrize("mask", ["pad", "rand2d", "full", "rows"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_mask_patterns(rng, dtype, mask):
+    run_dense(rng, dtype, 2, 101, 167, 4, 2, 64, mask=mask)
+
+
+@pytest.mark.parametrize("opt", ["causal", "window", "softcap_alibi", "gqa_mqa"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_bias_mask_with_options(rng, dtype, opt):
+    kw = {"causal": dict(causal=True), "window": dict(window=(40, 7)),
+          "softcap_alibi": dict(softcap=6.0, alibi=True), "gqa_mqa": dict()}[opt]
+    hk = 1 if opt == "gqa_mqa" else 2
+    run_dense(rng, dtype, 2, 150, 97, 4, hk, 96, bias="b1qk", mask="pad", **kw)
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 61), (61, 1), (1, 1), (257, 129)])
+def test_bias_awkward_lengths(rng, sq, sk):
+    run_dense(rng, "bfloat16", 1, sq, sk, 2, 2, 32, bias="bhqk", mask="rand2d" if sq > 1 else None,
+              causal=sq > sk)
+
+
+@pytest.mark.parametrize("kind", ["1hqk", "b11k", "qk", "bhqk"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_dbias_deterministic_bit_identical(rng, dtype, kind):
+    run_dense(rng, dtype, 3, 129, 211, 4, 2, 64, bias=kind, causal=True, deterministic=True,
+              repeats=3)
+
+
+def test_api_dbias_in_the_bias_shape(rng):
+    q, k, v = (cp.asarray(_draw(rng, (2, 77, 4, 64), BF16)) for _ in range(3))
+    bias = cp.asarray(_draw(rng, (4, 1, 77), np.float32))        # (h, 1, s_k): broadcast over rows
+    out, vjp = cf.attention_vjp(q, k, v, bias=bias, causal=True)
+    dout = cp.asarray(_draw(rng, out.shape, BF16))
+    dq, dk, dv, dbias = vjp(dout)
+    assert dbias.shape == (4, 1, 77) and dbias.dtype == np.float32
+    ref = reference.attention_backward(*(cp.asnumpy(x) for x in (dout, q, k, v)), causal=True,
+                                       bias=cp.asnumpy(bias))[3]
+    assert np.abs(cp.asnumpy(dbias) - ref).max() <= 2e-2 * max(1, np.abs(ref).max())
+
+
+def test_api_numpy_bias_and_mask_run_on_the_gpu(rng):
+    q, k, v = (_draw(rng, (1, 50, 2, 32), np.float16) for _ in range(3))
+    mask = rng.random((50, 50)) > 0.5
+    bias = rng.standard_normal(50)                      # float64: a float32 copy on the GPU
+    out = cf.attention(q, k, v, mask=mask, bias=bias, device="gpu")
+    assert isinstance(out, np.ndarray) and out.dtype == np.float16
+    ref = reference.attention(q, k, v, mask=mask, bias=bias)
+    np.testing.assert_allclose(out.astype(np.float64), ref, rtol=4e-3, atol=4e-3)
+
+
+# ----------------------------------------------------------------------------------------------
+# varlen
+# ----------------------------------------------------------------------------------------------
+def _cu(lens):
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+LENS = {
+    "mixed": ((5, 1, 0, 130, 64, 257, 3), (7, 65, 3, 129, 0, 300, 3)),
+    "same": ((64, 200, 1), (64, 200, 1)),
+    "long_short": ((1000, 17, 1), (1000, 31, 40)),
+}
+
+
+def run_varlen(rng, dtype_name, lens_q, lens_k, h, hk, d, *, causal=False, window=None,
+               softcap=0.0, alibi=False, backward=True, deterministic=False, repeats=1):
+    from cupyflash import _gpu, _gpu_bwd
+    dtype = DTYPES[dtype_name]
+    cq, ck = _cu(lens_q), _cu(lens_k)
+    tq, tk, nseq = int(cq[-1]), int(ck[-1]), len(lens_q)
+    qn, kn, vn = _draw(rng, (tq, h, d), dtype), _draw(rng, (tk, hk, d), dtype), \
+        _draw(rng, (tk, hk, d), dtype)
+    don = _draw(rng, (tq, h, d), dtype)
+    q, k, v, dout = (cp.asarray(x)[None] for x in (qn, kn, vn, don))
+    slopes = rng.uniform(0.01, 0.3, (nseq, h)).astype(np.float32) if alibi else None
+    dims = _checks.Dims(nseq, tq, tk, h, hk, d, d)
+    opts = _checks.make_options(dims, cp, causal=causal, window=window, softcap=softcap or None,
+                                alibi_slopes=slopes, deterministic=deterministic)
+    out = _nan_like((1, tq, h, d), dtype)
+    lse = cp.full((h, tq), cp.nan, cp.float32)
+    cqd, ckd = cp.asarray(cq), cp.asarray(ck)
+    name = _gpu.forward_varlen(q, k, v, cqd, ckd, max(lens_q), max(lens_k), out, lse, opts)
+    cp.cuda.get_current_stream().synchronize()
+    assert name.endswith("_varlen"), name
+    got_out, got_lse = _h(out[0]), _h(lse)
+    assert not np.isnan(got_out).any() and not np.isnan(got_lse).any(), "unwritten varlen rows"
+
+    grads = None
+    if backward:
+        results = []
+        for _ in range(repeats):
+            gr = [_nan_like(x.shape, dtype) for x in (q, k, v)]
+            _gpu_bwd.backward_varlen(dout, q, k, v, out, lse, cqd, ckd, max(lens_q), max(lens_k),
+                                     *gr, opts)
+            cp.cuda.get_current_stream().synchronize()
+            results.append([_h(x[0]) for x in gr])
+        for other in results[1:]:
+            for w, x, y in zip(("dq", "dk", "dv"), results[0], other):
+                assert np.array_equal(x, y, equal_nan=True), f"varlen {w} differs between runs"
+        grads = results[0]
+
+    scale = 1.0 / math.sqrt(d)
+    for i in range(nseq):
+        sq_, sk_ = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        if lens_q[i] == 0:
+            continue
+        what = f"{name} seq {i} ({lens_q[i]}x{lens_k[i]})"
+        sl = None if slopes is None else slopes[i:i + 1]
+        kw = dict(scale=scale, causal=causal, window=window, softcap=softcap or None,
+                  alibi_slopes=sl)
+        if lens_k[i] == 0:   # no key: out 0, lse -inf, dq 0
+            assert (got_out[sq_] == 0).all() and np.isneginf(got_lse[:, sq_]).all(), what
+            if grads is not None:
+                assert (grads[0][sq_] == 0).all(), what
+            continue
+        ref_out, ref_lse = reference.attention(qn[None, sq_], kn[None, sk_], vn[None, sk_],
+                                               return_lse=True, **kw)
+        keep, diag = _keep(lens_q[i], lens_k[i], causal, window)
+        naive = _naive(q[:, sq_], k[:, sk_], v[:, sk_], dout[:, sq_] if backward else None, dtype,
+                       scale, keep, None, softcap, None if sl is None else cp.asarray(sl), diag)
+        check_out_lse(dtype_name, got_out[sq_][None], got_lse[None, :, sq_], ref_out, ref_lse,
+                      _h(naive[0]), _h(naive[1]), what)
+        # the dense call on this sequence alone agrees to the same tolerance
+        dense, dense_lse = cf.attention(q[:, sq_], k[:, sk_], v[:, sk_], return_lse=True,
+                                        causal=causal, window=window, softcap=softcap or None,
+                                        alibi_slopes=None if sl is None else cp.asarray(sl))
+        diff = np.abs(got_out[sq_][None] - _h(dense)).max()
+        tol = (2e-5 * max(1.0, np.abs(ref_out).max()) if dtype_name == "float32" else
+               2 * np.abs(_h(naive[0]) - ref_out).max() + FLOOR[dtype_name])
+        assert diff <= tol, f"{what}: varlen vs dense {diff:.3g} > {tol:.3g}"
+        if grads is not None:
+            refs = reference.attention_backward(don[None, sq_], qn[None, sq_], kn[None, sk_],
+                                                vn[None, sk_], **kw)
+            for j, (w, g, sl_) in enumerate(zip(("dq", "dk", "dv"), grads, (sq_, sk_, sk_))):
+                nv = None if dtype_name == "float32" else _h(naive[2 + j])[0]
+                check_grad(dtype_name, f"{what} {w}", g[sl_], refs[j][0], nv)
+    if grads is not None:   # keys of sequences without queries: zero gradients
+        for i in range(nseq):
+            if lens_q[i] == 0 and lens_k[i]:
+                sk_ = slice(ck[i], ck[i + 1])
+                assert (grads[1][sk_] == 0).all() and (grads[2][sk_] == 0).all()
+    return name
+
+
+@pytest.mark.parametrize("lens", list(LENS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_varlen_mixed_lengths(rng, dtype, causal, lens):
+    run_varlen(rng, dtype, *LENS[lens], 4, 2, 64, causal=causal)
+
+
+@pytest.mark.parametrize("opt", ["window", "softcap", "alibi", "mqa_hd128"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_varlen_options(rng, dtype, opt):
+    lens_q, lens_k = (33, 1, 190, 0, 77), (50, 9, 120, 5, 77)
+    if opt == "mqa_hd128":
+        run_varlen(rng, dtype, lens_q, lens_k, 4, 1, 128, causal=True)
+    else:
+        kw = {"window": dict(window=(20, 5)), "softcap": dict(softcap=4.0, causal=True),
+              "alibi": dict(alibi=True, causal=True)}[opt]
+        run_varlen(rng, dtype, lens_q, lens_k, 4, 2, 59, **kw)
+
+
+def test_varlen_top_left_api(rng):
+    lens_q, lens_k = (40, 3, 100), (20, 50, 100)
+    cq, ck = _cu(lens_q), _cu(lens_k)
+    q = _draw(rng, (cq[-1], 2, 64), BF16)
+    k = _draw(rng, (ck[-1], 2, 64), BF16)
+    v = _draw(rng, (ck[-1], 2, 64), BF16)
+    out, lse = cf.attention_varlen(*(cp.asarray(x) for x in (q, k, v, cq, ck)), causal=True,
+                                   causal_align="top_left", return_lse=True)
+    out, lse = cp.asnumpy(out).astype(np.float64), cp.asnumpy(lse)
+    for i in range(3):
+        sq_, sk_ = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        ro, rl = reference.attention(q[None, sq_], k[None, sk_], v[None, sk_], causal=True,
+                                     causal_align="top_left", return_lse=True)
+        assert np.abs(out[sq_] - ro[0]).max() < 2e-2
+        live = np.isfinite(rl[0])
+        assert (np.isneginf(lse[:, sq_]) == ~live).all()
+        assert np.abs(lse[:, sq_][live] - rl[0][live]).max() < 2e-3
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_varlen_deterministic_bit_identical(rng, dtype):
+    run_varlen(rng, dtype, (300, 1, 0, 129), (257, 64, 9, 130), 4, 2, 64, causal=True,
+               deterministic=True, repeats=3)
+
+
+def test_varlen_api_backward_matches_reference(rng):
+    lens_q, lens_k = (17, 0, 90), (30, 4, 60)
+    cq, ck = _cu(lens_q), _cu(lens_k)
+    q = _draw(rng, (cq[-1], 4, 64), np.float16)
+    k = _draw(rng, (ck[-1], 2, 64), np.float16)
+    v = _draw(rng, (ck[-1], 2, 64), np.float16)
+    args = [cp.asarray(x) for x in (q, k, v, cq, ck)]
+    out, lse = cf.attention_varlen(*args, causal=True, return_lse=True)
+    dout = _draw(rng, out.shape, np.float16)
+    dq, dk, dv = cf.attention_varlen_backward(cp.asarray(dout), *args[:3], out, lse, *args[3:],
+                                              causal=True)
+    for i in range(3):
+        sq_, sk_ = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        refs = reference.attention_backward(dout[None, sq_], q[None, sq_], k[None, sk_],
+                                            v[None, sk_], causal=True)
+        for g, r, sl in zip((dq, dk, dv), refs[:3], (sq_, sk_, sk_)):
+            np.testing.assert_allclose(cp.asnumpy(g[sl]).astype(np.float64), r[0], rtol=2e-2,
+                                       atol=2e-2)
