@@ -7,7 +7,7 @@
 // each block = three warpgroups:
 //   warpgroup 0, producer: one thread issues TMA copies of each Q tile and of its K / V tiles
 //     into a STAGES-deep ring of shared-memory buffers (K and V on separate mbarriers, so S = Q Kᵀ
-//     starts before V has landed); it keeps 24 registers (setmaxnreg), giving the rest to
+//     starts before V has landed); it keeps 40 registers (setmaxnreg), giving the rest to
 //   warpgroups 1 and 2, consumers: 64 query rows each. Per key tile: S = Q Kᵀ (wgmma, both
 //     operands in shared memory), softcap / masks, online softmax in registers, O += P V (wgmma
 //     with P straight from registers: the fp32 S accumulator layout packed to 16-bit pairs is the
