@@ -17,12 +17,7 @@ tail -1 "$OUT/misc.log"
 say "GPU tests"
 timeout 330 python -m pytest -q -m gpu tests/ -p no:cacheprovider -rfs --tb=short > "$OUT/tests.log" 2>&1
 tail -4 "$OUT/tests.log"
-say notebooks
-timeout 90 python -m pytest -q tests/test_notebooks.py -p no:cacheprovider -rf --tb=short >> "$OUT/misc.log" 2>&1
-tail -1 "$OUT/misc.log"
-say demo; timeout 60 python -m cupyflash demo >> "$OUT/misc.log" 2>&1; tail -4 "$OUT/misc.log"
 say "host overhead"; timeout 60 python benchmarks/overhead.py >> "$OUT/misc.log" 2>&1; tail -6 "$OUT/misc.log"
-
 say "bench (bf16, fwd + bwd, beside PyTorch SDPA)"
 if [ "${FULL:-0}" = 1 ]; then SEQ="512 1024 2048 4096 8192 16384"; else SEQ="1024 4096 16384"; fi
 timeout 200 python -m cupyflash bench --seqlen $SEQ --skip-peers cupy memeff --peers benchmarks.peers \
@@ -33,3 +28,8 @@ timeout 60 python -m cupyflash bench --head-dim 256 --seqlen 1024 4096 16384 --d
     --skip-peers cupy memeff --peers benchmarks.peers --json "$OUT/bench256.json" \
     --png "$OUT/bench256.png" >> "$OUT/bench.log" 2>>"$OUT/bench_progress.log"
 tail -8 "$OUT/bench.log"
+say notebooks
+timeout 90 python -m pytest -q tests/test_notebooks.py -p no:cacheprovider -rf --tb=short >> "$OUT/misc.log" 2>&1
+tail -1 "$OUT/misc.log"
+say demo; timeout 60 python -m cupyflash demo >> "$OUT/misc.log" 2>&1; tail -4 "$OUT/misc.log"
+
