@@ -21,6 +21,7 @@ _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_128B = 2
 _OOB_FILL_ZEROS = 0                      # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: zeros
+_CUDA_ERROR_INVALID_CONTEXT = 201
 
 _encode = None
 _lock = threading.Lock()
@@ -54,11 +55,18 @@ def encode(dtype_name: str, ptr: int, dims, byte_strides, box) -> np.ndarray:
         return desc
     buf = ctypes.create_string_buffer(128 + 64)      # CUtensorMap must be 64-byte aligned
     addr = (ctypes.addressof(buf) + 63) & ~63
+    args = (addr, _DTYPE[dtype_name], 4, ptr, _u64x4(*dims), _u64x3(*byte_strides),
+            _u32x4(*box), _u32x4(1, 1, 1, 1), _INTERLEAVE_NONE, _SWIZZLE_128B,
+            _L2_PROMOTION_128B, _OOB_FILL_ZEROS)
     with _lock:
-        rc = _driver_encode()(addr, _DTYPE[dtype_name], 4, ptr, _u64x4(*dims),
-                              _u64x3(*byte_strides), _u32x4(*box), _u32x4(1, 1, 1, 1),
-                              _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B,
-                              _OOB_FILL_ZEROS)
+        rc = _driver_encode()(*args)
+        if rc == _CUDA_ERROR_INVALID_CONTEXT:
+            # A thread that has made no CUDA runtime call yet has no current context (CuPy's
+            # pool can serve it without one); cudaSetDevice makes the device's primary context
+            # current in this thread, then the driver call works.
+            import cupy
+            cupy.cuda.runtime.setDevice(cupy.cuda.runtime.getDevice())
+            rc = _driver_encode()(*args)
     if rc != 0:
         raise RuntimeError(
             f"cuTensorMapEncodeTiled failed (CUresult {rc}) for dims {dims}, strides "
