@@ -187,19 +187,8 @@ def _sm90_variant_by_name(name):
 
 
 def _build(key, q, k, v, out, lse, opts, kernel, dev_id):
-    cc, smem, _ = _info(dev_id)
-    if cc < 80:
-        raise NotImplementedError(
-            f"GPU forward needs compute capability 8.0 or newer (mma.sync bf16/tf32); device "
-            f"{dev_id} is sm_{cc}")
-    name = _DTYPE_NAMES.get(q.dtype)
-    if name is None:
-        raise NotImplementedError(f"GPU forward: dtype {q.dtype} (float16, bfloat16, float32)")
-    for a, w in ((k, "k"), (v, "v"), (out, "out")):
-        if a.dtype != q.dtype:
-            raise ValueError(f"{w} has dtype {a.dtype}, q has {q.dtype}")
-    if lse.dtype != np.float32 or not lse.flags.c_contiguous:
-        raise ValueError("lse must be a contiguous float32 array [b, h, s_q]")
+    name, smem = _check_launchable(q, k, v, out, lse, dev_id)
+    cc = _info(dev_id)[0]
     b, s_q, h, d = q.shape
     _, s_k, h_k, _ = k.shape
     d_v = v.shape[3]
@@ -283,6 +272,18 @@ def _key(q, k, v, out, opts, kernel):
             opts.bias is not None or opts.mask is not None, kernel, _get_device())
 
 
+def _empty(q, k, out, lse) -> bool:
+    """True when there is nothing to launch: no output, or no keys (every row attends to
+    nothing: out = 0, lse = -inf, written here)."""
+    if q.size == 0 or out.size == 0:
+        return True
+    if k.shape[1] == 0:
+        out.fill(0)
+        lse.fill(-math.inf)
+        return True
+    return False
+
+
 def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
     """out[...] = attention(q, k, v), lse[...] = its log-sum-exp; returns the variant's name.
 
@@ -302,11 +303,7 @@ def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
     key = _key(q, k, v, out, opts, kernel)
     ent = _launch_cache.get(key)
     if ent is None:
-        if q.size == 0 or out.size == 0:
-            return "empty"
-        if k.shape[1] == 0:   # no keys: every row attends to nothing
-            out.fill(0)
-            lse.fill(-math.inf)
+        if _empty(q, k, out, lse):
             return "empty"
         ent = _build(key, q, k, v, out, lse, opts, kernel, key[-1])
         if len(_launch_cache) >= _LAUNCH_CACHE_MAX:  # e.g. varlen: one signature per length
@@ -314,10 +311,9 @@ def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
         _launch_cache[key] = ent
     if alibi is None:
         return ent.launch(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
-    if alibi.dtype != np.float32 or (alibi.shape[1] > 1 and alibi.strides[1] != 4):
-        alibi = cupy.ascontiguousarray(alibi, dtype=np.float32)
+    alibi, stride_b = alibi_operand(alibi)
     return ent.launch(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr,
-                      alibi.data.ptr, alibi.strides[0] // 4 if alibi.shape[0] > 1 else 0)
+                      alibi.data.ptr, stride_b)
 
 
 def cached_launch(q, k, v, out, opts):
@@ -349,7 +345,7 @@ def _check_launchable(q, k, v, out, lse, dev_id):
         if a.dtype != q.dtype:
             raise ValueError(f"{w} has dtype {a.dtype}, q has {q.dtype}")
     if lse.dtype != np.float32 or not lse.flags.c_contiguous:
-        raise ValueError("lse must be a contiguous float32 array")
+        raise ValueError("lse must be a contiguous float32 array [b, h, s_q]")
     return name, smem
 
 
@@ -416,15 +412,24 @@ def _set_common(prm, q, k, v, out, lse, opts, zero_batch_strides=False):
     prm["vec_ok"] = int(_plan.vec_ok(ptrs, strides, q.dtype.itemsize))
     for n, a in (("q", q), ("k", k), ("v", v), ("o", out), ("lse", lse)):
         prm[n] = a.data.ptr
-    keep = []
-    alibi = opts.alibi_slopes
-    if alibi is not None:
-        if alibi.dtype != np.float32 or (alibi.shape[1] > 1 and alibi.strides[1] != 4):
-            alibi = cupy.ascontiguousarray(alibi, dtype=np.float32)
-        prm["alibi"] = alibi.data.ptr
-        prm["alibi_stride_b"] = alibi.strides[0] // 4 if alibi.shape[0] > 1 else 0
-        keep.append(alibi)
-    return keep
+    return set_alibi(prm, opts.alibi_slopes)
+
+
+def alibi_operand(alibi):
+    """(array, batch stride) the kernels read for ALiBi slopes [b or 1, h]: float32 with a unit
+    head stride (one small copy otherwise); the batch stride is 0 when the slopes broadcast."""
+    if alibi.dtype != np.float32 or (alibi.shape[1] > 1 and alibi.strides[1] != 4):
+        alibi = cupy.ascontiguousarray(alibi, dtype=np.float32)
+    return alibi, (alibi.strides[0] // 4 if alibi.shape[0] > 1 else 0)
+
+
+def set_alibi(prm, alibi):
+    """ALiBi slopes (or None) into Params ``prm``; returns the arrays to keep alive."""
+    if alibi is None:
+        return []
+    alibi, stride_b = alibi_operand(alibi)
+    prm["alibi"], prm["alibi_stride_b"] = alibi.data.ptr, stride_b
+    return [alibi]
 
 
 def _launch(plan, prm, dev_id):
@@ -435,11 +440,7 @@ def _launch(plan, prm, dev_id):
 
 def _forward_general(q, k, v, out, lse, opts, kernel="auto") -> str:
     """forward() with a bias and / or a mask: the GENERAL variant (see forward)."""
-    if q.size == 0 or out.size == 0:
-        return "empty"
-    if k.shape[1] == 0:   # no keys: every row attends to nothing
-        out.fill(0)
-        lse.fill(-math.inf)
+    if _empty(q, k, out, lse):
         return "empty"
     dev_id = _get_device()
     name, smem = _check_launchable(q, k, v, out, lse, dev_id)

@@ -301,9 +301,10 @@ def flops(b: int, h: int, s_q: int, s_k: int, d: int, d_v: int, causal: bool = F
 # Compilation (one RawModule per main variant, holding the two helper kernels of its dtype)
 # ------------------------------------------------------------------------------------------
 def program(variants):
-    """(source, options, name expressions) compiling ``variants`` and their helper kernels."""
+    """(source, options, name expressions) compiling ``variants`` (BwdVariant, or the Hopper
+    Sm90BwdVariant whose bwd_sm90.cu includes bwd.cu) and their helper kernels."""
     from . import _modules
-    src, opts, names = _modules.program(variants, file="bwd.cu")
+    src, opts, names = _modules.program(variants, file=getattr(variants[0], "file", "bwd.cu"))
     helpers = []
     for v in variants:
         for n in (v.pre_expression, v.dq_expression):
@@ -315,7 +316,8 @@ def program(variants):
 _functions = {}   # (device id, variant) -> (main, pre, dq) RawKernels
 
 
-def get_functions(variant: BwdVariant, device_id: int):
+def get_functions(variant, device_id: int):
+    """(main, pre, dq) kernels of a BwdVariant or Sm90BwdVariant on ``device_id`` (lazy)."""
     key = (device_id, variant)
     fns = _functions.get(key)
     if fns is None:
@@ -389,6 +391,8 @@ def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
     ``hopper(prm)`` launches them with the Hopper main kernel (None: it could not)."""
     import cupy
 
+    from . import _gpu
+
     prm = plan.params.copy()
     strides = []
     for a, t in ((q, "q"), (k, "k"), (v, "v"), (out, "o"), (dout, "do"), (dq, "dq"), (dk, "dk"),
@@ -401,12 +405,7 @@ def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
             strides += [sb, ss, sh]
     ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr)
     prm["vec_ok"] = int(_plan.vec_ok(ptrs, strides, q.dtype.itemsize))
-    alibi = opts.alibi_slopes
-    if alibi is not None:
-        if alibi.dtype != np.float32 or (alibi.shape[1] > 1 and alibi.strides[1] != 4):
-            alibi = cupy.ascontiguousarray(alibi, dtype=np.float32)
-        prm["alibi"] = alibi.data.ptr
-        prm["alibi_stride_b"] = alibi.strides[0] // 4 if alibi.shape[0] > 1 else 0
+    alibi = _gpu.set_alibi(prm, opts.alibi_slopes)
     rows = plan.params["dq_accum_slab"] // max(1, int(plan.params["d"]))
     dsum = cupy.empty(rows, np.float32)
     accum = (cupy.zeros if zero_accum else cupy.empty)(plan.accum_elems, np.float32)

@@ -77,53 +77,22 @@ def unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: flo
                 tensors=()) -> Optional[str]:
     """Why the Hopper backward kernel cannot run this call (None when it can). ``tensors``:
     (shape, element strides) of q, k, v and dout. Base pointers are checked at launch."""
-    if cc != 90:
-        return f"compute capability {cc / 10:.1f} (the Hopper kernel needs 9.0)"
-    if dtype_name not in ("float16", "bfloat16"):
-        return f"dtype {dtype_name} (the Hopper kernel takes float16 / bfloat16)"
-    if d != d_v or d not in HEAD_DIMS:
-        return f"head dims {d} / {d_v} (the Hopper backward takes d = d_v in {HEAD_DIMS})"
     if softcap > 0 or has_alibi:
         return "softcap / alibi_slopes (not in the Hopper backward yet)"
     if not scale > 0:
         return f"scale {scale} <= 0"
     if deterministic:
         return "deterministic=True (the Hopper backward adds dQ with atomics)"
-    if smem_bytes(d) > smem_optin:
-        return f"shared memory {smem_optin} bytes"
-    for shape, strides in tensors:
-        if not _plan.tma_strides_ok(shape, strides, 2):
-            return f"strides {tuple(strides)} of a {tuple(shape)} tensor (TMA needs 16-byte multiples)"
-    return None
+    return _plan.sm90_common_unsupported(dtype_name, d, d_v, HEAD_DIMS, cc=cc,
+                                         smem_need=smem_bytes(d), smem_optin=smem_optin,
+                                         tensors=tensors)
 
 
 def program(variants_):
-    """(source, options, name expressions) of ``variants_`` and their helper kernels."""
-    from . import _modules
-    src, opts, names = _modules.program(variants_)
-    helpers = []
-    for v in variants_:
-        for n in (v.pre_expression, v.dq_expression):
-            if n not in helpers:
-                helpers.append(n)
-    return src, opts, names + helpers
-
-
-_functions = {}   # (device id, variant) -> (main, pre, dq) kernels
-
-
-def get_functions(variant: Sm90BwdVariant, device_id: int):
-    key = (device_id, variant)
-    fns = _functions.get(key)
-    if fns is None:
-        import cupy
-        src, opts, names = program([variant])
-        mod = cupy.RawModule(code=src, options=opts, name_expressions=names)
-        main = mod.get_function(variant.name_expression)
-        main.max_dynamic_shared_size_bytes = variant.smem_bytes
-        fns = _functions[key] = (main, mod.get_function(variant.pre_expression),
-                                 mod.get_function(variant.dq_expression))
-    return fns
+    """(source, options, name expressions) of ``variants_`` and their helper kernels: the same
+    builder as the portable backward's (bwd_sm90.cu includes bwd.cu)."""
+    from . import _gpu_bwd
+    return _gpu_bwd.program(variants_)
 
 
 def launch(variant: Sm90BwdVariant, prm, pre_grid, dq_grid, q, k, v, dout, dev_id) -> Optional[str]:
@@ -140,7 +109,8 @@ def launch(variant: Sm90BwdVariant, prm, pre_grid, dq_grid, q, k, v, dout, dev_i
                            ("tma_do", dout, BM)):
         dims, byte_strides, box = _plan.tma_tensor(a.shape, _gpu._elem_strides(a, field), 2, rows)
         prm[field] = _tma.encode(dtype_name, a.data.ptr, dims, byte_strides, box)
-    main, pre, conv = get_functions(variant, dev_id)
+    from . import _gpu_bwd
+    main, pre, conv = _gpu_bwd.get_functions(variant, dev_id)
     b, _, h, _ = q.shape
     s_k, h_k = k.shape[1], k.shape[2]
     rec = prm.reshape(1)[0]

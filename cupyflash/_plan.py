@@ -370,29 +370,39 @@ def tma_tensor(shape, strides, itemsize: int, box_rows: int):
     return dims, byte_strides, (64, box_rows, 1, 1)
 
 
-def sm90_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: float,
-                     has_alibi: bool, cc: int, smem_optin: int, tensors=()) -> Optional[str]:
-    """Why the Hopper kernel cannot run this call (None when it can).
-
-    ``tensors``: (shape, element strides) of q, k, v and out, checked against what TMA accepts.
-    Base-pointer alignment is checked at launch (the launcher falls back when it fails).
-    """
+def sm90_common_unsupported(dtype_name: str, d: int, d_v: int, head_dims, *, cc: int,
+                            smem_need: int, smem_optin: int, tensors=()) -> Optional[str]:
+    """The checks every Hopper kernel (forward, backward) makes: compute capability 9.0,
+    float16 / bfloat16, d = d_v in ``head_dims``, shared memory, strides TMA accepts for each
+    (shape, element strides) in ``tensors``. None when they pass, else the reason."""
     if cc != 90:
         return f"compute capability {cc / 10:.1f} (the Hopper kernel needs 9.0)"
     if dtype_name not in ("float16", "bfloat16"):
         return f"dtype {dtype_name} (the Hopper kernel takes float16 / bfloat16)"
-    if d != d_v or d not in SM90_HEAD_DIMS:
-        return f"head dims {d} / {d_v} (the Hopper kernel takes d = d_v in {SM90_HEAD_DIMS})"
-    if has_alibi:
-        return "alibi_slopes (not in the Hopper kernel yet)"
-    if not (scale > 0 or softcap > 0):
-        return f"scale {scale} <= 0 without softcap"
-    if sm90_smem_bytes(d, *SM90_TILES[d]) > smem_optin:
+    if d != d_v or d not in head_dims:
+        return f"head dims {d} / {d_v} (the Hopper kernel takes d = d_v in {tuple(head_dims)})"
+    if smem_need > smem_optin:
         return f"shared memory {smem_optin} bytes"
     for shape, strides in tensors:
         if not tma_strides_ok(shape, strides, 2):
             return f"strides {tuple(strides)} of a {tuple(shape)} tensor (TMA needs 16-byte multiples)"
     return None
+
+
+def sm90_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: float,
+                     has_alibi: bool, cc: int, smem_optin: int, tensors=()) -> Optional[str]:
+    """Why the Hopper forward kernel cannot run this call (None when it can).
+
+    ``tensors``: (shape, element strides) of q, k, v and out, checked against what TMA accepts.
+    Base-pointer alignment is checked at launch (the launcher falls back when it fails).
+    """
+    if has_alibi:
+        return "alibi_slopes (not in the Hopper kernel yet)"
+    if not (scale > 0 or softcap > 0):
+        return f"scale {scale} <= 0 without softcap"
+    smem_need = sm90_smem_bytes(d, *SM90_TILES[d]) if d in SM90_TILES else 0
+    return sm90_common_unsupported(dtype_name, d, d_v, SM90_HEAD_DIMS, cc=cc,
+                                   smem_need=smem_need, smem_optin=smem_optin, tensors=tensors)
 
 
 def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, d: int,
