@@ -106,8 +106,8 @@ def _sched_counter(dev_id, stream) -> int:
 
 class _Sm90Launch(_Launch):
     """The Hopper kernel's entry. Its TMA descriptors bake in the base addresses, so finished
-    Params records (pointers and descriptors written, then never changed: no lock needed) are
-    kept per tuple of pointers. A base address TMA cannot take (a view at an odd offset) sends
+    Params records (pointers, descriptors and the stream's tile counter written, then never
+    changed: no lock needed) are kept per (pointers, stream). A base address TMA cannot take (a view at an odd offset) sends
     the call to the portable kernel, whose entry is compiled on first need."""
 
     __slots__ = ("dtype_name", "maps", "records", "portable_plan", "portable_strides_ok",
