@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,38 +21,16 @@ import cupy as cp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cupyflash import _gpu, _gpu_bwd  # noqa: E402
+from cupyflash import _bench, _gpu, _gpu_bwd  # noqa: E402
 from cupyflash._options import Options  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def _time_cupy(fn, warmup, reps):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b))
-    return statistics.median(times)
-
-
-def _time_torch(torch, fn, warmup, reps):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def _time_ms(fn, warmup, reps):
+    """Median milliseconds between CUDA events (cupyflash._bench.time_ms); PyTorch runs on the
+    legacy default stream, CuPy's current stream here, so its peers are timed the same way."""
+    return _bench.time_ms(fn, warmup, reps)
 
 
 def bench_ours(b, s, h, d, causal, warmup, reps, deterministic=False, tiles=None):
@@ -73,7 +50,7 @@ def bench_ours(b, s, h, d, causal, warmup, reps, deterministic=False, tiles=None
     name = []
     fn = lambda: name.append(_gpu_bwd.backward(dout, q, k, v, out, lse, dq, dk, dv, opts,  # noqa: E731
                                                kernel=kernel))
-    ms = _time_cupy(fn, warmup, reps)
+    ms = _time_ms(fn, warmup, reps)
     return ms, name[-1]
 
 
@@ -87,7 +64,7 @@ def bench_torch(torch, backend, b, s, h, d, causal, warmup, reps):
     with sdpa_kernel(be):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         fn = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
-        return _time_torch(torch, fn, warmup, reps)
+        return _time_ms(fn, warmup, reps)
 
 
 def main(argv=None):

@@ -14,45 +14,24 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import cupy as cp
 import ml_dtypes
 import numpy as np
 
-from cupyflash import _gpu, _plan
+from cupyflash import _bench, _gpu, _plan
 from cupyflash._options import Options
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def time_cupy(fn, warmup=3, rep=15):
-    for _ in range(warmup):
-        fn()
-    evs = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(rep)]
-    for a, b in evs:
-        a.record()
-        fn()
-        b.record()
-    evs[-1][1].synchronize()
-    return statistics.median(cp.cuda.get_elapsed_time(a, b) for a, b in evs) * 1e-3
-
-
-def time_torch(torch, fn, warmup=3, rep=15):
-    for _ in range(warmup):
-        fn()
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-           for _ in range(rep)]
-    for a, b in evs:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in evs) * 1e-3
+    """Median seconds of ``fn()`` between CUDA events (cupyflash._bench.time_ms). PyTorch peers
+    are timed the same way: they run on the legacy default stream, CuPy's current stream here."""
+    return _bench.time_ms(fn, warmup, rep) * 1e-3
 
 
 def make_inputs(b, s, h, d, dtype, rng):
@@ -99,26 +78,6 @@ def torch_fn(tt, backend, q, k, v, causal):
     return run
 
 
-def cupy_naive_fn(q, k, v, causal):
-    """matmul, softmax, matmul in CuPy; float16 operands (CuPy has no bfloat16 batched matmul)."""
-    b, s, h, d = q.shape
-    if b * h * s * s * 4 * 3 > 24e9:
-        return None
-    qt, kt, vt = (x.transpose(0, 2, 1, 3).astype(cp.float16) for x in (q, k, v))
-    scale = 1 / math.sqrt(d)
-    mask = cp.triu(cp.ones((s, s), bool), 1) if causal else None
-
-    def run():
-        sc = cp.matmul(qt, kt.swapaxes(-1, -2)).astype(cp.float32) * scale
-        if mask is not None:
-            sc = cp.where(mask, -cp.inf, sc)
-        sc -= sc.max(-1, keepdims=True)
-        p = cp.exp(sc)
-        p /= p.sum(-1, keepdims=True)
-        return cp.matmul(p.astype(cp.float16), vt)
-    return run
-
-
 def bench_bf16(tt, quick, rows):
     rng = np.random.default_rng(0)
     seqlens = [512, 2048, 8192] if quick else [512, 1024, 2048, 4096, 8192, 16384]
@@ -139,12 +98,12 @@ def bench_bf16(tt, quick, rows):
                 res = {"ours": fl / time_cupy(fn) / 1e12}
                 for key, be in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION")):
                     try:
-                        res[key] = fl / time_torch(tt[0], torch_fn(tt, be, q, k, v, causal)) / 1e12 \
+                        res[key] = fl / time_cupy(torch_fn(tt, be, q, k, v, causal)) / 1e12 \
                             if tt else float("nan")
                     except Exception as e:  # noqa: BLE001
                         print(f"# {key} failed: {str(e)[:100]}")
                         res[key] = float("nan")
-                nf = cupy_naive_fn(q, k, v, causal)
+                nf = _bench.cupy_peer(q, k, v, causal, "fwd")
                 res["cupy"] = fl / time_cupy(nf, 1, 3) / 1e12 if nf else float("nan")
                 cp.get_default_memory_pool().free_all_blocks()
                 r1 = res["ours"] / res["flash"]
@@ -174,7 +133,7 @@ def bench_f32(tt, rows):
                 t3 = fl / time_cupy(f3) / 1e12
                 t1 = fl / time_cupy(f1) / 1e12
                 try:
-                    tm = fl / time_torch(tt[0], torch_fn(tt, "EFFICIENT_ATTENTION", q, k, v,
+                    tm = fl / time_cupy(torch_fn(tt, "EFFICIENT_ATTENTION", q, k, v,
                                                          causal)) / 1e12 if tt else float("nan")
                 except Exception as e:  # noqa: BLE001
                     print(f"# memeff failed: {str(e)[:100]}")
@@ -200,30 +159,13 @@ def bench_memory_and_overhead(rows):
     extra = pool.used_bytes() - before
     print(f"\nextra device memory of one call (out, lse preallocated): {extra} bytes "
           f"(out + lse = {out.nbytes + lse.nbytes} bytes, allocated by the caller)")
-    # host overhead: tiny problem, many calls, one sync
+    # host overhead: tiny problem, many calls, one sync (the measurement of benchmarks/overhead.py)
+    from benchmarks.overhead import per_call_us
     q, k, v = make_inputs(1, 128, 1, 64, BF16, rng)
     fn, out, lse = ours_fn(q, k, v, False)
-    for _ in range(100):
-        fn()
-    cp.cuda.Device().synchronize()
-    n = 3000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    cp.cuda.Device().synchronize()
-    t2 = time.perf_counter()
-    per = (t1 - t0) / n * 1e6
-    print(f"host overhead per call (warm caches, {n} calls, one sync): {per:.1f} us "
-          f"(wall incl. GPU {(t2 - t0) / n * 1e6:.1f} us)")
-    # the raw CuPy launch of the same kernel for comparison
-    ent = [e for e in _gpu._launch_cache.values() if e.grid[2] == 1 and e.grid[1] == 1][0]
-    t0 = time.perf_counter()
-    for _ in range(n):
-        ent.fn(ent.grid, ent.block, ent.args, shared_mem=ent.smem)
-    t1 = time.perf_counter()
-    cp.cuda.Device().synchronize()
-    print(f"  of which a bare CuPy launch of the kernel: {(t1 - t0) / n * 1e6:.1f} us")
+    per, wall = per_call_us(fn)
+    print(f"host overhead per call (warm caches, median of runs of many calls, one sync): "
+          f"{per:.1f} us (wall incl. GPU {wall:.1f} us); more in benchmarks/overhead.py")
     rows.append(dict(kind="overhead", extra_bytes=extra, host_us=per))
 
 
