@@ -254,7 +254,7 @@ def _build_sm90(q, k, v, opts, kernel, dev_id, dtype_name, elem_strides, portabl
     _write_strides(plan.params, elem_strides)
     bn = plan.variant.bn
     maps = tuple(_plan.tma_tensor(a.shape, st, 2, rows)
-                 for a, st, rows in ((q, elem_strides[0], _plan.SM90_BM),
+                 for a, st, rows in ((q, elem_strides[0], plan.variant.bm),
                                      (k, elem_strides[1], bn), (v, elem_strides[2], bn)))
     fn = _modules.get_function(plan.variant, dev_id)
     return _Sm90Launch(fn, plan, dtype_name, maps, portable_plan, portable_strides_ok, dev_id)

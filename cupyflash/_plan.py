@@ -285,16 +285,15 @@ def _sizes_and_scalars(bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left, wind
 
 
 # ------------------------------------------------------------------------------------------
-# Hopper (sm_90a) forward: flash_fwd_sm90<E, D, BN, STAGES, WINDOW, SOFTCAP> in
-# kernels_cu/fwd_sm90.cu (TMA + wgmma, one producer and two consumer warpgroups, BM = 128).
+# Hopper (sm_90a) forward: flash_fwd_sm90<E, D, BN, STAGES, NC, WINDOW, SOFTCAP> in
+# kernels_cu/fwd_sm90.cu (TMA + wgmma, one producer and NC consumer warpgroups, BM = 64·NC).
 # Chosen on compute capability 9.0 wherever it covers the call (sm90_unsupported() is None);
 # everything else runs the portable kernel above.
 # ------------------------------------------------------------------------------------------
-SM90_BM = 128
-SM90_THREADS = 384
 SM90_HEAD_DIMS = (64, 128, 256)
-#: (BN, STAGES) per head dim: K/V tiles of BN keys in a ring of STAGES buffers.
-SM90_TILES = {64: (128, 2), 128: (128, 2), 256: (64, 2)}
+#: (BN, STAGES, NC) per head dim: K/V tiles of BN keys in a ring of STAGES buffers, NC consumer
+#: warpgroups of 64 query rows (work tiles of BM = 64·NC rows).
+SM90_TILES = {64: (128, 2, 2), 128: (128, 2, 2), 256: (64, 2, 2)}
 #: Largest stride TMA takes (bytes, exclusive), and the alignment it needs of strides and bases.
 TMA_MAX_STRIDE = 1 << 40
 TMA_ALIGN = 16
@@ -309,16 +308,23 @@ class Sm90Variant(NamedTuple):
     stages: int
     window: bool
     softcap: bool
+    nc: int = 2
 
     file = "fwd_sm90.cu"
     arch_options = ("-arch=sm_90a",)   # wgmma / setmaxnreg need the arch-specific target
-    bm = SM90_BM
-    threads = SM90_THREADS
+
+    @property
+    def bm(self) -> int:
+        return 64 * self.nc
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.nc + 1)
 
     @property
     def name_expression(self) -> str:
         b = lambda x: "true" if x else "false"  # noqa: E731
-        return (f"flash_fwd_sm90<{self.elem}, {self.d}, {self.bn}, {self.stages}, "
+        return (f"flash_fwd_sm90<{self.elem}, {self.d}, {self.bn}, {self.stages}, {self.nc}, "
                 f"{b(self.window)}, {b(self.softcap)}>")
 
     @property
@@ -328,18 +334,23 @@ class Sm90Variant(NamedTuple):
 
     @property
     def smem_bytes(self) -> int:
-        return sm90_smem_bytes(self.d, self.bn, self.stages)
+        return sm90_smem_bytes(self.d, self.bn, self.stages, self.nc)
 
 
-def sm90_smem_bytes(d: int, bn: int, stages: int) -> int:
-    """Mirrors sm90::Layout in fwd_sm90.cu: Q [128, d], K and V [stages, bn, d] (16-bit), the
-    mbarriers, and 1024 bytes of slack to align the swizzled panels."""
-    return 2 * d * (SM90_BM + 2 * stages * bn) + 8 * (3 + 3 * stages) + 1024
+def sm90_smem_bytes(d: int, bn: int, stages: int, nc: int = 2) -> int:
+    """Mirrors sm90::Layout in fwd_sm90.cu: Q [64·nc, d], K and V [stages, bn, d] (16-bit), the
+    mbarriers, the work-tile index, and 1024 bytes of slack to align the swizzled panels."""
+    return 2 * d * (64 * nc + 2 * stages * bn) + 8 * (3 + 4 * stages) + 1024
+
+
+def sm90_variant(elem: str, d: int, window: bool, softcap: bool) -> "Sm90Variant":
+    """The planner's Hopper forward instantiation for these template flags (SM90_TILES)."""
+    return Sm90Variant(elem, d, *SM90_TILES[d][:2], window, softcap, SM90_TILES[d][2])
 
 
 def sm90_variants():
     """Every Sm90Variant the planner can select (compiled by the harness for sm_90a)."""
-    return [Sm90Variant(elem, d, *SM90_TILES[d], window, cap)
+    return [sm90_variant(elem, d, window, cap)
             for elem in ("f16_t", "bf16_t") for d in SM90_HEAD_DIMS
             for window in (False, True) for cap in (False, True)]
 
@@ -410,7 +421,7 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
                       bottom_right: bool = True, softcap: float = 0.0, num_sms: int = 132,
                       variant: Optional[Sm90Variant] = None) -> Plan:
     """Plan the Hopper kernel for a call that sm90_unsupported() accepted: a persistent grid of
-    min(work tiles, num_sms) blocks walking ceil(s_q / 128) x h x b work tiles."""
+    min(work tiles, num_sms) blocks walking ceil(s_q / BM) x h x b work tiles."""
     if h % h_k:
         raise ValueError(f"heads {h} is not a multiple of heads_k {h_k}")
     if min(b, s_q, s_k, h, h_k, d, d_v) < 1:
@@ -418,16 +429,16 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
     elem = elem_tag(dtype_name, False)
     window = window_left >= 0 or window_right >= 0
     if variant is None:
-        variant = Sm90Variant(elem, d, *SM90_TILES[d], window, softcap > 0)
+        variant = sm90_variant(elem, d, window, softcap > 0)
     elif variant.elem != elem or variant.d != d or d_v != d or (window and not variant.window) \
             or (softcap > 0) != variant.softcap:
         raise ValueError(f"kernel {variant.name} cannot compute this problem")
-    prm, (num_m, _, _) = _sizes_and_scalars(SM90_BM, b, s_q, s_k, h, h_k, d, d_v, scale,
+    prm, (num_m, _, _) = _sizes_and_scalars(variant.bm, b, s_q, s_k, h, h_k, d, d_v, scale,
                                             window_left, window_right, bottom_right, softcap)
     work = num_m * h * b
     if work > 2**31 - 1:
         raise NotImplementedError(f"{work} work tiles exceed the kernel's int32 tile index")
-    return Plan(variant, (min(work, num_sms), 1, 1), (SM90_THREADS, 1, 1), variant.smem_bytes, prm)
+    return Plan(variant, (min(work, num_sms), 1, 1), (variant.threads, 1, 1), variant.smem_bytes, prm)
 
 
 def plan_forward_varlen(dtype_name: str, batch: int, total_q: int, total_k: int,

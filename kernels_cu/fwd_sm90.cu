@@ -3,16 +3,19 @@
 //   O = softmax(scale · Q Kᵀ) V per (batch, head), computed 128 query rows x BN keys at a time with
 //   the online-softmax recurrence (running max m, denominator l, O rescaled, one final O / l).
 //
-// Persistent blocks of 384 threads (one per SM) walk the work tiles (query tile, head, batch);
-// each block = three warpgroups:
+// Persistent blocks of 128·(NC + 1) threads (one per SM) walk the work tiles (BM = 64·NC query
+// rows of one head of one batch); each block = NC + 1 warpgroups:
 //   warpgroup 0, producer: one thread issues TMA copies of each Q tile and of its K / V tiles
 //     into a STAGES-deep ring of shared-memory buffers (K and V on separate mbarriers, so S = Q Kᵀ
-//     starts before V has landed); it keeps 40 registers (setmaxnreg), giving the rest to
-//   warpgroups 1 and 2, consumers: 64 query rows each. Per key tile: S = Q Kᵀ (wgmma, both
+//     starts before V has landed); it keeps few registers (setmaxnreg), giving the rest to
+//   warpgroups 1 .. NC, consumers: 64 query rows each. Per key tile: S = Q Kᵀ (wgmma, both
 //     operands in shared memory), softcap / masks, online softmax in registers, O += P V (wgmma
 //     with P straight from registers: the fp32 S accumulator layout packed to 16-bit pairs is the
-//     A-fragment layout). The two consumers take turns on the tensor cores (named barriers,
-//     "pingpong"): while one runs its softmax, the other's GEMMs run.
+//     A-fragment layout). The consumers take turns on the tensor cores (named barriers, round
+//     robin, "pingpong"): while one runs its softmax, the others' GEMMs run. In its turn a
+//     consumer issues S = Q Kᵀ of key tile j + 1 and then O += P V of key tile j, hands the turn
+//     on, and runs the softmax of tile j + 1 while its O += P V is still on the tensor cores.
+//     K and V stages are released separately (a K stage as soon as its S is done).
 //
 // Shared memory holds 128-byte swizzled panels of 64 columns: a [rows, D] tile is D / 64 panels
 // of [rows, 64], each written by one TMA box and read by wgmma through a descriptor.
@@ -27,18 +30,21 @@
 
 namespace sm90 {
 
-constexpr int BM = 128;              // query rows per block: two consumer warpgroups x 64
-constexpr int THREADS = 384;
-constexpr int PRODUCER_REGS = 40;
-constexpr int CONSUMER_REGS = 232;   // 40·128 + 232·256 <= 64K registers per SM
-constexpr int TURN_BAR = 1;          // named barriers 1, 2: consumer 0's / 1's turn on the tensor cores
-constexpr int WG_BAR = 3;            // named barriers 3, 4: the 128 threads of consumer 0 / 1
+constexpr int WG_ROWS = 64;          // query rows per consumer warpgroup
+constexpr int TURN_BAR = 1;          // named barriers 1 .. NC: consumer c's turn on the tensor cores
+constexpr int WG_BAR = 4;            // named barriers 4 .. 3 + NC: the 128 threads of consumer c
 constexpr int PANEL_COLS = 64;       // 64 16-bit columns = one 128-byte swizzle row
+
+// Registers per thread after setmaxnreg: producer·128 + consumer·128·NC <= 64K per SM.
+template <int NC> struct Regs;
+template <> struct Regs<2> { static constexpr int PRODUCER = 40, CONSUMER = 232; };
+template <> struct Regs<3> { static constexpr int PRODUCER = 32, CONSUMER = 160; };
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
 // cupyflash/_plan.py: sm90_smem_bytes.
-template <int D, int BN, int STAGES>
+template <int D, int BN, int STAGES, int NC>
 struct Layout {
+    static constexpr int BM = WG_ROWS * NC;                  // query rows per work tile
     static constexpr int PANELS = D / PANEL_COLS;
     static constexpr int Q_PANEL = BM * 128;                 // bytes of q_smem [BM, 64]
     static constexpr int KV_PANEL = BN * 128;                // bytes of k_smem / v_smem [BN, 64]
@@ -46,14 +52,14 @@ struct Layout {
     static constexpr int Q = 0;                              // q_smem [PANELS][BM][64]
     static constexpr int K = Q + PANELS * Q_PANEL;           // k_smem [STAGES][PANELS][BN][64]
     static constexpr int V = K + STAGES * KV_TILE;           // v_smem [STAGES][PANELS][BN][64]
-    static constexpr int BARS = V + STAGES * KV_TILE;        // q_full, q_empty, k_full[S], v_full[S], kv_empty[S]
-    static constexpr int TILE = BARS + 8 * (2 + 3 * STAGES);  // work-tile index, producer -> consumers
+    static constexpr int BARS = V + STAGES * KV_TILE;        // q_full, q_empty, k/v_full[S], k/v_empty[S]
+    static constexpr int TILE = BARS + 8 * (2 + 4 * STAGES);  // work-tile index, producer -> consumers
     static constexpr int BYTES = TILE + 8;
 };
 
 }  // namespace sm90
 
-// One work tile = 128 query rows of one (batch, head): its index w runs m_block fastest (from the
+// One work tile = BM query rows of one (batch, head): its index w runs m_block fastest (from the
 // last query tile down, so the longest causal tiles start first and neighbouring blocks share K/V
 // in L2), then head, then batch.
 struct WorkTile {
@@ -61,15 +67,15 @@ struct WorkTile {
     int t_first, n_tiles;   // key tiles [t_first, t_first + n_tiles) meet the causal / window band
 };
 
-template <bool WINDOW, int BN>
+template <bool WINDOW, int BM, int BN>
 __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
     WorkTile wt;
     const int m_block = p.num_m_blocks - 1 - w % p.num_m_blocks;
     wt.head = (w / p.num_m_blocks) % p.h;
     wt.batch = w / (p.num_m_blocks * p.h);
     wt.kv_head = wt.head / p.h_per_hk;                       // GQA / MQA
-    wt.m0 = m_block * sm90::BM;
-    wt.m_last = min(wt.m0 + sm90::BM, p.s_q) - 1;
+    wt.m0 = m_block * BM;
+    wt.m_last = min(wt.m0 + BM, p.s_q) - 1;
     // Keys the tile can see: [n_lo, n_hi); key tiles wholly outside the band are never visited.
     int n_lo = 0, n_hi = p.s_k;
     if (WINDOW) {
@@ -88,14 +94,15 @@ __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
 // (p.sched == null) block i takes tiles i, i + gridDim.x, ... The K/V ring and the barrier phases
 // run on across tiles, so the producer loads the next tile's Q and first K/V tiles while the
 // consumers finish the current one.
-template <typename E, int D, int BN, int STAGES, bool WINDOW, bool SOFTCAP>
-__global__ void __launch_bounds__(sm90::THREADS, 1)
+template <typename E, int D, int BN, int STAGES, int NC, bool WINDOW, bool SOFTCAP>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
 flash_fwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90;
-    using L = Layout<D, BN, STAGES>;
+    using L = Layout<D, BN, STAGES, NC>;
+    constexpr int BM = L::BM;
     typedef typename Elem<E>::storage S;
     static_assert(Elem<E>::is16, "the Hopper path takes float16 / bfloat16");
-    static_assert(D % PANEL_COLS == 0 && D <= 256 && BN % 16 == 0 && BN <= 256, "tile shape");
+    static_assert(D % PANEL_COLS == 0 && D <= 256 && BN % 16 == 0 && BN <= 256 && BM <= 256, "tile shape");
     constexpr int NS = BN / 2;       // S accumulator registers per lane: [64, BN] over 128 lanes
     constexpr int NO = D / 2;        // O accumulator registers per lane: [64, D]
 
@@ -108,23 +115,25 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     const u32 smem = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 q_smem = smem + L::Q, k_smem = smem + L::K, v_smem = smem + L::V;
     const u32 q_full = smem + L::BARS;                 // Q tile landed
-    const u32 q_empty = q_full + 8;                    // both consumers are done with the Q tile
+    const u32 q_empty = q_full + 8;                    // every consumer is done with the Q tile
     const u32 k_full = q_empty + 8;                    // [STAGES]: K tile of the stage landed
     const u32 v_full = k_full + 8 * STAGES;            // [STAGES]: V tile landed
-    const u32 kv_empty = v_full + 8 * STAGES;          // [STAGES]: both consumers are done with it
+    const u32 k_empty = v_full + 8 * STAGES;           // [STAGES]: every consumer is done with the K tile
+    const u32 v_empty = k_empty + 8 * STAGES;          // [STAGES]: every consumer is done with the V tile
     volatile int* tile_smem = (volatile int*)(smem_raw + (smem - smem_addr(smem_raw)) + L::TILE);
     const int num_work = p.num_m_blocks * p.h * p.b;
 
-    const int wg = threadIdx.x / 128;      // 0 producer, 1 and 2 consumers
+    const int wg = threadIdx.x / 128;      // 0 producer, 1 .. NC consumers
     const int t = threadIdx.x % 128;       // lane within the warpgroup
 
     if (threadIdx.x == 0) {
         mbar_init(q_full, 1);                  // the producer's expect_tx arrival (+ bytes)
-        mbar_init(q_empty, 2);                 // one arrival per consumer warpgroup
+        mbar_init(q_empty, NC);                // one arrival per consumer warpgroup
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_full + 8 * s, 1);
             mbar_init(v_full + 8 * s, 1);
-            mbar_init(kv_empty + 8 * s, 2);
+            mbar_init(k_empty + 8 * s, NC);
+            mbar_init(v_empty + 8 * s, NC);
         }
         mbar_fence_init();
     }
@@ -132,7 +141,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
 
     if (wg == 0) {
         // ================================ producer ================================
-        regs_release<PRODUCER_REGS>();
+        regs_release<Regs<NC>::PRODUCER>();
         if (t == 0) {
             tma_prefetch_desc(&p.tma_q);
             tma_prefetch_desc(&p.tma_k);
@@ -148,7 +157,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                     break;
                 }
                 *tile_smem = w;                       // published by the q_full arrival (release)
-                const WorkTile wt = work_tile<WINDOW, BN>(p, w);
+                const WorkTile wt = work_tile<WINDOW, BM, BN>(p, w);
                 if (wt.n_tiles == 0) {                // rows that see no key: nothing to load
                     mbar_arrive(q_full);
                     continue;
@@ -163,12 +172,14 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                 for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
                     const int n0 = (wt.t_first + wt.n_tiles - 1 - it) * BN;
                     const int s = kv_it % STAGES;
-                    if (kv_it >= STAGES) mbar_wait(kv_empty + 8 * s, ((kv_it / STAGES) - 1) & 1);
+                    const u32 reuse = ((kv_it / STAGES) - 1) & 1;   // phase of the stage's last release
+                    if (kv_it >= STAGES) mbar_wait(k_empty + 8 * s, reuse);
                     mbar_arrive_expect_tx(k_full + 8 * s, BN * D * 2);
 #pragma unroll
                     for (int c = 0; c < L::PANELS; ++c)
                         tma_load_4d(k_smem + s * L::KV_TILE + c * L::KV_PANEL, &p.tma_k,
                                     k_full + 8 * s, c * PANEL_COLS, n0, wt.kv_head, wt.batch);
+                    if (kv_it >= STAGES) mbar_wait(v_empty + 8 * s, reuse);
                     mbar_arrive_expect_tx(v_full + 8 * s, BN * D * 2);
 #pragma unroll
                     for (int c = 0; c < L::PANELS; ++c)
@@ -191,16 +202,36 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     }
 
     // ================================ consumers ================================
-    regs_acquire<CONSUMER_REGS>();
-    const int cw = wg - 1;                                 // consumer 0 or 1: rows 64·cw .. of a tile
+    regs_acquire<Regs<NC>::CONSUMER>();
+    const int cw = wg - 1;                                 // consumer 0 .. NC-1: rows 64·cw .. of a tile
+    const int next_turn = TURN_BAR + (cw + 1) % NC;        // the consumer whose turn follows ours
     const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8
     const int col_in_8 = 2 * (t % 4);                      // accumulator columns col_in_8, +1 (of 8)
     const float sl2 = SOFTCAP ? 1.f : p.scale_log2;       // score -> base-2 exponent factor
-    const u32 q_wg = q_smem + cw * 64 * 128;               // this warpgroup's 64 rows of each Q panel
+    const u32 q_wg = q_smem + cw * WG_ROWS * 128;          // this warpgroup's 64 rows of each Q panel
 
-    // Pingpong: the two consumers take turns issuing their GEMMs (named barrier TURN_BAR + cw is
-    // "consumer cw's turn"). Consumer 0 takes the very first turn: its own arrival here plus its
-    // first sync complete barrier TURN_BAR; after that each turn is handed over explicitly.
+    // ---- S = Q Kᵀ  [64, BN], fp32, of the key tile in ring position kv: k-steps of 16 columns
+    //      through the D / 64 panels (issued and committed, not waited for)
+    auto issue_s = [&](float* s_acc, int kv) {
+        const int s = kv % STAGES;
+        const u32 k_tile = k_smem + s * L::KV_TILE;
+        mbar_wait(k_full + 8 * s, (kv / STAGES) & 1);
+        wgmma_fence();   // a pipeline stage of its own: O's product may be waited for alone
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u32 off = (kk % 4) * 32;    // 16 columns = 32 bytes within a 128-byte panel row
+            wgmma_ss<E, BN>(s_acc, smem_desc(q_wg + (kk / 4) * L::Q_PANEL + off, 16, 1024),
+                            smem_desc(k_tile + (kk / 4) * L::KV_PANEL + off, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+    };
+
+    // Pingpong: the consumers take turns issuing their GEMMs, round robin (named barrier
+    // TURN_BAR + c is "consumer c's turn": c's 128 threads sync on it, the consumer before c
+    // arrives on it after issuing). Consumer 0 takes the very first turn: its own arrival here
+    // plus its first sync complete barrier TURN_BAR. Every consumer of a work tile takes the same
+    // n_tiles + 1 turns (the first S; S of the next key tile + O += P V per key tile; the last
+    // O += P V alone), so the order holds across tiles.
     if (cw == 0) named_bar_arrive(TURN_BAR, 256);
 
     int kv_it = 0;
@@ -208,17 +239,17 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         mbar_wait(q_full, tile_i & 1);        // next work tile: index published, Q tile landed
         const int w = *tile_smem;
         if (w < 0) break;                      // no work left
-        const WorkTile wt = work_tile<WINDOW, BN>(p, w);
-        const int row0 = wt.m0 + cw * 64 + row_in_wg;      // this lane's rows: row0, row0 + 8
+        const WorkTile wt = work_tile<WINDOW, BM, BN>(p, w);
+        const int row0 = wt.m0 + cw * WG_ROWS + row_in_wg;   // this lane's rows: row0, row0 + 8
         float* lse_bh = p.lse + ((i64)wt.batch * p.h + wt.head) * p.s_q;                 // [s_q]
         S* o_bh = (S*)p.o + wt.batch * p.o_stride_b + wt.head * p.o_stride_h;           // [s_q, d_v]
 
         if (wt.n_tiles == 0) {   // every row of this tile attends to nothing: out = 0, lse = -inf
-            for (int i = t; i < 64 * D; i += 128) {
-                const int r = wt.m0 + cw * 64 + i / D;
+            for (int i = t; i < WG_ROWS * D; i += 128) {
+                const int r = wt.m0 + cw * WG_ROWS + i / D;
                 if (r < p.s_q) o_bh[r * p.o_stride_s + i % D] = from_float<E>(0.f);
             }
-            if (t < 64 && wt.m0 + cw * 64 + t < p.s_q) lse_bh[wt.m0 + cw * 64 + t] = -CF_INF;
+            if (t < WG_ROWS && wt.m0 + cw * WG_ROWS + t < p.s_q) lse_bh[wt.m0 + cw * WG_ROWS + t] = -CF_INF;
             named_bar_sync(WG_BAR + cw, 128);   // the whole warpgroup has read the tile index
             if (t == 0) mbar_arrive(q_empty);
             continue;
@@ -229,33 +260,15 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         for (int i = 0; i < NO; ++i) o_acc[i] = 0.f;
         float m_run[2] = {-CF_INF, -CF_INF};   // running row max (raw scores; base-2 with softcap)
         float l_run[2] = {0.f, 0.f};           // running denominators (this lane's columns only)
+        float s_acc[NS];                       // S of the current key tile
+        u32 p_frag[NS / 2];                    // P of the current key tile, 16-bit A fragments
 
-        mbar_wait(q_full, tile_i & 1);
-        named_bar_sync(TURN_BAR + cw, 256);    // our turn on the tensor cores
+        float alpha[2];                        // O rescale factors of the current key tile
 
-        for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
-            const int n0 = (wt.t_first + wt.n_tiles - 1 - it) * BN;
-            const int s = kv_it % STAGES;
-            const u32 phase = (kv_it / STAGES) & 1;
-            const u32 k_tile = k_smem + s * L::KV_TILE, v_tile = v_smem + s * L::KV_TILE;
-
-            // ---- S = Q Kᵀ  [64, BN], fp32, k-steps of 16 columns through the D / 64 panels
-            float s_acc[NS];
-            mbar_wait(k_full + 8 * s, phase);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const u32 off = (kk % 4) * 32;    // 16 columns = 32 bytes within a 128-byte panel row
-                wgmma_ss<E, BN>(s_acc, smem_desc(q_wg + (kk / 4) * L::Q_PANEL + off, 16, 1024),
-                                smem_desc(k_tile + (kk / 4) * L::KV_PANEL + off, 16, 1024), kk > 0);
-            }
-            wgmma_commit();
-            named_bar_arrive(TURN_BAR + 1 - cw, 256);   // the other consumer may issue its GEMMs
-            wgmma_wait<0>();
-            fence_regs<NS>(s_acc);
-            // the last S of the tile is done with Q: the producer may load the next tile's
-            if (it == wt.n_tiles - 1 && t == 0) mbar_arrive(q_empty);
-
+        // Online softmax on the scores of one key tile (keys n0 ..), in place in s_acc: softcap,
+        // masks, running max m, P = exp2(s·scale·log2e − shift), denominator l, and the factors
+        // alpha that rescale O (applied by pack_p, once the previous O += P V has completed).
+        auto softmax_scores = [&](int n0) {
             // ---- softcap: s = c·tanh(scale·qk / c), kept in base-2 units (sl2 = 1)
             if (SOFTCAP) {
 #pragma unroll
@@ -277,7 +290,6 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                     if (!keep) s_acc[i] = -CF_INF;
                 }
             }
-
             // ---- running max m (rows row0, row0 + 8: quad of 4 lanes per row)
             float m_new[2] = {m_run[0], m_run[1]};
 #pragma unroll
@@ -285,7 +297,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                 m_new[0] = fmaxf(m_new[0], fmaxf(s_acc[i], s_acc[i + 1]));
                 m_new[1] = fmaxf(m_new[1], fmaxf(s_acc[i + 2], s_acc[i + 3]));
             }
-            float alpha[2], shift[2];
+            float shift[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 m_new[r] = quad_max(m_new[r]);
@@ -295,21 +307,20 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                 m_run[r] = m_new[r];
                 l_run[r] *= alpha[r];
             }
-
-            // ---- P = exp2(s·scale·log2e − shift), denominator l, P packed to 16-bit A fragments
-            u32 p_frag[NS / 2];
+            // ---- P = exp2(s·scale·log2e − shift) in place, denominator l
 #pragma unroll
             for (int i = 0; i < NS; i += 4) {
-                const float p0 = fast_exp2(s_acc[i] * sl2 - shift[0]);
-                const float p1 = fast_exp2(s_acc[i + 1] * sl2 - shift[0]);
-                const float p2 = fast_exp2(s_acc[i + 2] * sl2 - shift[1]);
-                const float p3 = fast_exp2(s_acc[i + 3] * sl2 - shift[1]);
-                l_run[0] += p0 + p1;
-                l_run[1] += p2 + p3;
-                p_frag[i / 2] = pack2<E>(p0, p1);
-                p_frag[i / 2 + 1] = pack2<E>(p2, p3);
+                s_acc[i] = fast_exp2(s_acc[i] * sl2 - shift[0]);
+                s_acc[i + 1] = fast_exp2(s_acc[i + 1] * sl2 - shift[0]);
+                s_acc[i + 2] = fast_exp2(s_acc[i + 2] * sl2 - shift[1]);
+                s_acc[i + 3] = fast_exp2(s_acc[i + 3] * sl2 - shift[1]);
+                l_run[0] += s_acc[i] + s_acc[i + 1];
+                l_run[1] += s_acc[i + 2] + s_acc[i + 3];
             }
-            // ---- O rescale by alpha (the previous O += P V has completed: waited below)
+        };
+        // O rescale by alpha and P packed to the 16-bit A fragments of the next O += P V (the
+        // previous product, which read O and the old P, has completed)
+        auto pack_p = [&]() {
 #pragma unroll
             for (int i = 0; i < NO; i += 4) {
                 o_acc[i] *= alpha[0];
@@ -317,21 +328,65 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                 o_acc[i + 2] *= alpha[1];
                 o_acc[i + 3] *= alpha[1];
             }
-
-            // ---- O += P V  [64, D]: V read MN-major (LBO = bytes between 64-column panels)
-            mbar_wait(v_full + 8 * s, phase);
-            named_bar_sync(TURN_BAR + cw, 256);     // our turn on the tensor cores
+#pragma unroll
+            for (int i = 0; i < NS; i += 2) p_frag[i / 2] = pack2<E>(s_acc[i], s_acc[i + 1]);
+        };
+        // ---- O += P V  [64, D] of the key tile in ring position kv, in our turn: V read MN-major
+        //      (LBO = bytes between 64-column panels), 16 keys = 16 rows of 128 bytes per k-step
+        auto issue_pv = [&](int kv) {
+            const u32 v_tile = v_smem + (kv % STAGES) * L::KV_TILE;
+            mbar_wait(v_full + 8 * (kv % STAGES), (kv / STAGES) & 1);
             fence_regs<NO>(o_acc);
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)     // 16 keys = 16 rows of 128 bytes per k-step
+            for (int kk = 0; kk < BN / 16; ++kk)
                 wgmma_rs<E, D>(o_acc, p_frag + 4 * kk, smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024));
             wgmma_commit();
-            wgmma_wait<0>();
+        };
+        const int last = wt.n_tiles - 1;
+        auto key0 = [&](int it) { return (wt.t_first + last - it) * BN; };   // right to left
+
+        // ---- first turn of the tile: S of its first key tile, then its softmax
+        named_bar_sync(TURN_BAR + cw, 256);    // our turn on the tensor cores
+        issue_s(s_acc, kv_it);
+        named_bar_arrive(next_turn, 256);      // the next consumer may issue its GEMMs
+        wgmma_wait<0>();
+        fence_regs<NS>(s_acc);
+        if (t == 0) mbar_arrive(k_empty + 8 * (kv_it % STAGES));   // done with this K tile
+        if (last == 0 && t == 0) mbar_arrive(q_empty);               // and with Q (its last S)
+        softmax_scores(key0(0));
+        pack_p();
+
+        // ---- every further key tile: in our turn S of key tile it + 1, then O += P V of key
+        //      tile it; the softmax of S(it + 1) then runs while O += P V is on the tensor cores.
+        //      (Waits are unconditional, and the last O += P V is peeled off below: ptxas then
+        //      keeps the products asynchronous.)
+        for (int it = 0; it < last; ++it, ++kv_it) {
+            named_bar_sync(TURN_BAR + cw, 256);     // our turn on the tensor cores
+            issue_s(s_acc, kv_it + 1);
+            issue_pv(kv_it);
+            named_bar_arrive(next_turn, 256);        // the next consumer may issue its GEMMs
+            wgmma_wait<1>();                         // S done (O += P V may still run)
+            fence_regs<NS>(s_acc);
+            if (t == 0) mbar_arrive(k_empty + 8 * ((kv_it + 1) % STAGES));
+            if (it + 1 == last && t == 0) mbar_arrive(q_empty);   // the tile's last S
+            softmax_scores(key0(it + 1));
+            wgmma_wait<0>();                         // O += P V done
             fence_regs<NO>(o_acc);
-            if (t == 0) mbar_arrive(kv_empty + 8 * s);   // this warpgroup is done with stage s
+            fence_regs<NS / 2>(p_frag);              // P stayed untouched while the product read it
+            if (t == 0) mbar_arrive(v_empty + 8 * (kv_it % STAGES));
+            pack_p();
         }
-        named_bar_arrive(TURN_BAR + 1 - cw, 256);   // hand the turn over for our epilogue
+
+        // ---- O += P V of the last key tile
+        named_bar_sync(TURN_BAR + cw, 256);          // our turn on the tensor cores
+        issue_pv(kv_it);
+        named_bar_arrive(next_turn, 256);            // the next consumer may issue its GEMMs
+        wgmma_wait<0>();
+        fence_regs<NO>(o_acc);
+        fence_regs<NS / 2>(p_frag);
+        if (t == 0) mbar_arrive(v_empty + 8 * (kv_it % STAGES));
+        ++kv_it;
 
         // ---- final O / l and lse = (m·scale·log2e + log2 l)·ln 2; rows past s_q are not stored
 #pragma unroll

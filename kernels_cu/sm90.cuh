@@ -73,6 +73,13 @@ __device__ __forceinline__ void fence_regs(float* r) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
 }
+// The same for 16-bit-pair A fragments that an in-flight wgmma reads from registers: pinned after
+// its wait, they stay allocated (and unmodified) until the product has consumed them.
+template <int N>
+__device__ __forceinline__ void fence_regs(u32* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
+}
 
 // ---------------------------------------------------------------------------------------------
 // Named barriers (ids 1..15; 0 is __syncthreads) over `threads` threads, and warpgroup

@@ -17,7 +17,7 @@ dims for O += P V).
 import sys
 from pathlib import Path
 
-NS = (64, 128, 192, 256)
+NS = (64, 80, 96, 112, 128, 144, 160, 176, 192, 256)   # S = Q Kᵀ widths (BN) and head dims
 NS_TT = (64,)   # dQ = dS K in the Hopper backward: dSᵀ and K both stored MN-major
 TYPES = (("f16_t", "f16"), ("bf16_t", "bf16"))
 OUT = Path(__file__).resolve().parent.parent / "kernels_cu" / "wgmma.cuh"
