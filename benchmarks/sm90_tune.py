@@ -1,4 +1,5 @@
-"""Time Hopper-kernel instantiations (tile width BN, ring depth STAGES, consumer warpgroups NC)
+"""Time Hopper-kernel instantiations (tile width BN, ring depth STAGES, consumer warpgroups NC,
+Q buffers QBUF)
 side by side on the FA
 benchmark shapes (bf16, batch·seqlen = 16k tokens, hidden 2048), each checked against the
 portable kernel first. For choosing _plan.SM90_TILES; run on a cc 9.0 GPU:
@@ -15,10 +16,10 @@ from cupyflash import _gpu, _plan
 from cupyflash._bench import time_ms
 from cupyflash._options import Options
 
-#: (BN, STAGES, NC) per head dim
-CANDIDATES = {64: [(128, 2, 2), (192, 2, 2), (112, 2, 3), (128, 2, 3), (128, 3, 3)],
-              128: [(128, 2, 2), (128, 3, 2), (160, 2, 2), (176, 2, 2)],
-              256: [(64, 2, 2), (80, 2, 2)]}
+#: (BN, STAGES, NC, QBUF) per head dim
+CANDIDATES = {64: [(128, 2, 2, 1), (128, 2, 2, 2), (128, 2, 3, 1), (128, 2, 3, 2)],
+              128: [(128, 2, 2, 1), (128, 2, 2, 2), (144, 2, 2, 2), (160, 2, 2, 2)],
+              256: [(64, 2, 2, 1), (80, 2, 2, 1)]}
 
 
 def main():
@@ -38,14 +39,14 @@ def main():
                 _gpu.forward(q, k, v, out, lse, opts, kernel="portable")
                 ref = out.astype(cp.float32)
                 cells = []
-                for bn, st, nc in CANDIDATES[d]:
-                    var = _plan.Sm90Variant("bf16_t", d, bn, st, causal, False, nc)
+                for bn, st, nc, qb in CANDIDATES[d]:
+                    var = _plan.Sm90Variant("bf16_t", d, bn, st, causal, False, nc, qb)
                     out.fill(0)
                     _gpu.forward(q, k, v, out, lse, opts, kernel=var)
                     err = float(cp.abs(out.astype(cp.float32) - ref).max())
                     ms = time_ms(lambda: _gpu.forward(q, k, v, out, lse, opts, kernel=var))
                     tf = 4 * b * h * s * s * d / (2 if causal else 1) / ms / 1e9
-                    cells.append(f"{64 * nc}x{bn}s{st}: {tf:6.1f}{'' if err < 2e-2 else ' BAD %.1e' % err}")
+                    cells.append(f"{64 * nc}x{bn}s{st}q{qb}: {tf:6.1f}{'' if err < 2e-2 else ' BAD %.1e' % err}")
                 print(f"d{d:3d} s{s:6d} causal={causal!s:5}  " + "  ".join(cells), flush=True)
             del q, k, v, out
             cp.get_default_memory_pool().free_all_blocks()

@@ -285,15 +285,24 @@ def _sizes_and_scalars(bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left, wind
 
 
 # ------------------------------------------------------------------------------------------
-# Hopper (sm_90a) forward: flash_fwd_sm90<E, D, BN, STAGES, NC, WINDOW, SOFTCAP> in
-# kernels_cu/fwd_sm90.cu (TMA + wgmma, one producer and NC consumer warpgroups, BM = 64·NC).
+# Hopper (sm_90a) forward: flash_fwd_sm90<E, D, BN, STAGES, NC, QBUF, WINDOW, SOFTCAP> in
+# kernels_cu/fwd_sm90.cu (TMA + wgmma, one producer and NC consumer warpgroups, BM = 64·NC,
+# QBUF Q buffers).
 # Chosen on compute capability 9.0 wherever it covers the call (sm90_unsupported() is None);
 # everything else runs the portable kernel above.
 # ------------------------------------------------------------------------------------------
 SM90_HEAD_DIMS = (64, 128, 256)
-#: (BN, STAGES, NC) per head dim: K/V tiles of BN keys in a ring of STAGES buffers, NC consumer
-#: warpgroups of 64 query rows (work tiles of BM = 64·NC rows).
-SM90_TILES = {64: (128, 2, 2), 128: (128, 2, 2), 256: (64, 2, 2)}
+#: (BN, STAGES, NC, QBUF) per head dim: K/V tiles of BN keys in a ring of STAGES buffers, NC
+#: consumer warpgroups of 64 query rows (work tiles of BM = 64·NC rows), QBUF Q buffers (with
+#: two, the next work tile's Q loads early and its first S rides in the last turn of the current
+#: one: measured no faster on the H200, so unused). benchmarks/sm90_tune.py measured these
+#: (docs/hopper.md): three consumers win at hd 64 except for causal / window calls of up to
+#: 2k queries, whose 192-row tiles waste more of the masked diagonal.
+SM90_TILES = {64: (128, 2, 3, 1), 128: (128, 2, 2, 1), 256: (80, 2, 2, 1)}
+#: hd 64 with two consumers: softcap (its tanh needs registers that three consumers lack) and
+#: short causal / window calls.
+SM90_TILES_NC2 = {64: (128, 2, 2, 1)}
+SM90_SHORT_WINDOW_SQ = 2048
 #: Largest stride TMA takes (bytes, exclusive), and the alignment it needs of strides and bases.
 TMA_MAX_STRIDE = 1 << 40
 TMA_ALIGN = 16
@@ -309,6 +318,7 @@ class Sm90Variant(NamedTuple):
     window: bool
     softcap: bool
     nc: int = 2
+    qbuf: int = 1
 
     file = "fwd_sm90.cu"
     arch_options = ("-arch=sm_90a",)   # wgmma / setmaxnreg need the arch-specific target
@@ -325,34 +335,47 @@ class Sm90Variant(NamedTuple):
     def name_expression(self) -> str:
         b = lambda x: "true" if x else "false"  # noqa: E731
         return (f"flash_fwd_sm90<{self.elem}, {self.d}, {self.bn}, {self.stages}, {self.nc}, "
-                f"{b(self.window)}, {b(self.softcap)}>")
+                f"{self.qbuf}, {b(self.window)}, {b(self.softcap)}>")
 
     @property
     def name(self) -> str:
         flags = ("_window" if self.window else "") + ("_softcap" if self.softcap else "")
-        return f"fwd90_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}s{self.stages}{flags}"
+        qb = "q2" if self.qbuf == 2 else ""
+        return f"fwd90_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}s{self.stages}{qb}{flags}"
 
     @property
     def smem_bytes(self) -> int:
-        return sm90_smem_bytes(self.d, self.bn, self.stages, self.nc)
+        return sm90_smem_bytes(self.d, self.bn, self.stages, self.nc, self.qbuf)
 
 
-def sm90_smem_bytes(d: int, bn: int, stages: int, nc: int = 2) -> int:
-    """Mirrors sm90::Layout in fwd_sm90.cu: Q [64·nc, d], K and V [stages, bn, d] (16-bit), the
-    mbarriers, the work-tile index, and 1024 bytes of slack to align the swizzled panels."""
-    return 2 * d * (64 * nc + 2 * stages * bn) + 8 * (3 + 4 * stages) + 1024
+def sm90_smem_bytes(d: int, bn: int, stages: int, nc: int = 2, qbuf: int = 1) -> int:
+    """Mirrors sm90::Layout in fwd_sm90.cu: Q [qbuf, 64·nc, d], K and V [stages, bn, d] (16-bit),
+    the mbarriers, the work-tile indices, and 1024 bytes of slack to align the swizzled panels."""
+    return 2 * d * (64 * nc * qbuf + 2 * stages * bn) + 8 * (2 * qbuf + 4 * stages + 1) + 1024
 
 
-def sm90_variant(elem: str, d: int, window: bool, softcap: bool) -> "Sm90Variant":
-    """The planner's Hopper forward instantiation for these template flags (SM90_TILES)."""
-    return Sm90Variant(elem, d, *SM90_TILES[d][:2], window, softcap, SM90_TILES[d][2])
+def sm90_variant(elem: str, d: int, window: bool, softcap: bool,
+                 s_q: Optional[int] = None) -> "Sm90Variant":
+    """The planner's Hopper forward instantiation for these template flags and s_q queries
+    (SM90_TILES; SM90_TILES_NC2 for softcap, and for window calls of at most
+    SM90_SHORT_WINDOW_SQ queries)."""
+    short_window = window and s_q is not None and s_q <= SM90_SHORT_WINDOW_SQ
+    tiles = SM90_TILES_NC2.get(d, SM90_TILES[d]) if softcap or short_window else SM90_TILES[d]
+    bn, stages, nc, qbuf = tiles
+    return Sm90Variant(elem, d, bn, stages, window, softcap, nc, qbuf)
 
 
 def sm90_variants():
     """Every Sm90Variant the planner can select (compiled by the harness for sm_90a)."""
-    return [sm90_variant(elem, d, window, cap)
-            for elem in ("f16_t", "bf16_t") for d in SM90_HEAD_DIMS
-            for window in (False, True) for cap in (False, True)]
+    found = {}
+    for elem in ("f16_t", "bf16_t"):
+        for d in SM90_HEAD_DIMS:
+            for window in (False, True):
+                for cap in (False, True):
+                    for s_q in (None, 1):
+                        v = sm90_variant(elem, d, window, cap, s_q)
+                        found[v.name] = v
+    return list(found.values())
 
 
 def tma_strides_ok(shape, strides, itemsize: int) -> bool:
@@ -411,7 +434,8 @@ def sm90_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap
         return "alibi_slopes (not in the Hopper kernel yet)"
     if not (scale > 0 or softcap > 0):
         return f"scale {scale} <= 0 without softcap"
-    smem_need = sm90_smem_bytes(d, *SM90_TILES[d]) if d in SM90_TILES else 0
+    smem_need = max(sm90_variant("f16_t", d, w, softcap > 0, s).smem_bytes
+                    for w in (False, True) for s in (None, 1)) if d in SM90_TILES else 0
     return sm90_common_unsupported(dtype_name, d, d_v, SM90_HEAD_DIMS, cc=cc,
                                    smem_need=smem_need, smem_optin=smem_optin, tensors=tensors)
 
@@ -429,7 +453,7 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
     elem = elem_tag(dtype_name, False)
     window = window_left >= 0 or window_right >= 0
     if variant is None:
-        variant = sm90_variant(elem, d, window, softcap > 0)
+        variant = sm90_variant(elem, d, window, softcap > 0, s_q)
     elif variant.elem != elem or variant.d != d or d_v != d or (window and not variant.window) \
             or (softcap > 0) != variant.softcap:
         raise ValueError(f"kernel {variant.name} cannot compute this problem")

@@ -42,18 +42,19 @@ template <> struct Regs<3> { static constexpr int PRODUCER = 32, CONSUMER = 160;
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
 // cupyflash/_plan.py: sm90_smem_bytes.
-template <int D, int BN, int STAGES, int NC>
+template <int D, int BN, int STAGES, int NC, int QBUF>
 struct Layout {
     static constexpr int BM = WG_ROWS * NC;                  // query rows per work tile
     static constexpr int PANELS = D / PANEL_COLS;
     static constexpr int Q_PANEL = BM * 128;                 // bytes of q_smem [BM, 64]
+    static constexpr int Q_TILE = PANELS * Q_PANEL;          // one Q buffer
     static constexpr int KV_PANEL = BN * 128;                // bytes of k_smem / v_smem [BN, 64]
     static constexpr int KV_TILE = PANELS * KV_PANEL;        // one stage of K (or V)
-    static constexpr int Q = 0;                              // q_smem [PANELS][BM][64]
-    static constexpr int K = Q + PANELS * Q_PANEL;           // k_smem [STAGES][PANELS][BN][64]
+    static constexpr int Q = 0;                              // q_smem [QBUF][PANELS][BM][64]
+    static constexpr int K = Q + QBUF * Q_TILE;              // k_smem [STAGES][PANELS][BN][64]
     static constexpr int V = K + STAGES * KV_TILE;           // v_smem [STAGES][PANELS][BN][64]
-    static constexpr int BARS = V + STAGES * KV_TILE;        // q_full, q_empty, k/v_full[S], k/v_empty[S]
-    static constexpr int TILE = BARS + 8 * (2 + 4 * STAGES);  // work-tile index, producer -> consumers
+    static constexpr int BARS = V + STAGES * KV_TILE;        // q_full[QB], q_empty[QB], k/v_full[S], k/v_empty[S]
+    static constexpr int TILE = BARS + 8 * (2 * QBUF + 4 * STAGES);  // work-tile index [QBUF], producer -> consumers
     static constexpr int BYTES = TILE + 8;
 };
 
@@ -94,15 +95,16 @@ __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
 // (p.sched == null) block i takes tiles i, i + gridDim.x, ... The K/V ring and the barrier phases
 // run on across tiles, so the producer loads the next tile's Q and first K/V tiles while the
 // consumers finish the current one.
-template <typename E, int D, int BN, int STAGES, int NC, bool WINDOW, bool SOFTCAP>
+template <typename E, int D, int BN, int STAGES, int NC, int QBUF, bool WINDOW, bool SOFTCAP>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 flash_fwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90;
-    using L = Layout<D, BN, STAGES, NC>;
+    using L = Layout<D, BN, STAGES, NC, QBUF>;
     constexpr int BM = L::BM;
     typedef typename Elem<E>::storage S;
     static_assert(Elem<E>::is16, "the Hopper path takes float16 / bfloat16");
     static_assert(D % PANEL_COLS == 0 && D <= 256 && BN % 16 == 0 && BN <= 256 && BM <= 256, "tile shape");
+    static_assert(QBUF == 1 || QBUF == 2, "one or two Q buffers");
     constexpr int NS = BN / 2;       // S accumulator registers per lane: [64, BN] over 128 lanes
     constexpr int NO = D / 2;        // O accumulator registers per lane: [64, D]
 
@@ -114,21 +116,23 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     // 128-byte swizzled tiles need 1024-byte aligned panels (the swizzle pattern repeats every 8 rows)
     const u32 smem = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 q_smem = smem + L::Q, k_smem = smem + L::K, v_smem = smem + L::V;
-    const u32 q_full = smem + L::BARS;                 // Q tile landed
-    const u32 q_empty = q_full + 8;                    // every consumer is done with the Q tile
-    const u32 k_full = q_empty + 8;                    // [STAGES]: K tile of the stage landed
+    const u32 q_full = smem + L::BARS;                 // [QBUF]: Q tile (and its work-tile index) landed
+    const u32 q_empty = q_full + 8 * QBUF;             // [QBUF]: every consumer is done with the Q tile
+    const u32 k_full = q_empty + 8 * QBUF;             // [STAGES]: K tile of the stage landed
     const u32 v_full = k_full + 8 * STAGES;            // [STAGES]: V tile landed
     const u32 k_empty = v_full + 8 * STAGES;           // [STAGES]: every consumer is done with the K tile
     const u32 v_empty = k_empty + 8 * STAGES;          // [STAGES]: every consumer is done with the V tile
-    volatile int* tile_smem = (volatile int*)(smem_raw + (smem - smem_addr(smem_raw)) + L::TILE);
+    volatile int* tile_smem = (volatile int*)(smem_raw + (smem - smem_addr(smem_raw)) + L::TILE);   // [QBUF]
     const int num_work = p.num_m_blocks * p.h * p.b;
 
     const int wg = threadIdx.x / 128;      // 0 producer, 1 .. NC consumers
     const int t = threadIdx.x % 128;       // lane within the warpgroup
 
     if (threadIdx.x == 0) {
-        mbar_init(q_full, 1);                  // the producer's expect_tx arrival (+ bytes)
-        mbar_init(q_empty, NC);                // one arrival per consumer warpgroup
+        for (int b = 0; b < QBUF; ++b) {
+            mbar_init(q_full + 8 * b, 1);      // the producer's expect_tx arrival (+ bytes)
+            mbar_init(q_empty + 8 * b, NC);    // one arrival per consumer warpgroup
+        }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_full + 8 * s, 1);
             mbar_init(v_full + 8 * s, 1);
@@ -147,27 +151,29 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             tma_prefetch_desc(&p.tma_k);
             tma_prefetch_desc(&p.tma_v);
             int kv_it = 0;     // K/V tiles issued so far (ring position)
-            for (int tile_i = 0;; ++tile_i) {   // tile_i: Q-barrier phases used so far
-                // the consumers are done with the previous tile's Q (and have read its index)
-                if (tile_i > 0) mbar_wait(q_empty, (tile_i - 1) & 1);
+            for (int tile_i = 0;; ++tile_i) {   // tile_i: work tiles drawn so far
+                const int qb = tile_i % QBUF;     // Q buffer of this tile
+                const u32 qf = q_full + 8 * qb;
+                // the consumers are done with the Q buffer's previous tile (and have read its index)
+                if (tile_i >= QBUF) mbar_wait(q_empty + 8 * qb, ((tile_i / QBUF) - 1) & 1);
                 const int w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + tile_i * gridDim.x;
                 if (w >= num_work) {                  // no work left: tell the consumers, stop
-                    *tile_smem = -1;
-                    mbar_arrive(q_full);
+                    tile_smem[qb] = -1;
+                    mbar_arrive(qf);
                     break;
                 }
-                *tile_smem = w;                       // published by the q_full arrival (release)
+                tile_smem[qb] = w;                    // published by the q_full arrival (release)
                 const WorkTile wt = work_tile<WINDOW, BM, BN>(p, w);
                 if (wt.n_tiles == 0) {                // rows that see no key: nothing to load
-                    mbar_arrive(q_full);
+                    mbar_arrive(qf);
                     continue;
                 }
                 // Q tile [BM, D]
-                mbar_arrive_expect_tx(q_full, BM * D * 2);
+                mbar_arrive_expect_tx(qf, BM * D * 2);
 #pragma unroll
                 for (int c = 0; c < L::PANELS; ++c)
-                    tma_load_4d(q_smem + c * L::Q_PANEL, &p.tma_q, q_full, c * PANEL_COLS, wt.m0,
-                                wt.head, wt.batch);
+                    tma_load_4d(q_smem + qb * L::Q_TILE + c * L::Q_PANEL, &p.tma_q, qf,
+                                c * PANEL_COLS, wt.m0, wt.head, wt.batch);
                 // K, V tiles [BN, D], right to left through the band, STAGES buffers deep
                 for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
                     const int n0 = (wt.t_first + wt.n_tiles - 1 - it) * BN;
@@ -208,12 +214,43 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8
     const int col_in_8 = 2 * (t % 4);                      // accumulator columns col_in_8, +1 (of 8)
     const float sl2 = SOFTCAP ? 1.f : p.scale_log2;       // score -> base-2 exponent factor
-    const u32 q_wg = q_smem + cw * WG_ROWS * 128;          // this warpgroup's 64 rows of each Q panel
 
-    // ---- S = Q Kᵀ  [64, BN], fp32, of the key tile in ring position kv: k-steps of 16 columns
-    //      through the D / 64 panels (issued and committed, not waited for)
-    auto issue_s = [&](float* s_acc, int kv) {
+    int kv_it = 0;             // K/V ring position of the current key tile (runs on across tiles)
+    int tile_i = 0;            // work tiles taken so far: Q buffer tile_i % QBUF, its phase
+    WorkTile wt;               // the current work tile
+    float o_acc[NO];           // O [64, D] of this warpgroup, fp32
+    float m_run[2] = {-CF_INF, -CF_INF};   // running row max (raw scores; base-2 with softcap)
+    float l_run[2] = {0.f, 0.f};           // running denominators (this lane's columns only)
+    float alpha[2];            // O rescale factors of the current key tile
+    float s_acc[NS];           // S [64, BN] of the current key tile, then P in place
+    u32 p_frag[NS / 2];        // P of the current key tile, 16-bit A fragments
+
+    // Wait for work tile tile_i (index published, Q tile landed). Tiles whose rows see no key
+    // are finished right here (out = 0, lse = -inf). False when no work is left.
+    auto fetch_tile = [&]() -> bool {
+        for (;; ++tile_i) {
+            const int qb = tile_i % QBUF;
+            mbar_wait(q_full + 8 * qb, (tile_i / QBUF) & 1);
+            const int w = tile_smem[qb];
+            if (w < 0) return false;
+            wt = work_tile<WINDOW, BM, BN>(p, w);
+            if (wt.n_tiles > 0) return true;
+            S* o_bh = (S*)p.o + wt.batch * p.o_stride_b + wt.head * p.o_stride_h;   // [s_q, d_v]
+            const int r0 = wt.m0 + cw * WG_ROWS;
+            for (int i = t; i < WG_ROWS * D; i += 128)
+                if (r0 + i / D < p.s_q) o_bh[(r0 + i / D) * p.o_stride_s + i % D] = from_float<E>(0.f);
+            if (t < WG_ROWS && r0 + t < p.s_q) p.lse[((i64)wt.batch * p.h + wt.head) * p.s_q + r0 + t] = -CF_INF;
+            named_bar_sync(WG_BAR + cw, 128);   // the whole warpgroup has read the tile index
+            if (t == 0) mbar_arrive(q_empty + 8 * qb);
+        }
+    };
+    auto key0 = [&](int it) { return (wt.t_first + wt.n_tiles - 1 - it) * BN; };   // right to left
+
+    // ---- S = Q Kᵀ  [64, BN], fp32, of the key tile in ring position kv against the Q tile of
+    //      work tile ti: k-steps of 16 columns through the D / 64 panels (issued and committed)
+    auto issue_s = [&](int kv, int ti) {
         const int s = kv % STAGES;
+        const u32 q_wg = q_smem + (ti % QBUF) * L::Q_TILE + cw * WG_ROWS * 128;   // our 64 rows
         const u32 k_tile = k_smem + s * L::KV_TILE;
         mbar_wait(k_full + 8 * s, (kv / STAGES) & 1);
         wgmma_fence();   // a pipeline stage of its own: O's product may be waited for alone
@@ -225,174 +262,117 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         }
         wgmma_commit();
     };
+    // ---- O += P V  [64, D] of the key tile in ring position kv: V read MN-major (LBO = bytes
+    //      between 64-column panels), 16 keys = 16 rows of 128 bytes per k-step
+    auto issue_pv = [&](int kv) {
+        const u32 v_tile = v_smem + (kv % STAGES) * L::KV_TILE;
+        mbar_wait(v_full + 8 * (kv % STAGES), (kv / STAGES) & 1);
+        fence_regs<NO>(o_acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_rs<E, D>(o_acc, p_frag + 4 * kk, smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024));
+        wgmma_commit();
+    };
+    // S of ring position kv has completed: release its K stage, and the Q buffer of work tile ti
+    // when it was that tile's last S
+    auto s_done = [&](int kv, int ti, bool last_s) {
+        fence_regs<NS>(s_acc);
+        if (t == 0) mbar_arrive(k_empty + 8 * (kv % STAGES));
+        if (last_s && t == 0) mbar_arrive(q_empty + 8 * (ti % QBUF));
+    };
+    // O += P V of ring position kv has completed: release its V stage
+    auto pv_done = [&](int kv) {
+        fence_regs<NO>(o_acc);
+        fence_regs<NS / 2>(p_frag);      // P stayed untouched while the product read it
+        if (t == 0) mbar_arrive(v_empty + 8 * (kv % STAGES));
+    };
 
-    // Pingpong: the consumers take turns issuing their GEMMs, round robin (named barrier
-    // TURN_BAR + c is "consumer c's turn": c's 128 threads sync on it, the consumer before c
-    // arrives on it after issuing). Consumer 0 takes the very first turn: its own arrival here
-    // plus its first sync complete barrier TURN_BAR. Every consumer of a work tile takes the same
-    // n_tiles + 1 turns (the first S; S of the next key tile + O += P V per key tile; the last
-    // O += P V alone), so the order holds across tiles.
-    if (cw == 0) named_bar_arrive(TURN_BAR, 256);
-
-    int kv_it = 0;
-    for (int tile_i = 0;; ++tile_i) {
-        mbar_wait(q_full, tile_i & 1);        // next work tile: index published, Q tile landed
-        const int w = *tile_smem;
-        if (w < 0) break;                      // no work left
-        const WorkTile wt = work_tile<WINDOW, BM, BN>(p, w);
+    // Online softmax on the scores of one key tile (keys n0 ..), in place in s_acc: softcap,
+    // masks, running max m, P = exp2(s·scale·log2e − shift), denominator l, and the factors
+    // alpha that rescale O (applied by pack_p, once the previous O += P V has completed).
+    auto softmax_scores = [&](int n0) {
         const int row0 = wt.m0 + cw * WG_ROWS + row_in_wg;   // this lane's rows: row0, row0 + 8
-        float* lse_bh = p.lse + ((i64)wt.batch * p.h + wt.head) * p.s_q;                 // [s_q]
-        S* o_bh = (S*)p.o + wt.batch * p.o_stride_b + wt.head * p.o_stride_h;           // [s_q, d_v]
-
-        if (wt.n_tiles == 0) {   // every row of this tile attends to nothing: out = 0, lse = -inf
-            for (int i = t; i < WG_ROWS * D; i += 128) {
-                const int r = wt.m0 + cw * WG_ROWS + i / D;
-                if (r < p.s_q) o_bh[r * p.o_stride_s + i % D] = from_float<E>(0.f);
-            }
-            if (t < WG_ROWS && wt.m0 + cw * WG_ROWS + t < p.s_q) lse_bh[wt.m0 + cw * WG_ROWS + t] = -CF_INF;
-            named_bar_sync(WG_BAR + cw, 128);   // the whole warpgroup has read the tile index
-            if (t == 0) mbar_arrive(q_empty);
-            continue;
+        // ---- softcap: s = c·tanh(scale·qk / c), kept in base-2 units (sl2 = 1)
+        if (SOFTCAP) {
+#pragma unroll
+            for (int i = 0; i < NS; ++i) s_acc[i] = p.softcap_post * tanh_fast(s_acc[i] * p.softcap_pre);
         }
-
-        float o_acc[NO];        // O [64, D] of this warpgroup, fp32
+        // ---- masks (only tiles that cross the ragged end or a band edge): key j kept when
+        //      j < s_k and diag(i) - left <= j <= diag(i) + right
+        bool need_mask = n0 + BN > p.s_k;
+        if (WINDOW)
+            need_mask |= n0 + BN - 1 > wt.m0 + p.diag_offset + p.window_right ||
+                         n0 < wt.m_last + p.diag_offset - p.window_left;
+        if (need_mask) {
+#pragma unroll
+            for (int i = 0; i < NS; ++i) {
+                const int j = n0 + (i / 4) * 8 + col_in_8 + (i % 2);
+                const int diag = row0 + ((i % 4) >= 2 ? 8 : 0) + p.diag_offset;
+                bool keep = j < p.s_k;
+                if (WINDOW) keep = keep && j <= diag + p.window_right && j >= diag - p.window_left;
+                if (!keep) s_acc[i] = -CF_INF;
+            }
+        }
+        // ---- running max m (rows row0, row0 + 8: quad of 4 lanes per row)
+        float m_new[2] = {m_run[0], m_run[1]};
+#pragma unroll
+        for (int i = 0; i < NS; i += 4) {
+            m_new[0] = fmaxf(m_new[0], fmaxf(s_acc[i], s_acc[i + 1]));
+            m_new[1] = fmaxf(m_new[1], fmaxf(s_acc[i + 2], s_acc[i + 3]));
+        }
+        float shift[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            m_new[r] = quad_max(m_new[r]);
+            // exponent shift m·scale·log2e; 0 while the row has seen no key (no inf - inf)
+            shift[r] = m_new[r] == -CF_INF ? 0.f : m_new[r] * sl2;
+            alpha[r] = fast_exp2(m_run[r] * sl2 - shift[r]);   // O, l rescale; 0 on the first key
+            m_run[r] = m_new[r];
+            l_run[r] *= alpha[r];
+        }
+        // ---- P = exp2(s·scale·log2e − shift) in place, denominator l
+#pragma unroll
+        for (int i = 0; i < NS; i += 4) {
+            s_acc[i] = fast_exp2(s_acc[i] * sl2 - shift[0]);
+            s_acc[i + 1] = fast_exp2(s_acc[i + 1] * sl2 - shift[0]);
+            s_acc[i + 2] = fast_exp2(s_acc[i + 2] * sl2 - shift[1]);
+            s_acc[i + 3] = fast_exp2(s_acc[i + 3] * sl2 - shift[1]);
+            l_run[0] += s_acc[i] + s_acc[i + 1];
+            l_run[1] += s_acc[i + 2] + s_acc[i + 3];
+        }
+    };
+    // O rescale by alpha and P packed to the 16-bit A fragments of the next O += P V (the
+    // previous product, which read O and the old P, has completed)
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int i = 0; i < NO; i += 4) {
+            o_acc[i] *= alpha[0];
+            o_acc[i + 1] *= alpha[0];
+            o_acc[i + 2] *= alpha[1];
+            o_acc[i + 3] *= alpha[1];
+        }
+#pragma unroll
+        for (int i = 0; i < NS; i += 2) p_frag[i / 2] = pack2<E>(s_acc[i], s_acc[i + 1]);
+    };
+    // The first key tile of work tile wt, whose S has completed: fresh O, m, l, then its softmax
+    auto start_tile = [&]() {
 #pragma unroll
         for (int i = 0; i < NO; ++i) o_acc[i] = 0.f;
-        float m_run[2] = {-CF_INF, -CF_INF};   // running row max (raw scores; base-2 with softcap)
-        float l_run[2] = {0.f, 0.f};           // running denominators (this lane's columns only)
-        float s_acc[NS];                       // S of the current key tile
-        u32 p_frag[NS / 2];                    // P of the current key tile, 16-bit A fragments
-
-        float alpha[2];                        // O rescale factors of the current key tile
-
-        // Online softmax on the scores of one key tile (keys n0 ..), in place in s_acc: softcap,
-        // masks, running max m, P = exp2(s·scale·log2e − shift), denominator l, and the factors
-        // alpha that rescale O (applied by pack_p, once the previous O += P V has completed).
-        auto softmax_scores = [&](int n0) {
-            // ---- softcap: s = c·tanh(scale·qk / c), kept in base-2 units (sl2 = 1)
-            if (SOFTCAP) {
-#pragma unroll
-                for (int i = 0; i < NS; ++i) s_acc[i] = p.softcap_post * tanh_fast(s_acc[i] * p.softcap_pre);
-            }
-            // ---- masks (only tiles that cross the ragged end or a band edge): key j kept when
-            //      j < s_k and diag(i) - left <= j <= diag(i) + right
-            bool need_mask = n0 + BN > p.s_k;
-            if (WINDOW)
-                need_mask |= n0 + BN - 1 > wt.m0 + p.diag_offset + p.window_right ||
-                             n0 < wt.m_last + p.diag_offset - p.window_left;
-            if (need_mask) {
-#pragma unroll
-                for (int i = 0; i < NS; ++i) {
-                    const int j = n0 + (i / 4) * 8 + col_in_8 + (i % 2);
-                    const int diag = row0 + ((i % 4) >= 2 ? 8 : 0) + p.diag_offset;
-                    bool keep = j < p.s_k;
-                    if (WINDOW) keep = keep && j <= diag + p.window_right && j >= diag - p.window_left;
-                    if (!keep) s_acc[i] = -CF_INF;
-                }
-            }
-            // ---- running max m (rows row0, row0 + 8: quad of 4 lanes per row)
-            float m_new[2] = {m_run[0], m_run[1]};
-#pragma unroll
-            for (int i = 0; i < NS; i += 4) {
-                m_new[0] = fmaxf(m_new[0], fmaxf(s_acc[i], s_acc[i + 1]));
-                m_new[1] = fmaxf(m_new[1], fmaxf(s_acc[i + 2], s_acc[i + 3]));
-            }
-            float shift[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                m_new[r] = quad_max(m_new[r]);
-                // exponent shift m·scale·log2e; 0 while the row has seen no key (no inf - inf)
-                shift[r] = m_new[r] == -CF_INF ? 0.f : m_new[r] * sl2;
-                alpha[r] = fast_exp2(m_run[r] * sl2 - shift[r]);   // O, l rescale; 0 on the first key
-                m_run[r] = m_new[r];
-                l_run[r] *= alpha[r];
-            }
-            // ---- P = exp2(s·scale·log2e − shift) in place, denominator l
-#pragma unroll
-            for (int i = 0; i < NS; i += 4) {
-                s_acc[i] = fast_exp2(s_acc[i] * sl2 - shift[0]);
-                s_acc[i + 1] = fast_exp2(s_acc[i + 1] * sl2 - shift[0]);
-                s_acc[i + 2] = fast_exp2(s_acc[i + 2] * sl2 - shift[1]);
-                s_acc[i + 3] = fast_exp2(s_acc[i + 3] * sl2 - shift[1]);
-                l_run[0] += s_acc[i] + s_acc[i + 1];
-                l_run[1] += s_acc[i + 2] + s_acc[i + 3];
-            }
-        };
-        // O rescale by alpha and P packed to the 16-bit A fragments of the next O += P V (the
-        // previous product, which read O and the old P, has completed)
-        auto pack_p = [&]() {
-#pragma unroll
-            for (int i = 0; i < NO; i += 4) {
-                o_acc[i] *= alpha[0];
-                o_acc[i + 1] *= alpha[0];
-                o_acc[i + 2] *= alpha[1];
-                o_acc[i + 3] *= alpha[1];
-            }
-#pragma unroll
-            for (int i = 0; i < NS; i += 2) p_frag[i / 2] = pack2<E>(s_acc[i], s_acc[i + 1]);
-        };
-        // ---- O += P V  [64, D] of the key tile in ring position kv, in our turn: V read MN-major
-        //      (LBO = bytes between 64-column panels), 16 keys = 16 rows of 128 bytes per k-step
-        auto issue_pv = [&](int kv) {
-            const u32 v_tile = v_smem + (kv % STAGES) * L::KV_TILE;
-            mbar_wait(v_full + 8 * (kv % STAGES), (kv / STAGES) & 1);
-            fence_regs<NO>(o_acc);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)
-                wgmma_rs<E, D>(o_acc, p_frag + 4 * kk, smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024));
-            wgmma_commit();
-        };
-        const int last = wt.n_tiles - 1;
-        auto key0 = [&](int it) { return (wt.t_first + last - it) * BN; };   // right to left
-
-        // ---- first turn of the tile: S of its first key tile, then its softmax
-        named_bar_sync(TURN_BAR + cw, 256);    // our turn on the tensor cores
-        issue_s(s_acc, kv_it);
-        named_bar_arrive(next_turn, 256);      // the next consumer may issue its GEMMs
-        wgmma_wait<0>();
-        fence_regs<NS>(s_acc);
-        if (t == 0) mbar_arrive(k_empty + 8 * (kv_it % STAGES));   // done with this K tile
-        if (last == 0 && t == 0) mbar_arrive(q_empty);               // and with Q (its last S)
+        m_run[0] = m_run[1] = -CF_INF;
+        l_run[0] = l_run[1] = 0.f;
         softmax_scores(key0(0));
         pack_p();
-
-        // ---- every further key tile: in our turn S of key tile it + 1, then O += P V of key
-        //      tile it; the softmax of S(it + 1) then runs while O += P V is on the tensor cores.
-        //      (Waits are unconditional, and the last O += P V is peeled off below: ptxas then
-        //      keeps the products asynchronous.)
-        for (int it = 0; it < last; ++it, ++kv_it) {
-            named_bar_sync(TURN_BAR + cw, 256);     // our turn on the tensor cores
-            issue_s(s_acc, kv_it + 1);
-            issue_pv(kv_it);
-            named_bar_arrive(next_turn, 256);        // the next consumer may issue its GEMMs
-            wgmma_wait<1>();                         // S done (O += P V may still run)
-            fence_regs<NS>(s_acc);
-            if (t == 0) mbar_arrive(k_empty + 8 * ((kv_it + 1) % STAGES));
-            if (it + 1 == last && t == 0) mbar_arrive(q_empty);   // the tile's last S
-            softmax_scores(key0(it + 1));
-            wgmma_wait<0>();                         // O += P V done
-            fence_regs<NO>(o_acc);
-            fence_regs<NS / 2>(p_frag);              // P stayed untouched while the product read it
-            if (t == 0) mbar_arrive(v_empty + 8 * (kv_it % STAGES));
-            pack_p();
-        }
-
-        // ---- O += P V of the last key tile
-        named_bar_sync(TURN_BAR + cw, 256);          // our turn on the tensor cores
-        issue_pv(kv_it);
-        named_bar_arrive(next_turn, 256);            // the next consumer may issue its GEMMs
-        wgmma_wait<0>();
-        fence_regs<NO>(o_acc);
-        fence_regs<NS / 2>(p_frag);
-        if (t == 0) mbar_arrive(v_empty + 8 * (kv_it % STAGES));
-        ++kv_it;
-
-        // ---- final O / l and lse = (m·scale·log2e + log2 l)·ln 2; rows past s_q are not stored
+    };
+    // ---- final O / l and lse = (m·scale·log2e + log2 l)·ln 2 of work tile wt; rows past s_q
+    //      are not stored
+    auto store_tile = [&]() {
+        float* lse_bh = p.lse + ((i64)wt.batch * p.h + wt.head) * p.s_q;                 // [s_q]
+        S* o_bh = (S*)p.o + wt.batch * p.o_stride_b + wt.head * p.o_stride_h;           // [s_q, d_v]
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float l = quad_sum(l_run[r]);
-            const int row = row0 + 8 * r;
+            const int row = wt.m0 + cw * WG_ROWS + row_in_wg + 8 * r;
             const float inv_l = l > 0.f ? 1.f / l : 0.f;   // a row that saw no key: out = 0
             if (row < p.s_q) {
                 S* o_row = o_bh + row * p.o_stride_s;
@@ -403,6 +383,88 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                 }
                 if (t % 4 == 0)
                     lse_bh[row] = l > 0.f ? (m_run[r] * sl2 + log2f(l)) * CF_LN2 : -CF_INF;
+            }
+        }
+    };
+    // A turn with the S of the current tile's first key tile alone (no O += P V in flight)
+    auto first_turn = [&]() {
+        named_bar_sync(TURN_BAR + cw, 256);    // our turn on the tensor cores
+        issue_s(kv_it, tile_i);
+        named_bar_arrive(next_turn, 256);      // the next consumer may issue its GEMMs
+        wgmma_wait<0>();
+        s_done(kv_it, tile_i, wt.n_tiles == 1);
+        start_tile();
+    };
+    // A turn with the last O += P V of the current tile alone
+    auto last_turn = [&]() {
+        named_bar_sync(TURN_BAR + cw, 256);
+        issue_pv(kv_it);
+        named_bar_arrive(next_turn, 256);
+        wgmma_wait<0>();
+        pv_done(kv_it);
+        ++kv_it;
+    };
+
+    // Pingpong: the consumers take turns issuing their GEMMs, round robin (named barrier
+    // TURN_BAR + c is "consumer c's turn": c's 128 threads sync on it, the consumer before c
+    // arrives on it after issuing). Consumer 0 takes the very first turn: its own arrival here
+    // plus its first sync complete barrier TURN_BAR. Every consumer walks the same work tiles
+    // and takes the same turns (one per key tile, plus one for a tile's first S unless it rode
+    // along in the previous tile's last turn), so the order holds across tiles.
+    if (cw == 0) named_bar_arrive(TURN_BAR, 256);
+
+    if (fetch_tile()) {
+        first_turn();
+        for (;;) {
+            // ---- every key tile but the last: in our turn S of key tile it + 1, then O += P V
+            //      of key tile it; the softmax of S(it + 1) runs while O += P V is on the tensor
+            //      cores. (Waits are unconditional and the last O += P V is peeled off: ptxas
+            //      then keeps the products asynchronous.)
+            const int last = wt.n_tiles - 1;
+            for (int it = 0; it < last; ++it, ++kv_it) {
+                named_bar_sync(TURN_BAR + cw, 256);     // our turn on the tensor cores
+                issue_s(kv_it + 1, tile_i);
+                issue_pv(kv_it);
+                named_bar_arrive(next_turn, 256);        // the next consumer may issue its GEMMs
+                wgmma_wait<1>();                         // S done (O += P V may still run)
+                s_done(kv_it + 1, tile_i, it + 1 == last);
+                softmax_scores(key0(it + 1));
+                wgmma_wait<0>();                         // O += P V done
+                pv_done(kv_it);
+                pack_p();
+            }
+            // ---- the tile's last key tile
+            if constexpr (QBUF == 2) {
+                // The next tile's Q is already in its own buffer: its first S rides along in this
+                // turn, ahead of our last O += P V, and the epilogue runs after both.
+                const WorkTile cur = wt;
+                ++tile_i;
+                if (!fetch_tile()) {
+                    wt = cur;
+                    last_turn();
+                    store_tile();
+                    break;
+                }
+                named_bar_sync(TURN_BAR + cw, 256);
+                issue_s(kv_it + 1, tile_i);
+                issue_pv(kv_it);
+                named_bar_arrive(next_turn, 256);
+                wgmma_wait<0>();                         // both products done
+                s_done(kv_it + 1, tile_i, wt.n_tiles == 1);
+                pv_done(kv_it);
+                ++kv_it;
+                const WorkTile next = wt;
+                wt = cur;
+                store_tile();
+                wt = next;
+                start_tile();
+            } else {
+                // One Q buffer: the next tile's Q loads once every consumer is done with this one's
+                last_turn();
+                store_tile();
+                ++tile_i;
+                if (!fetch_tile()) break;
+                first_turn();
             }
         }
     }

@@ -28,7 +28,8 @@ def _contig(shape):
 
 def test_variants_fit_and_are_distinct():
     vs = _plan.sm90_variants()
-    assert len(vs) == 2 * 3 * 2 * 2
+    # dtypes x head dims x window x softcap, plus hd 64's two-consumer short-window variant
+    assert len(vs) == 2 * 3 * 2 * 2 + 2
     assert len({v.name for v in vs}) == len(vs) == len({v.name_expression for v in vs})
     for v in vs:
         assert v.smem_bytes <= H200_SMEM, v
@@ -121,10 +122,11 @@ def test_wgmma_header_is_generated_and_current():
 def test_smem_layout_mirror():
     """sm90_smem_bytes mirrors sm90::Layout in fwd_sm90.cu (the kernel traps on a mismatch)."""
     src = (ROOT / "kernels_cu" / "fwd_sm90.cu").read_text()
-    assert "TILE = BARS + 8 * (2 + 4 * STAGES)" in src and "BYTES = TILE + 8" in src and "if (smem_given < L::BYTES + 1024) __trap();" in src
+    assert "TILE = BARS + 8 * (2 * QBUF + 4 * STAGES)" in src and "BYTES = TILE + 8" in src and "if (smem_given < L::BYTES + 1024) __trap();" in src
     assert _plan.sm90_smem_bytes(128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 8 * 11 + 1024
-    # three consumer warpgroups: a 192-row Q tile
+    # three consumer warpgroups: a 192-row Q tile; two Q buffers
     assert _plan.sm90_smem_bytes(64, 128, 2, 3) == 2 * 64 * (192 + 4 * 128) + 8 * 11 + 1024
+    assert _plan.sm90_smem_bytes(64, 128, 2, 3, 2) == 2 * 64 * (2 * 192 + 4 * 128) + 8 * 13 + 1024
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,3 +170,17 @@ def test_backward_variants_fit_and_layout_mirror():
         assert expr in src, expr
     assert h90.smem_bytes(128) == (2 * 128 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 2 * 128 * 64 * 2
                                    + 1024 + 40 + 1024)
+
+
+@pytest.mark.parametrize("s_q,window,softcap,nc", [
+    (4096, False, False, 3), (1024, False, False, 3), (4096, True, False, 3),
+    (2048, True, False, 2), (1024, True, False, 2), (4096, False, True, 2), (1024, True, True, 2),
+], ids=["long", "short", "long_causal", "2k_causal", "short_causal", "softcap", "short_causal_softcap"])
+def test_hd64_consumer_count(s_q, window, softcap, nc):
+    """hd 64: three consumer warpgroups (192-row tiles) except softcap and short causal calls."""
+    pl = _plan.plan_forward_sm90("bfloat16", 2, s_q, s_q, 4, 4, 64, 64, scale=0.125,
+                                 window_right=0 if window else -1, softcap=30.0 if softcap else 0.0)
+    v = pl.variant
+    assert v.nc == nc and v.bm == 64 * nc and pl.block == (128 * (nc + 1), 1, 1)
+    assert v in _plan.sm90_variants()
+    assert pl.params["num_m_blocks"] == -(-s_q // v.bm)
