@@ -1,15 +1,17 @@
 """Hopper (sm_90a) backward main kernel: coverage, variants, compilation and launch.
 
-``flash_bwd_sm90<E, D, WINDOW>`` in kernels_cu/bwd_sm90.cu replaces the portable main kernel
-(flash_bwd in bwd.cu) on compute capability 9.0 wherever it covers the call; the helper kernels
-before and after it (D = rowsum(dO ∘ O) with the zeroed dQ accumulator, and the dQ conversion)
-are the portable ones, compiled into the same module. Coverage (``unsupported`` says why not):
+``flash_bwd_sm90<E, D, WINDOW, DQ_BULK>`` in kernels_cu/bwd_sm90.cu replaces the portable main
+kernel (flash_bwd in bwd.cu) on compute capability 9.0 wherever it covers the call; the helper
+kernel before it (D = rowsum(dO ∘ O) with the zeroed dQ accumulator) is the portable one, the
+dQ conversion after it is flash_bwd_dq_sm90; all three are compiled into the same module. Coverage (``unsupported`` says why not):
 float16 / bfloat16, d = d_v in {64, 128}, no softcap / ALiBi, scale > 0, atomic (not
 deterministic) dQ, strides TMA accepts (16-byte multiples) for q, k, v and dout.
 
 One block per (key tile of 128 keys, kv head, batch): a producer warpgroup loads K, V once and
 the Q / dO tiles of 64 query rows per step through TMA; two consumer warpgroups of 64 keys each
-keep dK, dV in registers and add dQ into the float32 accumulator (red.global.add.v2.f32).
+keep dK, dV in registers; each step's dQ tile goes through shared memory into the float32
+accumulator (one cp.reduce.async.bulk .add.f32 by a producer warp). The accumulator's rows are
+chunk-swizzled (bwd_sm90.cu: dq_swizzle), so the dQ conversion is flash_bwd_dq_sm90.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class Sm90BwdVariant(NamedTuple):
     elem: str
     d: int
     window: bool
+    dq_bulk: bool = True   # dQ tile via shared memory + one bulk reduce-add (else red.global)
 
     file = "bwd_sm90.cu"
     arch_options = ("-arch=sm_90a",)
@@ -39,7 +42,8 @@ class Sm90BwdVariant(NamedTuple):
 
     @property
     def name_expression(self) -> str:
-        return f"flash_bwd_sm90<{self.elem}, {self.d}, {'true' if self.window else 'false'}>"
+        tf = {True: "true", False: "false"}
+        return f"flash_bwd_sm90<{self.elem}, {self.d}, {tf[self.window]}, {tf[self.dq_bulk]}>"
 
     @property
     def pre_expression(self) -> str:
@@ -47,11 +51,12 @@ class Sm90BwdVariant(NamedTuple):
 
     @property
     def dq_expression(self) -> str:
-        return f"flash_bwd_dq<{self.elem}>"
+        return f"flash_bwd_dq_sm90<{self.elem}>"
 
     @property
     def name(self) -> str:
-        return f"bwd90_{self.elem[:-2]}_d{self.d}_{BM}x{BN}" + ("_window" if self.window else "")
+        return (f"bwd90_{self.elem[:-2]}_d{self.d}_{BM}x{BN}" + ("_window" if self.window else "")
+                + ("" if self.dq_bulk else "_red"))
 
     @property
     def smem_bytes(self) -> int:
@@ -60,10 +65,10 @@ class Sm90BwdVariant(NamedTuple):
 
 def smem_bytes(d: int) -> int:
     """Mirrors sm90b::Layout in bwd_sm90.cu: K, V [128, d]; NBUF x (Q, dO [64, d]); two dSᵀ
-    [128, 64] buffers (16-bit); lse and D [64] floats per consumer; the mbarriers; 1024 bytes of
-    slack to align the swizzled panels."""
-    return (2 * BN * d * 2 + 2 * NBUF * BM * d * 2 + 2 * BN * BM * 2 + 2 * 2 * BM * 4
-            + 8 * (1 + 2 * NBUF) + 1024)
+    [128, 64] buffers (16-bit); the dQ tile [64, d] float32; NBUF x
+    (lse, D [64] floats); the mbarriers; 1024 bytes of slack to align the swizzled panels."""
+    return (2 * BN * d * 2 + 2 * NBUF * BM * d * 2 + 2 * BN * BM * 2 + BM * d * 4
+            + NBUF * 2 * BM * 4 + 8 * (3 + 2 * NBUF) + 1024)
 
 
 def variants():

@@ -165,11 +165,12 @@ def test_backward_variants_fit_and_layout_mirror():
     assert len(vs) == 8 and len({v.name for v in vs}) == 8
     assert all(v.smem_bytes <= H200_SMEM for v in vs)
     src = (ROOT / "kernels_cu" / "bwd_sm90.cu").read_text()
-    for expr in ("ROWS = DS + 2 * DS_TILE", "BARS = ROWS + 2 * 2 * BM * 4",
-                 "BYTES = BARS + 8 * (1 + 2 * NBUF)", "if (smem_given < L::BYTES + 1024) __trap();"):
+    for expr in ("DQ = DS + 2 * DS_TILE", "DQ_PITCH = D * 4;", "ROWS = DQ + BM * DQ_PITCH",
+                 "BARS = ROWS + NBUF * 2 * BM * 4", "BYTES = BARS + 8 * (3 + 2 * NBUF)",
+                 "if (smem_given < L::BYTES + 1024) __trap();"):
         assert expr in src, expr
     assert h90.smem_bytes(128) == (2 * 128 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 2 * 128 * 64 * 2
-                                   + 1024 + 40 + 1024)
+                                   + 64 * 128 * 4 + 1024 + 56 + 1024)
 
 
 @pytest.mark.parametrize("s_q,window,softcap,nc", [
