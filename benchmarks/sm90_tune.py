@@ -26,20 +26,30 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqlen", nargs="+", type=int, default=[1024, 4096, 16384])
     ap.add_argument("--head-dim", nargs="+", type=int, default=sorted(CANDIDATES))
+    ap.add_argument("--causal", nargs="+", default=["false", "true"], help="e.g. --causal true")
+    ap.add_argument("--tiles", nargs="+", default=[], metavar="D:BN,STAGES,NC,QBUF",
+                    help="candidates instead of CANDIDATES, e.g. 64:96,2,2,1 128:128,2,2,1")
     args = ap.parse_args()
-    for d in args.head_dim:
+    candidates = CANDIDATES
+    if args.tiles:
+        candidates = {}
+        for spec in args.tiles:
+            d, tiles = spec.split(":")
+            candidates.setdefault(int(d), []).append(tuple(int(x) for x in tiles.split(",")))
+    causals = [c.lower() in ("1", "true", "yes") for c in args.causal]
+    for d in (args.head_dim if not args.tiles else sorted(candidates)):
         for s in args.seqlen:
             b, h = max(1, 16384 // s), 2048 // d
             q, k, v = (cp.random.standard_normal((b, s, h, d), dtype=cp.float32)
                        .astype(ml_dtypes.bfloat16) for _ in range(3))
             out = cp.empty_like(q)
             lse = cp.empty((b, h, s), cp.float32)
-            for causal in (False, True):
+            for causal in causals:
                 opts = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1)
                 _gpu.forward(q, k, v, out, lse, opts, kernel="portable")
                 ref = out.astype(cp.float32)
                 cells = []
-                for bn, st, nc, qb in CANDIDATES[d]:
+                for bn, st, nc, qb in candidates[d]:
                     var = _plan.Sm90Variant("bf16_t", d, bn, st, causal, False, nc, qb)
                     out.fill(0)
                     _gpu.forward(q, k, v, out, lse, opts, kernel=var)

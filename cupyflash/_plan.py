@@ -297,12 +297,12 @@ SM90_HEAD_DIMS = (64, 128, 256)
 #: two, the next work tile's Q loads early and its first S rides in the last turn of the current
 #: one: measured no faster on the H200, so unused). benchmarks/sm90_tune.py measured these
 #: (docs/hopper.md): three consumers win at hd 64 except for causal / window calls of up to
-#: 2k queries, whose 192-row tiles waste more of the masked diagonal.
+#: 1k queries, whose 192-row tiles waste more of the masked diagonal.
 SM90_TILES = {64: (128, 2, 3, 1), 128: (128, 2, 2, 1), 256: (80, 2, 2, 1)}
 #: hd 64 with two consumers: softcap (its tanh needs registers that three consumers lack) and
 #: short causal / window calls.
 SM90_TILES_NC2 = {64: (128, 2, 2, 1)}
-SM90_SHORT_WINDOW_SQ = 2048
+SM90_SHORT_WINDOW_SQ = 1024
 #: Largest stride TMA takes (bytes, exclusive), and the alignment it needs of strides and bases.
 TMA_MAX_STRIDE = 1 << 40
 TMA_ALIGN = 16

@@ -175,7 +175,7 @@ def test_backward_variants_fit_and_layout_mirror():
 
 @pytest.mark.parametrize("s_q,window,softcap,nc", [
     (4096, False, False, 3), (1024, False, False, 3), (4096, True, False, 3),
-    (2048, True, False, 2), (1024, True, False, 2), (4096, False, True, 2), (1024, True, True, 2),
+    (2048, True, False, 3), (1024, True, False, 2), (4096, False, True, 2), (1024, True, True, 2),
 ], ids=["long", "short", "long_causal", "2k_causal", "short_causal", "softcap", "short_causal_softcap"])
 def test_hd64_consumer_count(s_q, window, softcap, nc):
     """hd 64: three consumer warpgroups (192-row tiles) except softcap and short causal calls."""
