@@ -76,8 +76,8 @@ def _forward_kernels(cc: int) -> str:
     if why is not None:
         return "portable kernel (fwd.cu, mma.sync) for every call"
     return ("Hopper kernel (fwd_sm90.cu: TMA + wgmma) for float16 / bfloat16, head dim "
-            f"{' / '.join(map(str, _plan.SM90_HEAD_DIMS))} = head_dim_v, no ALiBi, TMA-aligned "
-            "strides; the portable kernel (fwd.cu) otherwise")
+            f"{' / '.join(map(str, _plan.SM90_HEAD_DIMS))} = head_dim_v, no ALiBi / bias / mask, "
+            "TMA-aligned strides (dense and varlen); the portable kernel (fwd.cu) otherwise")
 
 
 def _max_err_on_slice(out, q, k, v, rows: slice) -> float:

@@ -461,8 +461,10 @@ def _forward_general(q, k, v, out, lse, opts, kernel="auto") -> str:
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse,
-                   opts) -> str:
-    """Packed (varlen) forward in one launch of the GENERAL variant.
+                   opts, *, kernel="auto") -> str:
+    """Packed (varlen) forward in one launch: the Hopper kernel's VARLEN variant on compute
+    capability 9.0 where it covers the call (``kernel="auto"`` or ``"sm90"``), else the GENERAL
+    variant of the portable kernel (``kernel="portable"`` forces it).
 
     q [1, total_q, h, d], k [1, total_k, h_k, d], v [1, total_k, h_k, d_v], out [1, total_q, h,
     d_v]: CuPy bshd views of the packed tokens (contiguous last dimension); lse float32
@@ -472,6 +474,8 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     causal / window are aligned per sequence; ALiBi slopes (batch, h) are per sequence.
     A sequence without keys gives out = 0, lse = -inf. Returns the variant's name.
     """
+    if kernel not in ("auto", "sm90", "portable"):
+        raise ValueError(f"kernel={kernel!r}: accepted 'auto', 'sm90', 'portable'")
     total_q, total_k = q.shape[1], k.shape[1]
     nseq = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or nseq == 0 or q.shape[2] == 0 or max_seqlen_q == 0:
@@ -484,6 +488,21 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     name, smem = _check_launchable(q, k, v, out, lse, dev_id)
     _, _, h, d = q.shape
     h_k = k.shape[2]
+    cq = cupy.ascontiguousarray(cu_seqlens_q, dtype=np.int32)
+    ck = cupy.ascontiguousarray(cu_seqlens_k, dtype=np.int32)
+    if kernel != "portable":
+        elem_strides = [_elem_strides(a, t) for a, t in ((q, "q"), (k, "k"), (v, "v"), (out, "o"))]
+        reason = _plan.sm90_unsupported(
+            name, d, v.shape[3], scale=float(opts.scale), softcap=float(opts.softcap or 0.0),
+            has_alibi=opts.alibi_slopes is not None, cc=_info(dev_id)[0], smem_optin=smem,
+            tensors=[(a.shape, st) for a, st in zip((q, k, v, out), elem_strides)])
+        if reason is None and (q.data.ptr | k.data.ptr | v.data.ptr) % _plan.TMA_ALIGN == 0 \
+                and out.data.ptr % 4 == 0:
+            return _forward_varlen_sm90(q, k, v, cq, ck, int(max_seqlen_q), int(max_seqlen_k),
+                                        out, lse, opts, name, elem_strides, dev_id)
+        if kernel == "sm90":
+            raise ValueError(f"kernel='sm90': the Hopper kernel cannot run this call: "
+                             f"{reason or 'base addresses not 16-byte aligned'}")
     plan = _plan.plan_forward_varlen(
         name, nseq, total_q, total_k, int(max_seqlen_q), int(max_seqlen_k), h, h_k, d,
         v.shape[3], scale=float(opts.scale), window_left=int(opts.window_left),
@@ -491,10 +510,32 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         softcap=float(opts.softcap or 0.0), has_alibi=opts.alibi_slopes is not None,
         allow_tf32=bool(opts.allow_tf32), smem_optin=smem)
     prm = plan.params
-    cq = cupy.ascontiguousarray(cu_seqlens_q, dtype=np.int32)
-    ck = cupy.ascontiguousarray(cu_seqlens_k, dtype=np.int32)
     keep = _set_common(prm, q, k, v, out, lse, opts, zero_batch_strides=True)
     prm["cu_seqlens_q"], prm["cu_seqlens_k"] = cq.data.ptr, ck.data.ptr
+    name = _launch(plan, prm, dev_id)
+    del keep, cq, ck
+    return name
+
+
+def _forward_varlen_sm90(q, k, v, cq, ck, max_seqlen_q, max_seqlen_k, out, lse, opts, dtype_name,
+                         elem_strides, dev_id) -> str:
+    """forward_varlen on the Hopper kernel (planned per call, like the GENERAL path): TMA maps
+    over the packed [1, total, heads, d] tensors, the stream's work-tile counter."""
+    _, total_q, h, d = q.shape
+    total_k, h_k = k.shape[1], k.shape[2]
+    plan = _plan.plan_forward_varlen_sm90(
+        dtype_name, cq.shape[0] - 1, total_q, total_k, max_seqlen_q, max_seqlen_k, h, h_k, d,
+        v.shape[3], scale=float(opts.scale), window_left=int(opts.window_left),
+        window_right=int(opts.window_right), bottom_right=bool(opts.bottom_right),
+        softcap=float(opts.softcap or 0.0), num_sms=_info(dev_id)[2])
+    prm = plan.params
+    keep = _set_common(prm, q, k, v, out, lse, opts, zero_batch_strides=True)
+    prm["cu_seqlens_q"], prm["cu_seqlens_k"] = cq.data.ptr, ck.data.ptr
+    rows = (plan.variant.bm, plan.variant.bn, plan.variant.bn)
+    for field, a, st, r in zip(_plan.PARAMS_TMA_FIELDS, (q, k, v), elem_strides, rows):
+        dims, byte_strides, box = _plan.tma_tensor(a.shape, st, 2, r)
+        prm[field] = _tma.encode(dtype_name, a.data.ptr, dims, byte_strides, box)
+    prm["sched"] = _sched_counter(dev_id, _current_stream().ptr)
     name = _launch(plan, prm, dev_id)
     del keep, cq, ck
     return name

@@ -285,7 +285,7 @@ def _sizes_and_scalars(bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left, wind
 
 
 # ------------------------------------------------------------------------------------------
-# Hopper (sm_90a) forward: flash_fwd_sm90<E, D, BN, STAGES, NC, QBUF, WINDOW, SOFTCAP> in
+# Hopper (sm_90a) forward: flash_fwd_sm90<E, D, BN, STAGES, NC, QBUF, WINDOW, SOFTCAP, VARLEN> in
 # kernels_cu/fwd_sm90.cu (TMA + wgmma, one producer and NC consumer warpgroups, BM = 64·NC,
 # QBUF Q buffers).
 # Chosen on compute capability 9.0 wherever it covers the call (sm90_unsupported() is None);
@@ -299,8 +299,8 @@ SM90_HEAD_DIMS = (64, 128, 256)
 #: (docs/hopper.md): three consumers win at hd 64 except for causal / window calls of up to
 #: 1k queries, whose 192-row tiles waste more of the masked diagonal.
 SM90_TILES = {64: (128, 2, 3, 1), 128: (128, 2, 2, 1), 256: (80, 2, 2, 1)}
-#: hd 64 with two consumers: softcap (its tanh needs registers that three consumers lack) and
-#: short causal / window calls.
+#: hd 64 with two consumers: softcap and varlen (the tanh, or the per-sequence tile state, needs
+#: registers that three consumers' 160 lack: ptxas spills) and short causal / window calls.
 SM90_TILES_NC2 = {64: (128, 2, 2, 1)}
 SM90_SHORT_WINDOW_SQ = 1024
 #: Largest stride TMA takes (bytes, exclusive), and the alignment it needs of strides and bases.
@@ -319,6 +319,7 @@ class Sm90Variant(NamedTuple):
     softcap: bool
     nc: int = 2
     qbuf: int = 1
+    varlen: bool = False
 
     file = "fwd_sm90.cu"
     arch_options = ("-arch=sm_90a",)   # wgmma / setmaxnreg need the arch-specific target
@@ -335,11 +336,12 @@ class Sm90Variant(NamedTuple):
     def name_expression(self) -> str:
         b = lambda x: "true" if x else "false"  # noqa: E731
         return (f"flash_fwd_sm90<{self.elem}, {self.d}, {self.bn}, {self.stages}, {self.nc}, "
-                f"{self.qbuf}, {b(self.window)}, {b(self.softcap)}>")
+                f"{self.qbuf}, {b(self.window)}, {b(self.softcap)}, {b(self.varlen)}>")
 
     @property
     def name(self) -> str:
-        flags = ("_window" if self.window else "") + ("_softcap" if self.softcap else "")
+        flags = ("_window" if self.window else "") + ("_softcap" if self.softcap else "") + (
+            "_varlen" if self.varlen else "")
         qb = "q2" if self.qbuf == 2 else ""
         return f"fwd90_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}s{self.stages}{qb}{flags}"
 
@@ -355,14 +357,15 @@ def sm90_smem_bytes(d: int, bn: int, stages: int, nc: int = 2, qbuf: int = 1) ->
 
 
 def sm90_variant(elem: str, d: int, window: bool, softcap: bool,
-                 s_q: Optional[int] = None) -> "Sm90Variant":
-    """The planner's Hopper forward instantiation for these template flags and s_q queries
-    (SM90_TILES; SM90_TILES_NC2 for softcap, and for window calls of at most
-    SM90_SHORT_WINDOW_SQ queries)."""
+                 s_q: Optional[int] = None, varlen: bool = False) -> "Sm90Variant":
+    """The planner's Hopper forward instantiation for these template flags and s_q queries (the
+    longest sequence's, varlen) (SM90_TILES; SM90_TILES_NC2 for softcap, and for window calls of
+    at most SM90_SHORT_WINDOW_SQ queries)."""
     short_window = window and s_q is not None and s_q <= SM90_SHORT_WINDOW_SQ
-    tiles = SM90_TILES_NC2.get(d, SM90_TILES[d]) if softcap or short_window else SM90_TILES[d]
+    nc2 = softcap or varlen or short_window
+    tiles = SM90_TILES_NC2.get(d, SM90_TILES[d]) if nc2 else SM90_TILES[d]
     bn, stages, nc, qbuf = tiles
-    return Sm90Variant(elem, d, bn, stages, window, softcap, nc, qbuf)
+    return Sm90Variant(elem, d, bn, stages, window, softcap, nc, qbuf, varlen)
 
 
 def sm90_variants():
@@ -373,8 +376,9 @@ def sm90_variants():
             for window in (False, True):
                 for cap in (False, True):
                     for s_q in (None, 1):
-                        v = sm90_variant(elem, d, window, cap, s_q)
-                        found[v.name] = v
+                        for varlen in (False, True):
+                            v = sm90_variant(elem, d, window, cap, s_q, varlen)
+                            found[v.name] = v
     return list(found.values())
 
 
@@ -443,9 +447,10 @@ def sm90_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap
 def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, d: int,
                       d_v: int, *, scale: float, window_left: int = -1, window_right: int = -1,
                       bottom_right: bool = True, softcap: float = 0.0, num_sms: int = 132,
-                      variant: Optional[Sm90Variant] = None) -> Plan:
+                      variant: Optional[Sm90Variant] = None, varlen: bool = False) -> Plan:
     """Plan the Hopper kernel for a call that sm90_unsupported() accepted: a persistent grid of
-    min(work tiles, num_sms) blocks walking ceil(s_q / BM) x h x b work tiles."""
+    min(work tiles, num_sms) blocks walking ceil(s_q / BM) x h x b work tiles (``varlen``: see
+    plan_forward_varlen_sm90, which calls this with the longest sequences as s_q, s_k)."""
     if h % h_k:
         raise ValueError(f"heads {h} is not a multiple of heads_k {h_k}")
     if min(b, s_q, s_k, h, h_k, d, d_v) < 1:
@@ -455,7 +460,7 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
     if variant is None:
         variant = sm90_variant(elem, d, window, softcap > 0, s_q)
     elif variant.elem != elem or variant.d != d or d_v != d or (window and not variant.window) \
-            or (softcap > 0) != variant.softcap:
+            or (softcap > 0) != variant.softcap or variant.varlen != varlen:
         raise ValueError(f"kernel {variant.name} cannot compute this problem")
     prm, (num_m, _, _) = _sizes_and_scalars(variant.bm, b, s_q, s_k, h, h_k, d, d_v, scale,
                                             window_left, window_right, bottom_right, softcap)
@@ -463,6 +468,35 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
     if work > 2**31 - 1:
         raise NotImplementedError(f"{work} work tiles exceed the kernel's int32 tile index")
     return Plan(variant, (min(work, num_sms), 1, 1), (variant.threads, 1, 1), variant.smem_bytes, prm)
+
+
+def plan_forward_varlen_sm90(dtype_name: str, batch: int, total_q: int, total_k: int,
+                             max_seqlen_q: int, max_seqlen_k: int, h: int, h_k: int, d: int,
+                             d_v: int, *, scale: float, window_left: int = -1,
+                             window_right: int = -1, bottom_right: bool = True,
+                             softcap: float = 0.0, num_sms: int = 132) -> Plan:
+    """The Hopper kernel over ``batch`` packed sequences (a call sm90_unsupported() accepted):
+    a persistent grid walking ceil(max_seqlen_q / BM) x h x batch work tiles; tiles past their
+    sequence's end are skipped by the producer. Params: b = batch, s_q / s_k = the packed totals
+    (lse is [h, total_q]), causal / window aligned per sequence (``varlen_bottom_right``). The
+    launcher sets pointers, cu_seqlens, zero batch strides and the TMA descriptors."""
+    if min(batch, total_q, total_k, max_seqlen_q, max_seqlen_k) < 1:
+        raise ValueError("empty problem: the launcher handles zero sizes before planning")
+    window = window_left >= 0 or window_right >= 0
+    variant = sm90_variant(elem_tag(dtype_name, False), d, window, softcap > 0, max_seqlen_q,
+                           varlen=True)
+    plan = plan_forward_sm90(dtype_name, batch, max_seqlen_q, max_seqlen_k, h, h_k, d, d_v,
+                             scale=scale, window_left=window_left, window_right=window_right,
+                             bottom_right=bottom_right, softcap=softcap, num_sms=num_sms,
+                             variant=variant, varlen=True)
+    prm = plan.params
+    unbounded = total_q + total_k                  # past every sequence's own s_q + s_k
+    prm["s_q"], prm["s_k"] = total_q, total_k
+    prm["window_left"] = window_left if window_left >= 0 else unbounded
+    prm["window_right"] = window_right if window_right >= 0 else unbounded
+    prm["diag_offset"] = 0                         # per sequence, from varlen_bottom_right
+    prm["varlen_bottom_right"] = int(bool(bottom_right))
+    return plan
 
 
 def plan_forward_varlen(dtype_name: str, batch: int, total_q: int, total_k: int,

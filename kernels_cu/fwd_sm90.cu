@@ -23,7 +23,10 @@
 // zeros, keys past s_k are masked, rows past s_q are not stored.
 // Covered (the planner routes the rest to fwd.cu): float16 / bfloat16, d = d_v in {64, 128, 256},
 // causal / sliding window (either alignment), softcap, GQA / MQA, any s_q, s_k, scale > 0 (or any
-// scale with softcap), tensors whose strides TMA accepts (16-byte multiples).
+// scale with softcap), tensors whose strides TMA accepts (16-byte multiples), and (VARLEN) packed
+// variable-length sequences: each work tile reads its sequence's rows and lengths from
+// cu_seqlens; rows of the next sequence that a tile's TMA box takes in are masked (keys) or not
+// stored (queries).
 #include "common.cuh"
 #include "sm90.cuh"
 #include "wgmma.cuh"
@@ -62,30 +65,62 @@ struct Layout {
 
 // One work tile = BM query rows of one (batch, head): its index w runs m_block fastest (from the
 // last query tile down, so the longest causal tiles start first and neighbouring blocks share K/V
-// in L2), then head, then batch.
+// in L2), then head, then batch. VARLEN: "batch" is packed sequence z (p.b sequences, rows
+// cu_seqlens[z] .. cu_seqlens[z + 1] of [1, total, h, d] tensors; p.s_q / p.s_k are the totals,
+// num_m_blocks covers the longest sequence).
 struct WorkTile {
     int m0, m_last, head, batch, kv_head;
+    int s_q, s_k, diag;     // this sequence's lengths; diag(i) = i + diag
+    int q_row, k_row;       // first packed row of the sequence in q / out and in k / v (0 dense)
+    int tma_b;              // batch coordinate of the tensor maps (0 varlen)
     int t_first, n_tiles;   // key tiles [t_first, t_first + n_tiles) meet the causal / window band
+    bool rows;              // the tile has query rows (varlen: m0 < this sequence's s_q)
 };
 
-template <bool WINDOW, int BM, int BN>
+template <bool WINDOW, bool VARLEN, int BM, int BN>
 __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
     WorkTile wt;
     const int m_block = p.num_m_blocks - 1 - w % p.num_m_blocks;
     wt.head = (w / p.num_m_blocks) % p.h;
     wt.batch = w / (p.num_m_blocks * p.h);
     wt.kv_head = wt.head / p.h_per_hk;                       // GQA / MQA
+    if constexpr (VARLEN) {
+        wt.q_row = p.cu_seqlens_q[wt.batch];
+        wt.k_row = p.cu_seqlens_k[wt.batch];
+        wt.s_q = p.cu_seqlens_q[wt.batch + 1] - wt.q_row;
+        wt.s_k = p.cu_seqlens_k[wt.batch + 1] - wt.k_row;
+        wt.diag = p.varlen_bottom_right ? wt.s_k - wt.s_q : 0;
+        wt.tma_b = 0;
+    } else {
+        wt.q_row = wt.k_row = 0;
+        wt.s_q = p.s_q;
+        wt.s_k = p.s_k;
+        wt.diag = p.diag_offset;
+        wt.tma_b = wt.batch;
+    }
     wt.m0 = m_block * BM;
-    wt.m_last = min(wt.m0 + BM, p.s_q) - 1;
+    wt.rows = wt.m0 < wt.s_q;
+    wt.m_last = min(wt.m0 + BM, wt.s_q) - 1;
     // Keys the tile can see: [n_lo, n_hi); key tiles wholly outside the band are never visited.
-    int n_lo = 0, n_hi = p.s_k;
+    int n_lo = 0, n_hi = wt.s_k;
     if (WINDOW) {
-        n_lo = max(0, wt.m0 + p.diag_offset - p.window_left);
-        n_hi = min(p.s_k, wt.m_last + p.diag_offset + p.window_right + 1);
+        n_lo = max(0, wt.m0 + wt.diag - p.window_left);
+        n_hi = min(wt.s_k, wt.m_last + wt.diag + p.window_right + 1);
     }
     wt.t_first = n_lo / BN;
-    wt.n_tiles = n_hi > n_lo ? (n_hi + BN - 1) / BN - wt.t_first : 0;
+    wt.n_tiles = wt.rows && n_hi > n_lo ? (n_hi + BN - 1) / BN - wt.t_first : 0;
     return wt;
+}
+
+// Output rows [s_q, d_v] and lse rows [s_q] of the work tile's (sequence, head)
+template <typename S>
+__device__ __forceinline__ S* out_rows(const Params& p, const WorkTile& wt) {
+    return (S*)p.o + wt.batch * p.o_stride_b + wt.head * p.o_stride_h + (i64)wt.q_row * p.o_stride_s;
+}
+template <bool VARLEN>
+__device__ __forceinline__ float* lse_rows(const Params& p, const WorkTile& wt) {
+    if constexpr (VARLEN) return p.lse + (i64)wt.head * p.s_q + wt.q_row;   // lse [h, total_q]
+    return p.lse + ((i64)wt.batch * p.h + wt.head) * p.s_q;                 // lse [b, h, s_q]
 }
 
 // Persistent kernel: gridDim.x blocks (at most one per SM) take work tiles from a global counter
@@ -95,7 +130,7 @@ __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
 // (p.sched == null) block i takes tiles i, i + gridDim.x, ... The K/V ring and the barrier phases
 // run on across tiles, so the producer loads the next tile's Q and first K/V tiles while the
 // consumers finish the current one.
-template <typename E, int D, int BN, int STAGES, int NC, int QBUF, bool WINDOW, bool SOFTCAP>
+template <typename E, int D, int BN, int STAGES, int NC, int QBUF, bool WINDOW, bool SOFTCAP, bool VARLEN>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 flash_fwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90;
@@ -151,19 +186,25 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             tma_prefetch_desc(&p.tma_k);
             tma_prefetch_desc(&p.tma_v);
             int kv_it = 0;     // K/V tiles issued so far (ring position)
-            for (int tile_i = 0;; ++tile_i) {   // tile_i: work tiles drawn so far
+            int drawn = 0;     // work-tile indices drawn so far (without a counter: i + k·grid)
+            for (int tile_i = 0;; ++tile_i) {   // tile_i: work tiles handed to the consumers
                 const int qb = tile_i % QBUF;     // Q buffer of this tile
                 const u32 qf = q_full + 8 * qb;
                 // the consumers are done with the Q buffer's previous tile (and have read its index)
                 if (tile_i >= QBUF) mbar_wait(q_empty + 8 * qb, ((tile_i / QBUF) - 1) & 1);
-                const int w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + tile_i * gridDim.x;
+                int w;
+                WorkTile wt;
+                do {   // varlen: tiles past their sequence's end have no rows; skip them here
+                    w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
+                    ++drawn;
+                    if (w < num_work) wt = work_tile<WINDOW, VARLEN, BM, BN>(p, w);
+                } while (VARLEN && w < num_work && !wt.rows);
                 if (w >= num_work) {                  // no work left: tell the consumers, stop
                     tile_smem[qb] = -1;
                     mbar_arrive(qf);
                     break;
                 }
                 tile_smem[qb] = w;                    // published by the q_full arrival (release)
-                const WorkTile wt = work_tile<WINDOW, BM, BN>(p, w);
                 if (wt.n_tiles == 0) {                // rows that see no key: nothing to load
                     mbar_arrive(qf);
                     continue;
@@ -173,10 +214,10 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
 #pragma unroll
                 for (int c = 0; c < L::PANELS; ++c)
                     tma_load_4d(q_smem + qb * L::Q_TILE + c * L::Q_PANEL, &p.tma_q, qf,
-                                c * PANEL_COLS, wt.m0, wt.head, wt.batch);
+                                c * PANEL_COLS, wt.q_row + wt.m0, wt.head, wt.tma_b);
                 // K, V tiles [BN, D], right to left through the band, STAGES buffers deep
                 for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
-                    const int n0 = (wt.t_first + wt.n_tiles - 1 - it) * BN;
+                    const int n0 = wt.k_row + (wt.t_first + wt.n_tiles - 1 - it) * BN;   // packed row
                     const int s = kv_it % STAGES;
                     const u32 reuse = ((kv_it / STAGES) - 1) & 1;   // phase of the stage's last release
                     if (kv_it >= STAGES) mbar_wait(k_empty + 8 * s, reuse);
@@ -184,13 +225,13 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
 #pragma unroll
                     for (int c = 0; c < L::PANELS; ++c)
                         tma_load_4d(k_smem + s * L::KV_TILE + c * L::KV_PANEL, &p.tma_k,
-                                    k_full + 8 * s, c * PANEL_COLS, n0, wt.kv_head, wt.batch);
+                                    k_full + 8 * s, c * PANEL_COLS, n0, wt.kv_head, wt.tma_b);
                     if (kv_it >= STAGES) mbar_wait(v_empty + 8 * s, reuse);
                     mbar_arrive_expect_tx(v_full + 8 * s, BN * D * 2);
 #pragma unroll
                     for (int c = 0; c < L::PANELS; ++c)
                         tma_load_4d(v_smem + s * L::KV_TILE + c * L::KV_PANEL, &p.tma_v,
-                                    v_full + 8 * s, c * PANEL_COLS, n0, wt.kv_head, wt.batch);
+                                    v_full + 8 * s, c * PANEL_COLS, n0, wt.kv_head, wt.tma_b);
                 }
             }
             if (p.sched) {
@@ -233,13 +274,13 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             mbar_wait(q_full + 8 * qb, (tile_i / QBUF) & 1);
             const int w = tile_smem[qb];
             if (w < 0) return false;
-            wt = work_tile<WINDOW, BM, BN>(p, w);
+            wt = work_tile<WINDOW, VARLEN, BM, BN>(p, w);
             if (wt.n_tiles > 0) return true;
-            S* o_bh = (S*)p.o + wt.batch * p.o_stride_b + wt.head * p.o_stride_h;   // [s_q, d_v]
+            S* o_bh = out_rows<S>(p, wt);                   // [s_q, d_v]
             const int r0 = wt.m0 + cw * WG_ROWS;
             for (int i = t; i < WG_ROWS * D; i += 128)
-                if (r0 + i / D < p.s_q) o_bh[(r0 + i / D) * p.o_stride_s + i % D] = from_float<E>(0.f);
-            if (t < WG_ROWS && r0 + t < p.s_q) p.lse[((i64)wt.batch * p.h + wt.head) * p.s_q + r0 + t] = -CF_INF;
+                if (r0 + i / D < wt.s_q) o_bh[(r0 + i / D) * p.o_stride_s + i % D] = from_float<E>(0.f);
+            if (t < WG_ROWS && r0 + t < wt.s_q) lse_rows<VARLEN>(p, wt)[r0 + t] = -CF_INF;
             named_bar_sync(WG_BAR + cw, 128);   // the whole warpgroup has read the tile index
             if (t == 0) mbar_arrive(q_empty + 8 * qb);
         }
@@ -300,16 +341,16 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         }
         // ---- masks (only tiles that cross the ragged end or a band edge): key j kept when
         //      j < s_k and diag(i) - left <= j <= diag(i) + right
-        bool need_mask = n0 + BN > p.s_k;
+        bool need_mask = n0 + BN > wt.s_k;
         if (WINDOW)
-            need_mask |= n0 + BN - 1 > wt.m0 + p.diag_offset + p.window_right ||
-                         n0 < wt.m_last + p.diag_offset - p.window_left;
+            need_mask |= n0 + BN - 1 > wt.m0 + wt.diag + p.window_right ||
+                         n0 < wt.m_last + wt.diag - p.window_left;
         if (need_mask) {
 #pragma unroll
             for (int i = 0; i < NS; ++i) {
                 const int j = n0 + (i / 4) * 8 + col_in_8 + (i % 2);
-                const int diag = row0 + ((i % 4) >= 2 ? 8 : 0) + p.diag_offset;
-                bool keep = j < p.s_k;
+                const int diag = row0 + ((i % 4) >= 2 ? 8 : 0) + wt.diag;
+                bool keep = j < wt.s_k;
                 if (WINDOW) keep = keep && j <= diag + p.window_right && j >= diag - p.window_left;
                 if (!keep) s_acc[i] = -CF_INF;
             }
@@ -367,14 +408,14 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     // ---- final O / l and lse = (m·scale·log2e + log2 l)·ln 2 of work tile wt; rows past s_q
     //      are not stored
     auto store_tile = [&]() {
-        float* lse_bh = p.lse + ((i64)wt.batch * p.h + wt.head) * p.s_q;                 // [s_q]
-        S* o_bh = (S*)p.o + wt.batch * p.o_stride_b + wt.head * p.o_stride_h;           // [s_q, d_v]
+        float* lse_bh = lse_rows<VARLEN>(p, wt);        // [s_q]
+        S* o_bh = out_rows<S>(p, wt);                   // [s_q, d_v]
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float l = quad_sum(l_run[r]);
             const int row = wt.m0 + cw * WG_ROWS + row_in_wg + 8 * r;
             const float inv_l = l > 0.f ? 1.f / l : 0.f;   // a row that saw no key: out = 0
-            if (row < p.s_q) {
+            if (row < wt.s_q) {
                 S* o_row = o_bh + row * p.o_stride_s;
 #pragma unroll
                 for (int i = 0; i < NO; i += 4) {

@@ -362,7 +362,8 @@ LENS = {
 
 
 def run_varlen(rng, dtype_name, lens_q, lens_k, h, hk, d, *, causal=False, window=None,
-               softcap=0.0, alibi=False, backward=True, deterministic=False, repeats=1):
+               softcap=0.0, alibi=False, backward=True, deterministic=False, repeats=1,
+               kernel="auto"):
     from cupyflash import _gpu, _gpu_bwd
     dtype = DTYPES[dtype_name]
     cq, ck = _cu(lens_q), _cu(lens_k)
@@ -378,7 +379,8 @@ def run_varlen(rng, dtype_name, lens_q, lens_k, h, hk, d, *, causal=False, windo
     out = _nan_like((1, tq, h, d), dtype)
     lse = cp.full((h, tq), cp.nan, cp.float32)
     cqd, ckd = cp.asarray(cq), cp.asarray(ck)
-    name = _gpu.forward_varlen(q, k, v, cqd, ckd, max(lens_q), max(lens_k), out, lse, opts)
+    name = _gpu.forward_varlen(q, k, v, cqd, ckd, max(lens_q), max(lens_k), out, lse, opts,
+                               kernel=kernel)
     cp.cuda.get_current_stream().synchronize()
     assert name.endswith("_varlen"), name
     got_out, got_lse = _h(out[0]), _h(lse)
@@ -458,6 +460,38 @@ def test_varlen_options(rng, dtype, opt):
         kw = {"window": dict(window=(20, 5)), "softcap": dict(softcap=4.0, causal=True),
               "alibi": dict(alibi=True, causal=True)}[opt]
         run_varlen(rng, dtype, lens_q, lens_k, 4, 2, 59, **kw)
+
+
+def _cc():
+    try:
+        return int(cp.cuda.Device().compute_capability)
+    except Exception:  # noqa: BLE001  (no usable device: the gpu marker skips anyway)
+        return 0
+
+
+HOPPER_LENS = ((5, 1, 0, 300, 64, 129, 3, 700), (7, 65, 3, 257, 0, 300, 3, 650))
+
+
+@pytest.mark.skipif(_cc() != 90, reason="the Hopper kernel needs compute capability 9.0")
+@pytest.mark.parametrize("opt", ["plain", "causal", "left_window", "window", "softcap", "mqa"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_varlen_hopper(rng, d, opt):
+    """The Hopper kernel's VARLEN variant (forced): tiles that straddle sequence ends, empty
+    sequences, sequences without keys, per-sequence causal alignment; the backward (portable)
+    runs on its out / lse."""
+    kw = {"plain": {}, "causal": dict(causal=True), "window": dict(window=(40, 7)),
+          "softcap": dict(softcap=5.0, causal=True), "mqa": dict(causal=True)}.get(opt, {})
+    if opt == "left_window":
+        kw = dict(window=(-1, 0))   # the causal band spelled as a window
+    name = run_varlen(rng, "bfloat16", *HOPPER_LENS, 4, 1 if opt == "mqa" else 2, d,
+                      backward=d != 256, kernel="sm90", **kw)
+    assert name.startswith("fwd90_") and name.endswith("_varlen"), name
+
+
+@pytest.mark.skipif(_cc() != 90, reason="the Hopper kernel needs compute capability 9.0")
+def test_varlen_hopper_float16_gqa(rng):
+    name = run_varlen(rng, "float16", *LENS["mixed"], 6, 3, 128, causal=True, kernel="sm90")
+    assert name.startswith("fwd90_"), name
 
 
 def test_varlen_top_left_api(rng):

@@ -28,8 +28,9 @@ def _contig(shape):
 
 def test_variants_fit_and_are_distinct():
     vs = _plan.sm90_variants()
-    # dtypes x head dims x window x softcap, plus hd 64's two-consumer short-window variant
-    assert len(vs) == 2 * 3 * 2 * 2 + 2
+    # dtypes x head dims x window x softcap x varlen, plus hd 64's dense two-consumer
+    # short-window variant
+    assert len(vs) == 2 * 3 * 2 * 2 * 2 + 2
     assert len({v.name for v in vs}) == len(vs) == len({v.name_expression for v in vs})
     for v in vs:
         assert v.smem_bytes <= H200_SMEM, v
@@ -185,3 +186,29 @@ def test_hd64_consumer_count(s_q, window, softcap, nc):
     assert v.nc == nc and v.bm == 64 * nc and pl.block == (128 * (nc + 1), 1, 1)
     assert v in _plan.sm90_variants()
     assert pl.params["num_m_blocks"] == -(-s_q // v.bm)
+
+
+@pytest.mark.parametrize("window,softcap", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "causal", "softcap"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_varlen_plan(d, window, softcap):
+    """Packed sequences: the VARLEN variant, one work tile per (BM rows of the longest sequence,
+    head, sequence), totals as s_q / s_k, causal aligned per sequence."""
+    pl = _plan.plan_forward_varlen_sm90("bfloat16", 5, 3000, 2800, 1100, 900, 8, 2, d, d,
+                                        scale=0.1, window_right=0 if window else -1,
+                                        softcap=20.0 if softcap else 0.0, num_sms=132)
+    v, prm = pl.variant, pl.params
+    assert v.varlen and v.window == window and v.softcap == softcap and v in _plan.sm90_variants()
+    assert v.nc == 2 and "_varlen" in v.name and v.name_expression.endswith(", true>")
+    assert (int(prm["b"]), int(prm["s_q"]), int(prm["s_k"])) == (5, 3000, 2800)
+    assert int(prm["num_m_blocks"]) == -(-1100 // v.bm) and int(prm["diag_offset"]) == 0
+    assert int(prm["varlen_bottom_right"]) == 1 and int(prm["h_per_hk"]) == 4
+    assert pl.grid == (min(132, -(-1100 // v.bm) * 8 * 5), 1, 1)
+    assert pl.block == (v.threads, 1, 1) and pl.smem == v.smem_bytes
+    if window:
+        assert int(prm["window_left"]) == 3000 + 2800 and int(prm["window_right"]) == 0
+    # a dense call cannot take the varlen instantiation, nor a varlen call the dense one
+    with pytest.raises(ValueError, match="cannot compute"):
+        _plan.plan_forward_sm90("bfloat16", 1, 10, 10, 8, 2, d, d, scale=0.1,
+                                window_right=0 if window else -1,
+                                softcap=20.0 if softcap else 0.0, variant=v)
