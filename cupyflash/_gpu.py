@@ -373,20 +373,25 @@ def broadcast_strides(a):
     return tuple(0 if n == 1 else st // a.itemsize for n, st in zip(a.shape, a.strides))
 
 
-def set_bias_mask(prm, opts, dtype):
+def bias_pair_ok(b, s_k) -> bool:
+    """Columns (j, j + 1) of the bias operand ``b`` load as one pair: unit key stride, even s_k,
+    every (row, even column) pair aligned."""
+    st = broadcast_strides(b)
+    return (st[3] == 1 and s_k % 2 == 0 and all(x % 2 == 0 for x in st[:3])
+            and b.data.ptr % (2 * b.itemsize) == 0)
+
+
+def set_bias_mask(prm, opts, dtype, operand=None):
     """Write the bias / mask pointers, strides, bias_f32 and bias_pair into Params ``prm``
-    (its s_k already set); returns the arrays that must stay alive until the launch is queued."""
+    (its s_k already set); ``operand``: bias_operand(opts.bias, dtype) when already made.
+    Returns the arrays that must stay alive until the launch is queued."""
     keep = []
     if opts.bias is not None:
-        b, f32 = bias_operand(opts.bias, dtype)
+        b, f32 = operand if operand is not None else bias_operand(opts.bias, dtype)
         prm["bias"], prm["bias_f32"] = b.data.ptr, f32
-        st = broadcast_strides(b)
-        for a, x in zip("bhqk", st):
+        for a, x in zip("bhqk", broadcast_strides(b)):
             prm[f"bias_stride_{a}"] = x
-        # pair loads: unit key stride, even s_k, every (row, even column) pair aligned
-        prm["bias_pair"] = int(st[3] == 1 and int(prm["s_k"]) % 2 == 0
-                               and all(x % 2 == 0 for x in st[:3])
-                               and b.data.ptr % (2 * b.itemsize) == 0)
+        prm["bias_pair"] = int(bias_pair_ok(b, int(prm["s_k"])))
         keep.append(b)
     if opts.mask is not None:
         m = opts.mask
@@ -439,13 +444,36 @@ def _launch(plan, prm, dev_id):
 
 
 def _forward_general(q, k, v, out, lse, opts, kernel="auto") -> str:
-    """forward() with a bias and / or a mask: the GENERAL variant (see forward)."""
+    """forward() with a bias and / or a mask: the Hopper kernel's BIAS variant on compute
+    capability 9.0 for a bias alone where it covers the call (head dims SM90_BIAS_HEAD_DIMS,
+    pair loads: bias_pair_ok), else the GENERAL variant of the portable kernel."""
     if _empty(q, k, out, lse):
         return "empty"
     dev_id = _get_device()
     name, smem = _check_launchable(q, k, v, out, lse, dev_id)
     b, s_q, h, d = q.shape
     _, s_k, h_k, _ = k.shape
+    operand = None   # bias_operand(opts.bias, q.dtype), once made
+    if _want_sm90(kernel):
+        elem_strides = [_elem_strides(a, t) for a, t in ((q, "q"), (k, "k"), (v, "v"), (out, "o"))]
+        reason = _plan.sm90_unsupported(
+            name, d, v.shape[3], scale=float(opts.scale), softcap=float(opts.softcap or 0.0),
+            has_alibi=opts.alibi_slopes is not None, cc=_info(dev_id)[0], smem_optin=smem,
+            tensors=[(a.shape, st) for a, st in zip((q, k, v, out), elem_strides)])
+        if reason is None and opts.mask is not None:
+            reason = "a boolean mask (not in the Hopper kernel yet)"
+        if reason is None and d not in _plan.SM90_BIAS_HEAD_DIMS:
+            reason = f"head dim {d} with a bias (the Hopper kernel takes {_plan.SM90_BIAS_HEAD_DIMS})"
+        if reason is None:
+            operand = bias_operand(opts.bias, q.dtype)
+            if not bias_pair_ok(operand[0], s_k):
+                reason = "bias layout (needs a unit key stride, even s_k and even strides)"
+            elif out.data.ptr % 4 or (q.data.ptr | k.data.ptr | v.data.ptr) % _plan.TMA_ALIGN:
+                reason = "base addresses not 16-byte aligned"
+        if reason is None:
+            return _forward_bias_sm90(q, k, v, out, lse, opts, name, elem_strides, operand, dev_id)
+        if kernel != "auto":
+            raise ValueError(f"kernel={kernel!r}: the Hopper kernel cannot run this call: {reason}")
     plan = _plan.plan_forward(
         name, b, s_q, s_k, h, h_k, d, v.shape[3], scale=float(opts.scale),
         window_left=int(opts.window_left), window_right=int(opts.window_right),
@@ -454,7 +482,7 @@ def _forward_general(q, k, v, out, lse, opts, kernel="auto") -> str:
         smem_optin=smem, variant=_forced(kernel, smem), has_bias=opts.bias is not None,
         has_mask=opts.mask is not None)
     prm = plan.params
-    keep = _set_common(prm, q, k, v, out, lse, opts) + set_bias_mask(prm, opts, q.dtype)
+    keep = _set_common(prm, q, k, v, out, lse, opts) + set_bias_mask(prm, opts, q.dtype, operand)
     name = _launch(plan, prm, dev_id)
     del keep   # (CuPy's pool reuses freed memory only in stream order: safe after the launch)
     return name
@@ -517,6 +545,36 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     return name
 
 
+def _forward_bias_sm90(q, k, v, out, lse, opts, dtype_name, elem_strides, operand, dev_id) -> str:
+    """forward() with a bias on the Hopper kernel (planned per call, like the GENERAL path)."""
+    b, s_q, h, d = q.shape
+    _, s_k, h_k, _ = k.shape
+    variant = _plan.sm90_variant(
+        _plan.elem_tag(dtype_name, False), d, opts.window_left >= 0 or opts.window_right >= 0,
+        bool(opts.softcap), s_q, bias=2 if operand[1] else 1)
+    plan = _plan.plan_forward_sm90(
+        dtype_name, b, s_q, s_k, h, h_k, d, v.shape[3], scale=float(opts.scale),
+        window_left=int(opts.window_left), window_right=int(opts.window_right),
+        bottom_right=bool(opts.bottom_right), softcap=float(opts.softcap or 0.0),
+        num_sms=_info(dev_id)[2], variant=variant)
+    prm = plan.params
+    keep = _set_common(prm, q, k, v, out, lse, opts) + set_bias_mask(prm, opts, q.dtype, operand)
+    return _launch_sm90(plan, prm, (q, k, v), elem_strides, dtype_name, dev_id, keep)
+
+
+def _launch_sm90(plan, prm, qkv, elem_strides, dtype_name, dev_id, keep) -> str:
+    """Launch a Hopper plan planned per call: TMA descriptors of q, k, v (boxes of BM / BN
+    rows), the stream's work-tile counter; ``keep``: arrays alive until the launch is queued."""
+    rows = (plan.variant.bm, plan.variant.bn, plan.variant.bn)
+    for field, a, st, r in zip(_plan.PARAMS_TMA_FIELDS, qkv, elem_strides, rows):
+        dims, byte_strides, box = _plan.tma_tensor(a.shape, st, 2, r)
+        prm[field] = _tma.encode(dtype_name, a.data.ptr, dims, byte_strides, box)
+    prm["sched"] = _sched_counter(dev_id, _current_stream().ptr)
+    name = _launch(plan, prm, dev_id)
+    del keep
+    return name
+
+
 def _forward_varlen_sm90(q, k, v, cq, ck, max_seqlen_q, max_seqlen_k, out, lse, opts, dtype_name,
                          elem_strides, dev_id) -> str:
     """forward_varlen on the Hopper kernel (planned per call, like the GENERAL path): TMA maps
@@ -531,11 +589,4 @@ def _forward_varlen_sm90(q, k, v, cq, ck, max_seqlen_q, max_seqlen_k, out, lse, 
     prm = plan.params
     keep = _set_common(prm, q, k, v, out, lse, opts, zero_batch_strides=True)
     prm["cu_seqlens_q"], prm["cu_seqlens_k"] = cq.data.ptr, ck.data.ptr
-    rows = (plan.variant.bm, plan.variant.bn, plan.variant.bn)
-    for field, a, st, r in zip(_plan.PARAMS_TMA_FIELDS, (q, k, v), elem_strides, rows):
-        dims, byte_strides, box = _plan.tma_tensor(a.shape, st, 2, r)
-        prm[field] = _tma.encode(dtype_name, a.data.ptr, dims, byte_strides, box)
-    prm["sched"] = _sched_counter(dev_id, _current_stream().ptr)
-    name = _launch(plan, prm, dev_id)
-    del keep, cq, ck
-    return name
+    return _launch_sm90(plan, prm, (q, k, v), elem_strides, dtype_name, dev_id, keep + [cq, ck])

@@ -285,7 +285,8 @@ def _sizes_and_scalars(bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left, wind
 
 
 # ------------------------------------------------------------------------------------------
-# Hopper (sm_90a) forward: flash_fwd_sm90<E, D, BN, STAGES, NC, QBUF, WINDOW, SOFTCAP, VARLEN> in
+# Hopper (sm_90a) forward: flash_fwd_sm90<E, D, BN, STAGES, NC, QBUF, WINDOW, SOFTCAP, VARLEN,
+# BIAS> in
 # kernels_cu/fwd_sm90.cu (TMA + wgmma, one producer and NC consumer warpgroups, BM = 64·NC,
 # QBUF Q buffers).
 # Chosen on compute capability 9.0 wherever it covers the call (sm90_unsupported() is None);
@@ -299,10 +300,13 @@ SM90_HEAD_DIMS = (64, 128, 256)
 #: (docs/hopper.md): three consumers win at hd 64 except for causal / window calls of up to
 #: 1k queries, whose 192-row tiles waste more of the masked diagonal.
 SM90_TILES = {64: (128, 2, 3, 1), 128: (128, 2, 2, 1), 256: (80, 2, 2, 1)}
-#: hd 64 with two consumers: softcap and varlen (the tanh, or the per-sequence tile state, needs
-#: registers that three consumers' 160 lack: ptxas spills) and short causal / window calls.
+#: hd 64 with two consumers: softcap, varlen and bias (the tanh, the per-sequence tile state or
+#: the bias fragment needs registers that three consumers' 160 lack: ptxas spills) and short
+#: causal / window calls.
 SM90_TILES_NC2 = {64: (128, 2, 2, 1)}
 SM90_SHORT_WINDOW_SQ = 1024
+#: Head dims of the BIAS variants (hd 256 spills with the bias loads).
+SM90_BIAS_HEAD_DIMS = (64, 128)
 #: Largest stride TMA takes (bytes, exclusive), and the alignment it needs of strides and bases.
 TMA_MAX_STRIDE = 1 << 40
 TMA_ALIGN = 16
@@ -320,6 +324,7 @@ class Sm90Variant(NamedTuple):
     nc: int = 2
     qbuf: int = 1
     varlen: bool = False
+    bias: int = 0           # 0 none, 1 bias in the inputs' 16-bit type, 2 float32 bias
 
     file = "fwd_sm90.cu"
     arch_options = ("-arch=sm_90a",)   # wgmma / setmaxnreg need the arch-specific target
@@ -336,12 +341,12 @@ class Sm90Variant(NamedTuple):
     def name_expression(self) -> str:
         b = lambda x: "true" if x else "false"  # noqa: E731
         return (f"flash_fwd_sm90<{self.elem}, {self.d}, {self.bn}, {self.stages}, {self.nc}, "
-                f"{self.qbuf}, {b(self.window)}, {b(self.softcap)}, {b(self.varlen)}>")
+                f"{self.qbuf}, {b(self.window)}, {b(self.softcap)}, {b(self.varlen)}, {self.bias}>")
 
     @property
     def name(self) -> str:
         flags = ("_window" if self.window else "") + ("_softcap" if self.softcap else "") + (
-            "_varlen" if self.varlen else "")
+            "_varlen" if self.varlen else "") + ("", "_bias", "_bias32")[self.bias]
         qb = "q2" if self.qbuf == 2 else ""
         return f"fwd90_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}s{self.stages}{qb}{flags}"
 
@@ -357,15 +362,15 @@ def sm90_smem_bytes(d: int, bn: int, stages: int, nc: int = 2, qbuf: int = 1) ->
 
 
 def sm90_variant(elem: str, d: int, window: bool, softcap: bool,
-                 s_q: Optional[int] = None, varlen: bool = False) -> "Sm90Variant":
+                 s_q: Optional[int] = None, varlen: bool = False, bias: int = 0) -> "Sm90Variant":
     """The planner's Hopper forward instantiation for these template flags and s_q queries (the
     longest sequence's, varlen) (SM90_TILES; SM90_TILES_NC2 for softcap, and for window calls of
     at most SM90_SHORT_WINDOW_SQ queries)."""
     short_window = window and s_q is not None and s_q <= SM90_SHORT_WINDOW_SQ
-    nc2 = softcap or varlen or short_window
+    nc2 = softcap or varlen or bias or short_window
     tiles = SM90_TILES_NC2.get(d, SM90_TILES[d]) if nc2 else SM90_TILES[d]
     bn, stages, nc, qbuf = tiles
-    return Sm90Variant(elem, d, bn, stages, window, softcap, nc, qbuf, varlen)
+    return Sm90Variant(elem, d, bn, stages, window, softcap, nc, qbuf, varlen, bias)
 
 
 def sm90_variants():
@@ -376,8 +381,10 @@ def sm90_variants():
             for window in (False, True):
                 for cap in (False, True):
                     for s_q in (None, 1):
-                        for varlen in (False, True):
-                            v = sm90_variant(elem, d, window, cap, s_q, varlen)
+                        for varlen, bias in ((False, 0), (True, 0), (False, 1), (False, 2)):
+                            if bias and d not in SM90_BIAS_HEAD_DIMS:
+                                continue
+                            v = sm90_variant(elem, d, window, cap, s_q, varlen, bias)
                             found[v.name] = v
     return list(found.values())
 

@@ -26,7 +26,9 @@
 // scale with softcap), tensors whose strides TMA accepts (16-byte multiples), and (VARLEN) packed
 // variable-length sequences: each work tile reads its sequence's rows and lengths from
 // cu_seqlens; rows of the next sequence that a tile's TMA box takes in are masked (keys) or not
-// stored (queries).
+// stored (queries); and (BIAS) an additive bias broadcast to [b, h, s_q, s_k] with a unit key
+// stride, even s_k and even strides (pairs of columns per load), prefetched into L2 while
+// S = Q Kᵀ runs and loaded after it (holding it in registers across the product spills).
 #include "common.cuh"
 #include "sm90.cuh"
 #include "wgmma.cuh"
@@ -130,7 +132,9 @@ __device__ __forceinline__ float* lse_rows(const Params& p, const WorkTile& wt) 
 // (p.sched == null) block i takes tiles i, i + gridDim.x, ... The K/V ring and the barrier phases
 // run on across tiles, so the producer loads the next tile's Q and first K/V tiles while the
 // consumers finish the current one.
-template <typename E, int D, int BN, int STAGES, int NC, int QBUF, bool WINDOW, bool SOFTCAP, bool VARLEN>
+// BIAS: 0 none, 1 bias elements in E's storage, 2 float32 bias elements.
+template <typename E, int D, int BN, int STAGES, int NC, int QBUF, bool WINDOW, bool SOFTCAP, bool VARLEN,
+          int BIAS>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 flash_fwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90;
@@ -140,6 +144,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     static_assert(Elem<E>::is16, "the Hopper path takes float16 / bfloat16");
     static_assert(D % PANEL_COLS == 0 && D <= 256 && BN % 16 == 0 && BN <= 256 && BM <= 256, "tile shape");
     static_assert(QBUF == 1 || QBUF == 2, "one or two Q buffers");
+    static_assert(BIAS == 0 || (QBUF == 1 && !VARLEN), "bias: one Q buffer, dense batches");
     constexpr int NS = BN / 2;       // S accumulator registers per lane: [64, BN] over 128 lanes
     constexpr int NO = D / 2;        // O accumulator registers per lane: [64, D]
 
@@ -254,13 +259,14 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     const int next_turn = TURN_BAR + (cw + 1) % NC;        // the consumer whose turn follows ours
     const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8
     const int col_in_8 = 2 * (t % 4);                      // accumulator columns col_in_8, +1 (of 8)
-    const float sl2 = SOFTCAP ? 1.f : p.scale_log2;       // score -> base-2 exponent factor
+    // score -> base-2 exponent factor (softcap and bias variants keep scores in base-2 units)
+    const float sl2 = SOFTCAP || BIAS ? 1.f : p.scale_log2;
 
     int kv_it = 0;             // K/V ring position of the current key tile (runs on across tiles)
     int tile_i = 0;            // work tiles taken so far: Q buffer tile_i % QBUF, its phase
     WorkTile wt;               // the current work tile
     float o_acc[NO];           // O [64, D] of this warpgroup, fp32
-    float m_run[2] = {-CF_INF, -CF_INF};   // running row max (raw scores; base-2 with softcap)
+    float m_run[2] = {-CF_INF, -CF_INF};   // running row max (raw scores; base-2: softcap, bias)
     float l_run[2] = {0.f, 0.f};           // running denominators (this lane's columns only)
     float alpha[2];            // O rescale factors of the current key tile
     float s_acc[NS];           // S [64, BN] of the current key tile, then P in place
@@ -329,6 +335,28 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         if (t == 0) mbar_arrive(v_empty + 8 * (kv % STAGES));
     };
 
+    // Bias row r (clamped to the sequence) of the work tile's (batch, head): [s_k] elements, unit
+    // key stride (broadcast dimensions have stride 0)
+    auto bias_row = [&](int r) -> const char* {
+        const i64 e = (i64)wt.batch * p.bias_stride_b + (i64)wt.head * p.bias_stride_h +
+                      (i64)min(r, wt.s_q - 1) * p.bias_stride_q;
+        return (const char*)p.bias + e * (BIAS == 2 ? 4 : 2);
+    };
+    // The bias of this lane's rows over key tile n0 into L2 while S = Q Kᵀ runs (each lane of
+    // the row's quad takes every fourth 128-byte line); softmax_scores loads it
+    auto fetch_bias = [&](int n0) {
+        constexpr int LINE = 128 / (BIAS == 2 ? 4 : 2);   // bias elements per 128-byte line
+        const int row0 = wt.m0 + cw * WG_ROWS + row_in_wg;
+        const char* rows[2] = {bias_row(row0), bias_row(row0 + 8)};
+#pragma unroll
+        for (int c = (t % 4) * LINE; c < BN; c += 4 * LINE) {
+            if (n0 + c < wt.s_k) {
+                asm volatile("prefetch.global.L2 [%0];" :: "l"(rows[0] + (i64)(n0 + c) * (BIAS == 2 ? 4 : 2)));
+                asm volatile("prefetch.global.L2 [%0];" :: "l"(rows[1] + (i64)(n0 + c) * (BIAS == 2 ? 4 : 2)));
+            }
+        }
+    };
+
     // Online softmax on the scores of one key tile (keys n0 ..), in place in s_acc: softcap,
     // masks, running max m, P = exp2(s·scale·log2e − shift), denominator l, and the factors
     // alpha that rescale O (applied by pack_p, once the previous O += P V has completed).
@@ -338,6 +366,31 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         if (SOFTCAP) {
 #pragma unroll
             for (int i = 0; i < NS; ++i) s_acc[i] = p.softcap_post * tanh_fast(s_acc[i] * p.softcap_pre);
+        }
+        // ---- s += bias, base-2 units: (scale·qk or the softcapped score)·log2 e + bias·log2 e
+        //      (columns j, j + 1 in one load: s_k is even, pairs aligned)
+        if constexpr (BIAS != 0) {
+            const char* rows[2] = {bias_row(row0), bias_row(row0 + 8)};
+#pragma unroll
+            for (int i = 0; i < NS; i += 2) {
+                const int j = n0 + (i / 4) * 8 + col_in_8;
+                float b0 = 0.f, b1 = 0.f;
+                if (j < wt.s_k) {
+                    if constexpr (BIAS == 1) {
+                        const u32 pair = *(const u32*)(rows[(i % 4) / 2] + (i64)j * 2);
+                        b0 = to_float<E>((S)(pair & 0xffffu));
+                        b1 = to_float<E>((S)(pair >> 16));
+                    } else {
+                        const float2 bv = *(const float2*)(rows[(i % 4) / 2] + (i64)j * 4);
+                        b0 = bv.x;
+                        b1 = bv.y;
+                    }
+                }
+                const float q0 = SOFTCAP ? s_acc[i] : s_acc[i] * p.scale_log2;
+                const float q1 = SOFTCAP ? s_acc[i + 1] : s_acc[i + 1] * p.scale_log2;
+                s_acc[i] = q0 + b0 * CF_LOG2E;
+                s_acc[i + 1] = q1 + b1 * CF_LOG2E;
+            }
         }
         // ---- masks (only tiles that cross the ragged end or a band edge): key j kept when
         //      j < s_k and diag(i) - left <= j <= diag(i) + right
@@ -432,6 +485,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         named_bar_sync(TURN_BAR + cw, 256);    // our turn on the tensor cores
         issue_s(kv_it, tile_i);
         named_bar_arrive(next_turn, 256);      // the next consumer may issue its GEMMs
+        if constexpr (BIAS != 0) fetch_bias(key0(0));
         wgmma_wait<0>();
         s_done(kv_it, tile_i, wt.n_tiles == 1);
         start_tile();
@@ -467,6 +521,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                 issue_s(kv_it + 1, tile_i);
                 issue_pv(kv_it);
                 named_bar_arrive(next_turn, 256);        // the next consumer may issue its GEMMs
+                if constexpr (BIAS != 0) fetch_bias(key0(it + 1));
                 wgmma_wait<1>();                         // S done (O += P V may still run)
                 s_done(kv_it + 1, tile_i, it + 1 == last);
                 softmax_scores(key0(it + 1));

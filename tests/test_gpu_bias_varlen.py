@@ -29,6 +29,16 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 import cupyflash as cf  # noqa: E402
 from cupyflash import _checks, reference  # noqa: E402
 
+
+def _cc():
+    try:
+        return int(cp.cuda.Device().compute_capability)
+    except Exception:  # noqa: BLE001  (no usable device: the gpu marker skips anyway)
+        return 0
+
+
+hopper = pytest.mark.skipif(_cc() != 90, reason="the Hopper kernel needs compute capability 9.0")
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32)}
 FLOOR = {"float16": 1e-4, "bfloat16": 1e-3}
@@ -59,11 +69,16 @@ def bias_shape(kind, b, h, sq, sk):
 
 
 def make_bias(rng, shape, dtype, layout="contig"):
-    """(NumPy values, CuPy array) of a bias; layout "keys_strided": keys not contiguous."""
+    """(NumPy values, CuPy array) of a bias; layout "keys_strided": keys not contiguous;
+    "row_padded": contiguous keys, rows 2 elements longer than s_k (a view)."""
     vals = (rng.standard_normal(shape) * 2).astype(dtype)
     if layout == "keys_strided" and len(shape) >= 2:
         buf = cp.asarray(np.ascontiguousarray(np.swapaxes(vals, -1, -2)))   # [..., sk, sq] storage
         return vals, cp.swapaxes(buf, -1, -2)
+    if layout == "row_padded":
+        buf = cp.full(shape[:-1] + (shape[-1] + 2,), cp.nan, cp.float32).astype(dtype)
+        buf[..., :shape[-1]] = cp.asarray(vals)
+        return vals, buf[..., :shape[-1]]
     return vals, cp.asarray(vals)
 
 
@@ -204,7 +219,7 @@ def check_grad(dtype_name, w, got, ref, naive=None):
 # ----------------------------------------------------------------------------------------------
 def run_dense(rng, dtype_name, b, sq, sk, h, hk, d, *, bias=None, bias_dtype=None,
               bias_layout="contig", mask=None, causal=False, window=None, softcap=0.0,
-              alibi=False, backward=True, deterministic=False, repeats=1):
+              alibi=False, backward=True, deterministic=False, repeats=1, kernel="portable"):
     from cupyflash import _gpu, _gpu_bwd
     dtype = DTYPES[dtype_name]
     bias_dtype = dtype if bias_dtype is None else np.dtype(bias_dtype)
@@ -225,9 +240,9 @@ def run_dense(rng, dtype_name, b, sq, sk, h, hk, d, *, bias=None, bias_dtype=Non
                                 deterministic=deterministic)
     out = _nan_like((b, sq, h, d), dtype)
     lse = cp.full((b, h, sq), cp.nan, cp.float32)
-    name = _gpu.forward(q, k, v, out, lse, opts)
+    name = _gpu.forward(q, k, v, out, lse, opts, kernel=kernel)
     cp.cuda.get_current_stream().synchronize()
-    assert name.endswith("_gen"), name
+    assert name.endswith("_gen") if kernel == "portable" else "_bias" in name, name
 
     scale = 1.0 / math.sqrt(d)
     kw = dict(scale=scale, causal=causal, window=window, softcap=softcap or None,
@@ -316,6 +331,48 @@ def test_bias_mask_with_options(rng, dtype, opt):
 def test_bias_awkward_lengths(rng, sq, sk):
     run_dense(rng, "bfloat16", 1, sq, sk, 2, 2, 32, bias="bhqk", mask="rand2d" if sq > 1 else None,
               causal=sq > sk)
+
+
+@hopper
+@pytest.mark.parametrize("kind", ["bhqk", "1hqk", "b11k", "b1qk", "qk", "k"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_bias_hopper(rng, dtype, d, kind):
+    """The Hopper kernel's BIAS variant (forced) on each broadcast pattern with a unit key
+    stride; the (portable) backward runs on its out / lse."""
+    name = run_dense(rng, dtype, 2, 257, 200, 4, 2, d, bias=kind, kernel="sm90")
+    assert name.startswith("fwd90_") and name.endswith("_bias"), name
+
+
+@hopper
+@pytest.mark.parametrize("opt", ["causal", "window", "softcap", "mqa", "f32_bias", "f16_bias",
+                                 "strided", "seqlens"])
+def test_bias_hopper_options(rng, opt):
+    kw = {"causal": dict(causal=True), "window": dict(window=(50, 9)),
+          "softcap": dict(softcap=6.0, causal=True), "f32_bias": dict(bias_dtype="float32"),
+          "f16_bias": dict(bias_dtype="float16"), "strided": dict(bias_layout="row_padded")}.get(opt, {})
+    b, sq, sk, h, hk = 2, 257, 200, 4, 2
+    if opt == "mqa":
+        h, hk = 6, 1
+    if opt == "seqlens":
+        sq, sk = 1, 130
+    name = run_dense(rng, "bfloat16", b, sq, sk, h, hk, 128, bias="bhqk", kernel="sm90", **kw)
+    assert name.startswith("fwd90_") and ("_bias32" if opt in ("f32_bias", "f16_bias") else "_bias") in name
+
+
+@hopper
+def test_bias_hopper_falls_back_where_it_cannot(rng):
+    """Odd s_k (no column pairs) and a mask run the portable kernel under kernel="auto", and
+    kernel="sm90" says why it cannot."""
+    from cupyflash import _gpu
+    q, k, v = (cp.asarray(_draw(rng, (1, 64, 2, 64), BF16)) for _ in range(3))
+    k, v = k[:, :63], v[:, :63]
+    bias = cp.asarray(_draw(rng, (1, 2, 64, 63), BF16))
+    opts = _checks.make_options(_checks.check_qkv(q, k, v), cp, bias=bias)
+    out, lse = cp.empty_like(q), cp.empty((1, 2, 64), cp.float32)
+    assert _gpu.forward(q, k, v, out, lse, opts).endswith("_gen")
+    with pytest.raises(ValueError, match="bias layout"):
+        _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")
 
 
 @pytest.mark.parametrize("kind", ["1hqk", "b11k", "qk", "bhqk"])
@@ -462,17 +519,10 @@ def test_varlen_options(rng, dtype, opt):
         run_varlen(rng, dtype, lens_q, lens_k, 4, 2, 59, **kw)
 
 
-def _cc():
-    try:
-        return int(cp.cuda.Device().compute_capability)
-    except Exception:  # noqa: BLE001  (no usable device: the gpu marker skips anyway)
-        return 0
-
-
 HOPPER_LENS = ((5, 1, 0, 300, 64, 129, 3, 700), (7, 65, 3, 257, 0, 300, 3, 650))
 
 
-@pytest.mark.skipif(_cc() != 90, reason="the Hopper kernel needs compute capability 9.0")
+@hopper
 @pytest.mark.parametrize("opt", ["plain", "causal", "left_window", "window", "softcap", "mqa"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_varlen_hopper(rng, d, opt):
@@ -488,7 +538,7 @@ def test_varlen_hopper(rng, d, opt):
     assert name.startswith("fwd90_") and name.endswith("_varlen"), name
 
 
-@pytest.mark.skipif(_cc() != 90, reason="the Hopper kernel needs compute capability 9.0")
+@hopper
 def test_varlen_hopper_float16_gqa(rng):
     name = run_varlen(rng, "float16", *LENS["mixed"], 6, 3, 128, causal=True, kernel="sm90")
     assert name.startswith("fwd90_"), name

@@ -29,8 +29,10 @@ def _contig(shape):
 def test_variants_fit_and_are_distinct():
     vs = _plan.sm90_variants()
     # dtypes x head dims x window x softcap x varlen, plus hd 64's dense two-consumer
-    # short-window variant
-    assert len(vs) == 2 * 3 * 2 * 2 * 2 + 2
+    # short-window variant, plus the bias variants (16-bit / float32 bias, hd 64 and 128)
+    assert len(vs) == 2 * 3 * 2 * 2 * 2 + 2 + 2 * len(_plan.SM90_BIAS_HEAD_DIMS) * 2 * 2 * 2
+    assert {v.d for v in vs if v.bias} == set(_plan.SM90_BIAS_HEAD_DIMS)
+    assert all(v.nc == 2 and not v.varlen for v in vs if v.bias)
     assert len({v.name for v in vs}) == len(vs) == len({v.name_expression for v in vs})
     for v in vs:
         assert v.smem_bytes <= H200_SMEM, v
@@ -199,7 +201,7 @@ def test_varlen_plan(d, window, softcap):
                                         softcap=20.0 if softcap else 0.0, num_sms=132)
     v, prm = pl.variant, pl.params
     assert v.varlen and v.window == window and v.softcap == softcap and v in _plan.sm90_variants()
-    assert v.nc == 2 and "_varlen" in v.name and v.name_expression.endswith(", true>")
+    assert v.nc == 2 and "_varlen" in v.name and v.name_expression.endswith(", true, 0>")
     assert (int(prm["b"]), int(prm["s_q"]), int(prm["s_k"])) == (5, 3000, 2800)
     assert int(prm["num_m_blocks"]) == -(-1100 // v.bm) and int(prm["diag_offset"]) == 0
     assert int(prm["varlen_bottom_right"]) == 1 and int(prm["h_per_hk"]) == 4
