@@ -301,8 +301,8 @@ def flops(b: int, h: int, s_q: int, s_k: int, d: int, d_v: int, causal: bool = F
 # Compilation (one RawModule per main variant, holding the two helper kernels of its dtype)
 # ------------------------------------------------------------------------------------------
 def program(variants):
-    """(source, options, name expressions) compiling ``variants`` (BwdVariant, or the Hopper
-    Sm90BwdVariant whose bwd_sm90.cu includes bwd.cu) and their helper kernels."""
+    """(source, options, name expressions) compiling ``variants`` (BwdVariant) and their helper
+    kernels (the Hopper variants have their own: _gpu_bwd_sm90.program)."""
     from . import _modules
     src, opts, names = _modules.program(variants, file=getattr(variants[0], "file", "bwd.cu"))
     helpers = []
@@ -317,7 +317,7 @@ _functions = {}   # (device id, variant) -> (main, pre, dq) RawKernels
 
 
 def get_functions(variant, device_id: int):
-    """(main, pre, dq) kernels of a BwdVariant or Sm90BwdVariant on ``device_id`` (lazy)."""
+    """(main, pre, dq) kernels of a BwdVariant on ``device_id`` (lazy)."""
     key = (device_id, variant)
     fns = _functions.get(key)
     if fns is None:
@@ -426,7 +426,7 @@ def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
     return plan.variant.name
 
 
-def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, forced):
+def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, forced):
     """``hopper(prm)`` for _fill_and_launch when the Hopper main kernel covers the call (None
     otherwise); ``forced`` (kernel="sm90") turns every refusal into a ValueError."""
     from . import _gpu
@@ -443,10 +443,10 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, forced):
         if forced:
             raise ValueError(f"kernel='sm90': the Hopper backward cannot run this call: {why}")
         return None
-    variant = h90.Sm90BwdVariant(plan.variant.elem, q.shape[3], plan.variant.window)
+    variant = h90.variant_for(plan.variant.elem, q.shape[3], plan.variant.window)
 
     def hopper(prm):
-        ran = h90.launch(variant, prm, plan.pre_grid, plan.dq_grid, q, k, v, dout, dev_id)
+        ran = h90.launch(variant, prm, plan.pre_grid, q, k, v, dout, dev_id, num_sms)
         if ran is None and forced:
             raise ValueError("kernel='sm90': a base address is not 16-byte aligned")
         return ran
@@ -496,7 +496,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
         has_mask=opts.mask is not None)
     hopper = None
     if (kernel is None or kernel == "sm90") and not plan.variant.general:
-        hopper = _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem,
+        hopper = _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms,
                                   forced=kernel == "sm90")
     extra = None
     dplan = accum = None

@@ -1,17 +1,21 @@
 """Hopper (sm_90a) backward main kernel: coverage, variants, compilation and launch.
 
-``flash_bwd_sm90<E, D, WINDOW, DQ_BULK>`` in kernels_cu/bwd_sm90.cu replaces the portable main
-kernel (flash_bwd in bwd.cu) on compute capability 9.0 wherever it covers the call; the helper
-kernel before it (D = rowsum(dO ∘ O) with the zeroed dQ accumulator) is the portable one, the
-dQ conversion after it is flash_bwd_dq_sm90; all three are compiled into the same module. Coverage (``unsupported`` says why not):
+``flash_bwd_sm90<E, D, WINDOW, DQ_BULK, KVBUF>`` in kernels_cu/bwd_sm90.cu replaces the portable
+main kernel (flash_bwd in bwd.cu) on compute capability 9.0 wherever it covers the call; the helper
+kernels before it (``flash_bwd_pre_sm90``: D = rowsum(dO ∘ O) with the zeroed dQ accumulator; bwd.cu's
+``flash_bwd_pre`` when O's rows are not 16-byte aligned) and after it (``flash_bwd_dq_sm90``: the dQ
+conversion) are compiled into the same module. Coverage (``unsupported`` says why not):
 float16 / bfloat16, d = d_v in {64, 128}, no softcap / ALiBi, scale > 0, atomic (not
 deterministic) dQ, strides TMA accepts (16-byte multiples) for q, k, v and dout.
 
-One block per (key tile of 128 keys, kv head, batch): a producer warpgroup loads K, V once and
-the Q / dO tiles of 64 query rows per step through TMA; two consumer warpgroups of 64 keys each
-keep dK, dV in registers; each step's dQ tile goes through shared memory into the float32
-accumulator (one cp.reduce.async.bulk .add.f32 by a producer warp). The accumulator's rows are
-chunk-swizzled (bwd_sm90.cu: dq_swizzle), so the dQ conversion is flash_bwd_dq_sm90.
+Persistent grid (at most one block per SM) over work tiles (key tile of 128 keys, kv head, batch),
+drawn from the per-stream counter the forward uses (``_gpu._sched_counter``): a producer warpgroup
+loads each tile's K, V (KVBUF buffers: 2 at d = 64, 1 at d = 128, where two do not fit) and the
+Q / dO tiles of 64 query rows per step through TMA, the next tile's while the consumers finish the
+current one; two consumer warpgroups of 64 keys each keep dK, dV in registers; each step's dQ tile
+goes through shared memory into the float32 accumulator (one cp.reduce.async.bulk .add.f32 by a
+producer warp). The accumulator's rows are chunk-swizzled (bwd_sm90.cu: dq_swizzle), so the dQ
+conversion is flash_bwd_dq_sm90.
 """
 from __future__ import annotations
 
@@ -24,6 +28,12 @@ BM = 64              # query rows per step
 THREADS = 384
 HEAD_DIMS = (64, 128)
 NBUF = 2             # Q / dO ring depth
+TILE_RING = 2        # work-tile indices in flight
+
+
+def kv_buffers(d: int) -> int:
+    """K / V buffers (KVBUF): two where they fit in shared memory (d = 64), else one."""
+    return 2 if d == 64 else 1
 
 
 class Sm90BwdVariant(NamedTuple):
@@ -33,6 +43,7 @@ class Sm90BwdVariant(NamedTuple):
     d: int
     window: bool
     dq_bulk: bool = True   # dQ tile via shared memory + one bulk reduce-add (else red.global)
+    kvbuf: int = 1         # K / V buffers: 2 loads the next work tile's K, V during this one's steps
 
     file = "bwd_sm90.cu"
     arch_options = ("-arch=sm_90a",)
@@ -43,37 +54,53 @@ class Sm90BwdVariant(NamedTuple):
     @property
     def name_expression(self) -> str:
         tf = {True: "true", False: "false"}
-        return f"flash_bwd_sm90<{self.elem}, {self.d}, {tf[self.window]}, {tf[self.dq_bulk]}>"
+        return (f"flash_bwd_sm90<{self.elem}, {self.d}, {tf[self.window]}, {tf[self.dq_bulk]}, "
+                f"{self.kvbuf}>")
 
     @property
     def pre_expression(self) -> str:
+        return f"flash_bwd_pre_sm90<{self.elem}, {self.d}>"
+
+    @property
+    def pre_portable_expression(self) -> str:   # O's rows not 16-byte aligned
         return f"flash_bwd_pre<{self.elem}>"
 
     @property
     def dq_expression(self) -> str:
-        return f"flash_bwd_dq_sm90<{self.elem}>"
+        return f"flash_bwd_dq_sm90<{self.elem}, {self.d}>"
+
+    @property
+    def helper_expressions(self):
+        return (self.pre_expression, self.pre_portable_expression, self.dq_expression)
 
     @property
     def name(self) -> str:
         return (f"bwd90_{self.elem[:-2]}_d{self.d}_{BM}x{BN}" + ("_window" if self.window else "")
-                + ("" if self.dq_bulk else "_red"))
+                + ("" if self.dq_bulk else "_red") + (f"_kv{self.kvbuf}" if self.kvbuf != 1 else ""))
 
     @property
     def smem_bytes(self) -> int:
-        return smem_bytes(self.d)
+        return smem_bytes(self.d, self.kvbuf)
 
 
-def smem_bytes(d: int) -> int:
-    """Mirrors sm90b::Layout in bwd_sm90.cu: K, V [128, d]; NBUF x (Q, dO [64, d]); two dSᵀ
-    [128, 64] buffers (16-bit); the dQ tile [64, d] float32; NBUF x
-    (lse, D [64] floats); the mbarriers; 1024 bytes of slack to align the swizzled panels."""
-    return (2 * BN * d * 2 + 2 * NBUF * BM * d * 2 + 2 * BN * BM * 2 + BM * d * 4
-            + NBUF * 2 * BM * 4 + 8 * (3 + 2 * NBUF) + 1024)
+def smem_bytes(d: int, kvbuf: int = None) -> int:
+    """Mirrors sm90b::Layout in bwd_sm90.cu: KVBUF x K, V [128, d]; NBUF x (Q, dO [64, d]); two
+    dSᵀ [128, 64] buffers (16-bit); the dQ tile [64, d] float32; NBUF x (lse, D [64] floats);
+    the work-tile ring and dQ job (16 + 16 bytes); the mbarriers; 1024 bytes of slack to align
+    the swizzled panels. ``kvbuf`` defaults to kv_buffers(d)."""
+    kvbuf = kv_buffers(d) if kvbuf is None else kvbuf
+    return (2 * kvbuf * BN * d * 2 + 2 * NBUF * BM * d * 2 + 2 * BN * BM * 2 + BM * d * 4
+            + NBUF * 2 * BM * 4 + 16 + 16 + 8 * (2 * kvbuf + 2 * NBUF + 2 + 2 * TILE_RING) + 1024)
+
+
+def variant_for(elem: str, d: int, window: bool) -> "Sm90BwdVariant":
+    """The variant the launcher runs for this element type, head dim and mask kind."""
+    return Sm90BwdVariant(elem, d, window, True, kv_buffers(d))
 
 
 def variants():
     """Every Sm90BwdVariant (compiled by the harness for sm_90a)."""
-    return [Sm90BwdVariant(e, d, w) for e in ("f16_t", "bf16_t") for d in HEAD_DIMS
+    return [variant_for(e, d, w) for e in ("f16_t", "bf16_t") for d in HEAD_DIMS
             for w in (False, True)]
 
 
@@ -94,35 +121,67 @@ def unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: flo
 
 
 def program(variants_):
-    """(source, options, name expressions) of ``variants_`` and their helper kernels: the same
-    builder as the portable backward's (bwd_sm90.cu includes bwd.cu)."""
-    from . import _gpu_bwd
-    return _gpu_bwd.program(variants_)
+    """(source, options, name expressions) of ``variants_`` and their helper kernels."""
+    from . import _modules
+    src, opts, names = _modules.program(variants_, file="bwd_sm90.cu")
+    for v in variants_:
+        for n in v.helper_expressions:
+            if n not in names:
+                names.append(n)
+    return src, opts, names
 
 
-def launch(variant: Sm90BwdVariant, prm, pre_grid, dq_grid, q, k, v, dout, dev_id) -> Optional[str]:
+_functions = {}   # (device id, variant) -> (main, pre, pre_portable, dq) RawKernels
+
+
+def get_functions(variant: Sm90BwdVariant, device_id: int):
+    """(main, pre, pre_portable, dq) kernels of ``variant`` on ``device_id`` (lazy)."""
+    key = (device_id, variant)
+    fns = _functions.get(key)
+    if fns is None:
+        import cupy
+        src, opts, names = program([variant])
+        mod = cupy.RawModule(code=src, options=opts, name_expressions=names)
+        main = mod.get_function(variant.name_expression)
+        main.max_dynamic_shared_size_bytes = variant.smem_bytes
+        fns = _functions[key] = (main,) + tuple(mod.get_function(n) for n in variant.helper_expressions)
+    return fns
+
+
+def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
+           num_sms: int) -> Optional[str]:
     """Run pre, the Hopper main kernel and the dQ conversion with the Params record ``prm``
-    (pointers, strides, sizes filled by _gpu_bwd.backward). Returns None, launching nothing,
+    (pointers, strides, sizes filled by _gpu_bwd.backward; ``pre_grid``: the portable
+    flash_bwd_pre's, for O rows that are not 16-byte aligned). Returns None, launching nothing,
     when a base address is not 16-byte aligned (the caller runs the portable kernels)."""
     from . import _gpu, _tma
 
     ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr)
     if any(p_ % _plan.TMA_ALIGN for p_ in ptrs) or int(prm["dk"]) % 4 or int(prm["dv"]) % 4:
         return None
+    b, s_q, h, _ = q.shape
+    s_k, h_k = k.shape[1], k.shape[2]
+    if h > 65535:   # the helper kernels' grid.y
+        return None
     dtype_name = _gpu._DTYPE_NAMES[q.dtype]
     for field, a, rows in (("tma_q", q, BM), ("tma_k", k, BN), ("tma_v", v, BN),
                            ("tma_do", dout, BM)):
         dims, byte_strides, box = _plan.tma_tensor(a.shape, _gpu._elem_strides(a, field), 2, rows)
         prm[field] = _tma.encode(dtype_name, a.data.ptr, dims, byte_strides, box)
-    from . import _gpu_bwd
-    main, pre, conv = _gpu_bwd.get_functions(variant, dev_id)
-    b, _, h, _ = q.shape
-    s_k, h_k = k.shape[1], k.shape[2]
+    prm["sched"] = _gpu._sched_counter(dev_id, _gpu._current_stream().ptr)
+    main, pre, pre_portable, conv = get_functions(variant, dev_id)
     rec = prm.reshape(1)[0]
-    pre(pre_grid, (256, 1, 1), (rec,))
-    main((-(-s_k // BN), h_k, b), (THREADS, 1, 1), (rec,), shared_mem=variant.smem_bytes)
-    conv(dq_grid, (256, 1, 1), (rec,))
+    o_rows_aligned = (int(prm["o"]) % 16 == 0
+                      and all(int(prm[f"o_stride_{a}"]) % 8 == 0 for a in "bsh"))
+    if o_rows_aligned:
+        pre((-(-s_q // (256 // (variant.d // 8))), h, b), (256, 1, 1), (rec,))
+    else:
+        pre_portable(pre_grid, (256, 1, 1), (rec,))
+    num_work = -(-s_k // BN) * h_k * b
+    main((min(num_sms, num_work), 1, 1), (THREADS, 1, 1), (rec,), shared_mem=variant.smem_bytes)
+    conv((-(-s_q // (256 // (variant.d // 4))), h, b), (256, 1, 1), (rec,))
     return variant.name
 
 
-__all__ = ["Sm90BwdVariant", "variants", "unsupported", "smem_bytes", "program", "launch"]
+__all__ = ["Sm90BwdVariant", "variants", "variant_for", "kv_buffers", "unsupported",
+           "smem_bytes", "program", "get_functions", "launch"]

@@ -1,22 +1,32 @@
 // cupyflash: Hopper (sm_90a) attention backward, main kernel: dK, dV (and dQ through a float32
-// accumulator) with TMA loads and wgmma products. The helper kernel before it, flash_bwd_pre
-// (D = rowsum(dO ∘ O), zeroed dQ accumulator), comes from bwd.cu, included here so one module
-// holds all three; the one after it, flash_bwd_dq_sm90 (dq = dtype(accumulator)), is at the end.
+// accumulator) with TMA loads and wgmma products. The helper kernels before it (flash_bwd_pre_sm90:
+// D = rowsum(dO ∘ O) and the zeroed dQ accumulator; flash_bwd_pre from bwd.cu when O's rows are
+// not 16-byte aligned) and after it (flash_bwd_dq_sm90: dq = dtype(accumulator)) are in this
+// module too.
 //
-// One block per (key tile of BN = 128 keys, kv head, batch); 384 threads = three warpgroups:
-//   warpgroup 0, producer: one thread loads the block's K and V tiles once, then the Q and dO
-//     tiles [BM = 64 query rows, D] of every step into a two-deep ring (TMA, mbarriers); a second
-//     warp stages the step's lse·log2 e and D rows into the same ring slot; a third adds each
-//     step's dQ tile from shared memory into the float32 accumulator (bulk reduce-add, async);
-//   warpgroups 1 and 2, consumers: 64 keys each, dK and dV [64, D] in registers over all steps.
-// Steps: every query head of the kv head's group x every query tile that can see the key tile.
+// Persistent grid: at most one block per SM; the blocks draw work tiles (key tile of BN = 128
+// keys, kv head, batch) from a per-stream global counter (p.sched, shared with the forward: the
+// last block to finish zeroes it), key tiles fastest, so blocks running together share a head's
+// Q / dO in L2 and the causal key tiles with the most query steps come first in each head.
+// 384 threads = three warpgroups:
+//   warpgroup 0, producer: one thread draws the work tiles (handed to the others through a
+//     two-deep ring of tile indices in shared memory), loads each tile's K and V (KVBUF buffers)
+//     and the Q and dO tiles [BM = 64 query rows, D] of every step into a two-deep ring (TMA,
+//     mbarriers); a second warp stages the step's lse·log2 e and D rows into the same ring slot;
+//     a third adds each step's dQ tile from shared memory into the float32 accumulator (bulk
+//     reduce-add, async); the consumers tell it where.
+//   warpgroups 1 and 2, consumers: 64 keys each, dK and dV [64, D] in registers over a tile's steps.
+// The rings run on across work tiles: the next tile's K / V (KVBUF = 2: during the current tile's
+// last steps; KVBUF = 1: as soon as the consumers' last dQ product has read K) and its first Q / dO
+// tiles load while the consumers finish the current tile and store its dK, dV.
+// Steps of a tile: every query head of the kv head's group x every query tile that can see it.
 // Per step, each consumer computes (transposed, so its 64 keys are the M dimension of wgmma):
 //   Sᵀ  = K Qᵀ             [64 keys, BM]  (wgmma, both operands in shared memory)
 //   dPᵀ = V dOᵀ            [64 keys, BM]
 //   Pᵀ  = exp2(Sᵀ·scale·log2 e − lse·log2 e)      (P recomputed from lse, never stored)
 //   dSᵀ = Pᵀ ∘ (dPᵀ − D) · scale
 //   dV += Pᵀ dO,  dK += dSᵀ Q                     (Pᵀ, dSᵀ straight from registers)
-//   dSᵀ -> shared memory; then dQ[BM, 64-column slice] = dS K over all 128 keys of the block
+//   dSᵀ -> shared memory; then dQ[BM, 64-column slice] = dS K over all 128 keys of the tile
 //   (both operands MN-major in shared memory), added to the float32 accumulator:
 //     DQ_BULK: stored to dq_smem, which the producer's reduce warp adds with one
 //       cp.reduce.async.bulk .add.f32 per step (the tile's rows are contiguous in the accumulator);
@@ -24,7 +34,7 @@
 //   The accumulator rows are chunk-swizzled like dq_smem (16-byte chunk index XOR row mod 8, so
 //   the fragment stores hit every bank); flash_bwd_dq_sm90 undoes that when converting.
 // Sᵀ and dPᵀ are separate wgmma groups: Pᵀ = exp2(..) runs while dPᵀ is still in the tensor
-// cores. The consumers never touch global memory inside the loop.
+// cores. The consumers never load from global memory.
 // Covered (the launcher routes the rest to bwd.cu): float16 / bfloat16, d = d_v in {64, 128},
 // causal / window (either alignment), GQA / MQA, any s_q, s_k, scale > 0, no softcap / ALiBi,
 // atomic (non-deterministic) dQ, TMA-compatible strides.
@@ -44,27 +54,35 @@ constexpr int ROWS_WARP = 1;         // producer warp staging lse·log2 e and D
 constexpr int DQ_WARP = 2;           // producer warp adding dq_smem into the accumulator
 constexpr int PANEL_COLS = 64;       // 64 16-bit columns = one 128-byte swizzle row
 constexpr int NBUF = 2;              // Q / dO ring depth
+constexpr int TILE_RING = 2;         // work-tile indices in flight (tile_smem ring)
+// Arrivals that free a tile_smem slot: each consumer warp (4 + 4) and the ROWS_WARP
+constexpr int TILE_READERS = 2 * 4 + 1;
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
 // cupyflash/_gpu_bwd_sm90.py: smem_bytes.
-template <int D>
+template <int D, int KVBUF>
 struct Layout {
     static constexpr int PANELS = D / PANEL_COLS;
     static constexpr int KV_PANEL = BN * 128;                // bytes of k_smem / v_smem [BN, 64]
+    static constexpr int KV_TILE = PANELS * KV_PANEL;
     static constexpr int Q_PANEL = BM * 128;                 // bytes of q_smem / do_smem [BM, 64]
     static constexpr int Q_TILE = PANELS * Q_PANEL;
     static constexpr int DS_TILE = BN * BM * 2;              // dsT_smem [BN keys, BM queries]
     static constexpr int DQ_PITCH = D * 4;                   // dq_smem row bytes (chunk-swizzled)
-    static constexpr int K = 0;                              // k_smem [PANELS][BN][64]
-    static constexpr int V = K + PANELS * KV_PANEL;          // v_smem [PANELS][BN][64]
-    static constexpr int Q = V + PANELS * KV_PANEL;          // q_smem [NBUF][PANELS][BM][64]
+    static constexpr int K = 0;                              // k_smem [KVBUF][PANELS][BN][64]
+    static constexpr int V = K + KVBUF * KV_TILE;            // v_smem [KVBUF][PANELS][BN][64]
+    static constexpr int Q = V + KVBUF * KV_TILE;            // q_smem [NBUF][PANELS][BM][64]
     static constexpr int DO = Q + NBUF * Q_TILE;             // do_smem [NBUF][PANELS][BM][64]
     static constexpr int DS = DO + NBUF * Q_TILE;            // dsT_smem [2][BN][BM]
     static constexpr int DQ = DS + 2 * DS_TILE;              // dq_smem [BM][D] float32 (DQ_BULK)
     static constexpr int ROWS = DQ + BM * DQ_PITCH;          // rows_smem [NBUF][lse·log2 e, D][BM]
-    static constexpr int BARS = ROWS + NBUF * 2 * BM * 4;    // kv_full, qdo_full[NBUF], qdo_empty[NBUF],
-                                                             // dq_full, dq_empty
-    static constexpr int BYTES = BARS + 8 * (3 + 2 * NBUF);
+    static constexpr int TILE = ROWS + NBUF * 2 * BM * 4;    // tile_smem [TILE_RING] int (16 bytes)
+    static constexpr int JOB = TILE + 16;                    // dq_job: accumulator address, bytes
+    static constexpr int BARS = JOB + 16;                    // kv_full[KVBUF], kv_empty[KVBUF],
+                                                             // qdo_full[NBUF], qdo_empty[NBUF],
+                                                             // dq_full, dq_empty,
+                                                             // tile_full[TILE_RING], tile_empty[TILE_RING]
+    static constexpr int BYTES = BARS + 8 * (2 * KVBUF + 2 * NBUF + 2 + 2 * TILE_RING);
 };
 
 // Query tiles a key tile [n0, n0 + n_rows) meets: rows i with i + off - left <= j <= i + off + right
@@ -79,6 +97,31 @@ __device__ __forceinline__ void query_tile_range(const Params& p, int n0, int* m
     }
     *m_first = i_lo / BM;
     *m_count = i_hi >= i_lo ? i_hi / BM - i_lo / BM + 1 : 0;
+}
+
+// Work tile w = n_block + num_n · (kv_head + h_k · batch): key tiles fastest
+struct WorkTile {
+    int n0, kv_head, batch;   // keys n0 .. n0 + BN of kv head kv_head in batch `batch`
+    int m_first, m_count;     // the query tiles that see them
+    int steps;                // m_count x the query heads of the group
+};
+template <bool WINDOW>
+__device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
+    const int num_n = (p.s_k + BN - 1) / BN;
+    WorkTile wt;
+    wt.n0 = (w % num_n) * BN;
+    wt.kv_head = (w / num_n) % p.h_k;
+    wt.batch = w / num_n / p.h_k;
+    query_tile_range<WINDOW>(p, wt.n0, &wt.m_first, &wt.m_count);
+    wt.steps = wt.m_count * p.h_per_hk;
+    return wt;
+}
+// query head and first query row of step st of a work tile
+__device__ __forceinline__ int step_head(const Params& p, const WorkTile& wt, int st) {
+    return wt.kv_head * p.h_per_hk + st / wt.m_count;
+}
+__device__ __forceinline__ int step_m0(const WorkTile& wt, int st) {
+    return (wt.m_first + st % wt.m_count) * BM;
 }
 
 // Float offset of element (row i, column c) in a chunk-swizzled float32 row of D columns:
@@ -112,13 +155,14 @@ __device__ __forceinline__ void red_add_v2(float* addr, float x, float y) {
 
 }  // namespace sm90b
 
-template <typename E, int D, bool WINDOW, bool DQ_BULK>
+template <typename E, int D, bool WINDOW, bool DQ_BULK, int KVBUF>
 __global__ void __launch_bounds__(sm90b::THREADS, 1)
 flash_bwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90b;
-    using L = Layout<D>;
+    using L = Layout<D, KVBUF>;
     typedef typename Elem<E>::storage S;
     static_assert(Elem<E>::is16 && (D == 64 || D == 128), "float16 / bfloat16, head dim 64 or 128");
+    static_assert(KVBUF == 1 || KVBUF == 2, "one or two K / V buffers");
     constexpr int NS = BM / 2;       // Sᵀ / dPᵀ accumulator registers per lane: [64, BM]
     constexpr int NKV = D / 2;       // dK / dV accumulator registers per lane: [64, D]
     constexpr int NQ = PANEL_COLS / 2;   // dQ slice accumulator registers per lane: [BM, 64]
@@ -133,27 +177,35 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     const u32 k_smem = smem + L::K, v_smem = smem + L::V, q_smem = smem + L::Q;
     const u32 do_smem = smem + L::DO, ds_smem = smem + L::DS, dq_smem = smem + L::DQ;
     float* rows_smem = (float*)(smem_gen + L::ROWS);    // [NBUF][2][BM]: lse·log2 e, D per stage
-    const u32 kv_full = smem + L::BARS;                 // K, V tiles landed
-    const u32 qdo_full = kv_full + 8;                   // [NBUF]: Q, dO, lse, D of the stage landed
+    volatile int* tile_smem = (volatile int*)(smem_gen + L::TILE);   // [TILE_RING] work tile, -1: none left
+    volatile u64* job_smem = (volatile u64*)(smem_gen + L::JOB);     // [2] dQ tile's accumulator
+                                                                     // address (0: stop), bytes
+    const u32 kv_full = smem + L::BARS;                 // [KVBUF]: K, V tiles of the buffer landed
+    const u32 kv_empty = kv_full + 8 * KVBUF;           // [KVBUF]: both consumers are done with them
+    const u32 qdo_full = kv_empty + 8 * KVBUF;          // [NBUF]: Q, dO, lse, D of the stage landed
     const u32 qdo_empty = qdo_full + 8 * NBUF;          // [NBUF]: both consumers are done with them
-    const u32 dq_full = qdo_empty + 8 * NBUF;           // dq_smem holds the step's dQ tile
+    const u32 dq_full = qdo_empty + 8 * NBUF;           // dq_smem and job_smem hold the step's dQ tile
     const u32 dq_empty = dq_full + 8;                   // dq_smem read out by the bulk reduce
-
-    const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
-    const int n0 = n_block * BN;
-    int m_first, m_count;
-    query_tile_range<WINDOW>(p, n0, &m_first, &m_count);
-    const int steps = m_count * p.h_per_hk;             // (query head of the group, query tile)
+    const u32 tile_full = dq_empty + 8;                 // [TILE_RING]: tile_smem slot written
+    const u32 tile_empty = tile_full + 8 * TILE_RING;   // [TILE_RING]: every reader has read the slot
+    const int num_work = ((p.s_k + BN - 1) / BN) * p.h_k * p.b;
 
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
     if (threadIdx.x == 0) {
-        mbar_init(kv_full, 1);
+        for (int b = 0; b < KVBUF; ++b) {
+            mbar_init(kv_full + 8 * b, 1);       // the TMA thread's expect_tx arrival (+ bytes)
+            mbar_init(kv_empty + 8 * b, 2);      // one arrival per consumer warpgroup
+        }
         for (int s = 0; s < NBUF; ++s) {
             mbar_init(qdo_full + 8 * s, 1 + 32);  // TMA thread (+ bytes) and the 32 lanes of ROWS_WARP
             mbar_init(qdo_empty + 8 * s, 2);     // one arrival per consumer warpgroup
         }
         mbar_init(dq_full, DQ_THREADS);          // every thread that stored a part of the dQ tile
         mbar_init(dq_empty, 1);                  // the DQ_WARP lane that issued the bulk reduce
+        for (int s = 0; s < TILE_RING; ++s) {
+            mbar_init(tile_full + 8 * s, 1);     // the scheduling thread
+            mbar_init(tile_empty + 8 * s, TILE_READERS);
+        }
         mbar_fence_init();
     }
     __syncthreads();   // barriers initialised before anyone waits on them
@@ -163,59 +215,104 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
         regs_release<PRODUCER_REGS>();
         const int warp = t / 32, lane = t % 32;
         if (t == 0) {
-            // K, V [BN, D] of this key tile, once
-            mbar_arrive_expect_tx(kv_full, 2 * BN * D * 2);
+            tma_prefetch_desc(&p.tma_q);
+            tma_prefetch_desc(&p.tma_k);
+            tma_prefetch_desc(&p.tma_v);
+            tma_prefetch_desc(&p.tma_do);
+            int kv_it = 0, q_it = 0;   // K/V tiles and Q/dO steps issued so far (ring positions)
+            for (int tile_i = 0;; ++tile_i) {   // tile_i: work tiles drawn so far
+                const int ts = tile_i % TILE_RING;
+                // every reader has taken the slot's previous index
+                if (tile_i >= TILE_RING) mbar_wait(tile_empty + 8 * ts, ((tile_i / TILE_RING) - 1) & 1);
+                const int w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + tile_i * gridDim.x;
+                tile_smem[ts] = w < num_work ? w : -1;
+                mbar_arrive(tile_full + 8 * ts);     // publishes tile_smem[ts] (release)
+                if (w >= num_work) break;            // no work left: the readers stop on -1
+                const WorkTile wt = work_tile<WINDOW>(p, w);
+                // K, V [BN, D] of the tile into buffer kv_it % KVBUF (none for a tile without steps)
+                auto load_kv = [&]() {
+                    const int kb = kv_it % KVBUF;
+                    if (kv_it >= KVBUF) mbar_wait(kv_empty + 8 * kb, ((kv_it / KVBUF) - 1) & 1);
+                    mbar_arrive_expect_tx(kv_full + 8 * kb, 2 * BN * D * 2);
 #pragma unroll
-            for (int c = 0; c < L::PANELS; ++c) {
-                tma_load_4d(k_smem + c * L::KV_PANEL, &p.tma_k, kv_full, c * PANEL_COLS, n0, kv_head, batch);
-                tma_load_4d(v_smem + c * L::KV_PANEL, &p.tma_v, kv_full, c * PANEL_COLS, n0, kv_head, batch);
+                    for (int c = 0; c < L::PANELS; ++c) {
+                        tma_load_4d(k_smem + kb * L::KV_TILE + c * L::KV_PANEL, &p.tma_k, kv_full + 8 * kb,
+                                    c * PANEL_COLS, wt.n0, wt.kv_head, wt.batch);
+                        tma_load_4d(v_smem + kb * L::KV_TILE + c * L::KV_PANEL, &p.tma_v, kv_full + 8 * kb,
+                                    c * PANEL_COLS, wt.n0, wt.kv_head, wt.batch);
+                    }
+                    ++kv_it;
+                };
+                // KVBUF = 1: the buffer frees only after the current tile's last dQ product, so the
+                // tile's first NBUF Q/dO steps (whose ring slots free earlier) go first
+                const int kv_at = KVBUF == 1 ? min(NBUF, wt.steps) : 0;
+                for (int st = 0; st < wt.steps; ++st, ++q_it) {
+                    if (st == kv_at) load_kv();
+                    // Q, dO [BM, D] of the step into ring slot q_it % NBUF
+                    const int head = step_head(p, wt, st), m0 = step_m0(wt, st);
+                    const int s = q_it % NBUF;
+                    if (q_it >= NBUF) mbar_wait(qdo_empty + 8 * s, ((q_it / NBUF) - 1) & 1);
+                    mbar_arrive_expect_tx(qdo_full + 8 * s, 2 * BM * D * 2);
+#pragma unroll
+                    for (int c = 0; c < L::PANELS; ++c) {
+                        tma_load_4d(q_smem + s * L::Q_TILE + c * L::Q_PANEL, &p.tma_q, qdo_full + 8 * s,
+                                    c * PANEL_COLS, m0, head, wt.batch);
+                        tma_load_4d(do_smem + s * L::Q_TILE + c * L::Q_PANEL, &p.tma_do, qdo_full + 8 * s,
+                                    c * PANEL_COLS, m0, head, wt.batch);
+                    }
+                }
+                if (wt.steps > 0 && kv_at == wt.steps) load_kv();
             }
-            // Q, dO [BM, D] per step, NBUF deep
-            for (int st = 0; st < steps; ++st) {
-                const int head = kv_head * p.h_per_hk + st / m_count;
-                const int m0 = (m_first + st % m_count) * BM;
-                const int s = st % NBUF;
-                if (st >= NBUF) mbar_wait(qdo_empty + 8 * s, ((st / NBUF) - 1) & 1);
-                mbar_arrive_expect_tx(qdo_full + 8 * s, 2 * BM * D * 2);
-#pragma unroll
-                for (int c = 0; c < L::PANELS; ++c) {
-                    tma_load_4d(q_smem + s * L::Q_TILE + c * L::Q_PANEL, &p.tma_q, qdo_full + 8 * s,
-                                c * PANEL_COLS, m0, head, batch);
-                    tma_load_4d(do_smem + s * L::Q_TILE + c * L::Q_PANEL, &p.tma_do, qdo_full + 8 * s,
-                                c * PANEL_COLS, m0, head, batch);
+            if (p.sched) {
+                // every block has drawn its last index before it counts itself finished, so the
+                // last one may zero the counter for the next launch on this stream
+                __threadfence();
+                if (atomicAdd(p.sched + 1, 1u) == gridDim.x - 1) {
+                    p.sched[0] = 0;
+                    p.sched[1] = 0;
+                    __threadfence();
                 }
             }
         } else if (warp == ROWS_WARP) {
             // lse·log2 e and D [BM] per step into the stage's rows_smem (two rows per lane); rows
             // past s_q and rows that saw no key in the forward (lse = -inf) get +inf: P is then 0
-            for (int st = 0; st < steps; ++st) {
-                const int head = kv_head * p.h_per_hk + st / m_count;
-                const int m0 = (m_first + st % m_count) * BM;
-                const int s = st % NBUF;
-                const i64 bh_row = ((i64)batch * p.h + head) * p.s_q;   // [b, h, s_q] row base
-                if (st >= NBUF) mbar_wait(qdo_empty + 8 * s, ((st / NBUF) - 1) & 1);
-                float* lse_stage = rows_smem + s * 2 * BM;   // [BM]
-                float* dsum_stage = lse_stage + BM;          // [BM]
+            int q_it = 0;
+            for (int tile_i = 0;; ++tile_i) {
+                const int ts = tile_i % TILE_RING;
+                mbar_wait(tile_full + 8 * ts, (tile_i / TILE_RING) & 1);
+                const int w = tile_smem[ts];
+                __syncwarp();                                 // every lane has read the slot
+                if (lane == 0) mbar_arrive(tile_empty + 8 * ts);
+                if (w < 0) break;
+                const WorkTile wt = work_tile<WINDOW>(p, w);
+                for (int st = 0; st < wt.steps; ++st, ++q_it) {
+                    const int head = step_head(p, wt, st), m0 = step_m0(wt, st);
+                    const int s = q_it % NBUF;
+                    const i64 bh_row = ((i64)wt.batch * p.h + head) * p.s_q;   // [b, h, s_q] row base
+                    if (q_it >= NBUF) mbar_wait(qdo_empty + 8 * s, ((q_it / NBUF) - 1) & 1);
+                    float* lse_stage = rows_smem + s * 2 * BM;   // [BM]
+                    float* dsum_stage = lse_stage + BM;          // [BM]
 #pragma unroll
-                for (int r = lane; r < BM; r += 32) {
-                    const int i = m0 + r;
-                    const float lse = i < p.s_q ? p.lse[bh_row + i] : CF_INF;
-                    lse_stage[r] = lse == -CF_INF ? CF_INF : lse * CF_LOG2E;
-                    dsum_stage[r] = i < p.s_q ? p.dsum[bh_row + i] : 0.f;
+                    for (int r = lane; r < BM; r += 32) {
+                        const int i = m0 + r;
+                        const float lse = i < p.s_q ? p.lse[bh_row + i] : CF_INF;
+                        lse_stage[r] = lse == -CF_INF ? CF_INF : lse * CF_LOG2E;
+                        dsum_stage[r] = i < p.s_q ? p.dsum[bh_row + i] : 0.f;
+                    }
+                    mbar_arrive(qdo_full + 8 * s);   // release: the stores above are seen after the wait
                 }
-                mbar_arrive(qdo_full + 8 * s);   // release: the stores above are seen after the wait
             }
         } else if (DQ_BULK && t == DQ_WARP * 32) {
-            // dQ tile of each step: accumulator rows [m0, m0 + rows) += dq_smem (same layout)
-            for (int st = 0; st < steps; ++st) {
-                const int head = kv_head * p.h_per_hk + st / m_count;
-                const int m0 = (m_first + st % m_count) * BM;
-                float* dq_bh = p.dq_accum + ((i64)batch * p.h + head) * p.s_q * D;   // [s_q, D]
-                const int rows = min(BM, p.s_q - m0);
-                mbar_wait(dq_full, st & 1);   // the consumers stored (and fenced) the tile
-                bulk_reduce_add_f32(dq_bh + (i64)m0 * D, dq_smem, rows * D * 4);
+            // dQ tile of each step: accumulator rows += dq_smem (same layout), at the address the
+            // consumers left in job_smem; address 0: no more steps
+            for (int j = 0;; ++j) {
+                mbar_wait(dq_full, j & 1);    // the consumers stored (and fenced) the tile
+                float* dst = (float*)job_smem[0];
+                const u32 bytes = (u32)job_smem[1];
+                if (dst == nullptr) break;
+                bulk_reduce_add_f32(dst, dq_smem, bytes);
                 bulk_commit();
-                bulk_wait_read<0>();          // dq_smem read out: the consumers may overwrite it
+                bulk_wait_read<0>();          // dq_smem read out: the consumers may refill it
                 mbar_arrive(dq_empty);
             }
             bulk_wait<0>();                   // the additions landed before the block ends
@@ -228,181 +325,264 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     const int cw = wg - 1;                                 // consumer 0 or 1: keys n0 + 64·cw ..
     const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8
     const int col_in_8 = 2 * (t % 4);                      // accumulator columns col_in_8, +1 (of 8)
-    const int key0 = n0 + cw * 64 + row_in_wg;             // this lane's keys: key0, key0 + 8
-    const u32 k_wg = k_smem + cw * 64 * 128, v_wg = v_smem + cw * 64 * 128;   // this consumer's 64 keys
     const bool dq_cols = cw * PANEL_COLS < D;              // this consumer computes a dQ slice
 
     float dk_acc[NKV], dv_acc[NKV];   // dK, dV [64 keys, D], fp32
-#pragma unroll
-    for (int i = 0; i < NKV; ++i) dk_acc[i] = dv_acc[i] = 0.f;
+    int q_it = 0, kv_it = 0;          // Q/dO steps and K/V tiles consumed so far (ring positions)
+    for (int tile_i = 0;; ++tile_i) {
+        const int ts = tile_i % TILE_RING;
+        mbar_wait(tile_full + 8 * ts, (tile_i / TILE_RING) & 1);
+        const int w = tile_smem[ts];
+        __syncwarp();                                      // every lane of the warp has read the slot
+        if (t % 32 == 0) mbar_arrive(tile_empty + 8 * ts);
+        if (w < 0) break;
+        const WorkTile wt = work_tile<WINDOW>(p, w);
+        const int n0 = wt.n0;
+        const int key0 = n0 + cw * 64 + row_in_wg;         // this lane's keys: key0, key0 + 8
+        const int kb = kv_it % KVBUF;
+        const u32 k_tile = k_smem + kb * L::KV_TILE, v_tile = v_smem + kb * L::KV_TILE;   // [BN, D]
+        const u32 k_wg = k_tile + cw * 64 * 128, v_wg = v_tile + cw * 64 * 128;   // this consumer's 64 keys
 
-    mbar_wait(kv_full, 0);
-    for (int st = 0; st < steps; ++st) {
-        const int m0 = (m_first + st % m_count) * BM;
-        const int s = st % NBUF;
-        const u32 q_tile = q_smem + s * L::Q_TILE, do_tile = do_smem + s * L::Q_TILE;
-        const float* lse_smem = rows_smem + s * 2 * BM;   // [BM] lse·log2 e of the step
-        const float* dsum_smem = lse_smem + BM;           // [BM] D of the step
+#pragma unroll
+        for (int i = 0; i < NKV; ++i) dk_acc[i] = dv_acc[i] = 0.f;
+        if (wt.steps > 0) mbar_wait(kv_full + 8 * kb, (kv_it / KVBUF) & 1);   // K, V of the tile landed
 
-        // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ  [64 keys, BM], fp32: two groups, so Pᵀ can start
-        //      as soon as Sᵀ is done
-        float s_acc[NS], dp_acc[NS];
-        mbar_wait(qdo_full + 8 * s, (st / NBUF) & 1);     // Q, dO, lse, D of the step landed
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const u32 off = (kk % 4) * 32;    // 16 columns = 32 bytes within a 128-byte panel row
-            wgmma_ss<E, BM>(s_acc, smem_desc(k_wg + (kk / 4) * L::KV_PANEL + off, 16, 1024),
-                            smem_desc(q_tile + (kk / 4) * L::Q_PANEL + off, 16, 1024), kk > 0);
-        }
-        wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const u32 off = (kk % 4) * 32;
-            wgmma_ss<E, BM>(dp_acc, smem_desc(v_wg + (kk / 4) * L::KV_PANEL + off, 16, 1024),
-                            smem_desc(do_tile + (kk / 4) * L::Q_PANEL + off, 16, 1024), kk > 0);
-        }
-        wgmma_commit();
-        wgmma_wait<1>();                      // Sᵀ done (dPᵀ may still run)
-        fence_regs<NS>(s_acc);
+        for (int st = 0; st < wt.steps; ++st, ++q_it) {
+            const int m0 = step_m0(wt, st);
+            const int s = q_it % NBUF;
+            const u32 q_tile = q_smem + s * L::Q_TILE, do_tile = do_smem + s * L::Q_TILE;
+            const float* lse_smem = rows_smem + s * 2 * BM;   // [BM] lse·log2 e of the step
+            const float* dsum_smem = lse_smem + BM;           // [BM] D of the step
 
-        // ---- Pᵀ = exp2(Sᵀ·scale·log2 e − lse·log2 e), masked, in place in s_acc (fp32)
-        bool need_mask = n0 + BN > p.s_k;
-        if (WINDOW)
-            need_mask |= n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
-                         n0 < m0 + BM - 1 + p.diag_offset - p.window_left;
-#pragma unroll
-        for (int i = 0; i < NS; ++i) {
-            const int col = (i / 4) * 8 + col_in_8 + (i % 2);   // query row m0 + col
-            const int key = key0 + ((i % 4) >= 2 ? 8 : 0);
-            float pe = fast_exp2(s_acc[i] * p.scale_log2 - lse_smem[col]);
-            if (need_mask) {
-                const int diag = m0 + col + p.diag_offset;
-                bool keep = key < p.s_k;
-                if (WINDOW) keep = keep && key <= diag + p.window_right && key >= diag - p.window_left;
-                if (!keep) pe = 0.f;
-            }
-            s_acc[i] = pe;
-        }
-
-        // ---- dSᵀ = Pᵀ ∘ (dPᵀ − D) · scale; Pᵀ, dSᵀ packed to 16-bit pairs (wgmma A fragments)
-        wgmma_wait<0>();                      // dPᵀ done
-        fence_regs<NS>(dp_acc);
-        u32 p_frag[NS / 2], ds_frag[NS / 2];
-#pragma unroll
-        for (int i = 0; i < NS; i += 2) {
-            const int col = (i / 4) * 8 + col_in_8;
-            p_frag[i / 2] = pack2<E>(s_acc[i], s_acc[i + 1]);
-            ds_frag[i / 2] = pack2<E>(s_acc[i] * (dp_acc[i] - dsum_smem[col]) * p.scale,
-                                      s_acc[i + 1] * (dp_acc[i + 1] - dsum_smem[col + 1]) * p.scale);
-        }
-
-        // ---- dSᵀ rows of this consumer -> dsT_smem [BN keys, BM queries] (128-byte swizzle:
-        //      16-byte chunk index XOR row mod 8), the A operand of dQ = dS K
-        const u32 ds_tile = ds_smem + (st & 1) * L::DS_TILE;   // two buffers: see the barrier below
-#pragma unroll
-        for (int i = 0; i < NS; i += 2) {
-            const int r = cw * 64 + row_in_wg + ((i % 4) >= 2 ? 8 : 0);
-            const u32 addr = ds_tile + r * 128 + ((((i / 4)) ^ (r & 7)) << 4) + 4 * (t % 4);
-            asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(ds_frag[i / 2]) : "memory");
-        }
-        fence_proxy_async();   // before the wgmma below, which reads shared memory too
-        // ---- dV += Pᵀ dO, dK += dSᵀ Q  [64 keys, D]: dO, Q read MN-major (k-step = 16 rows)
-        fence_regs<NKV>(dv_acc);
-        fence_regs<NKV>(dk_acc);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            wgmma_rs<E, D>(dv_acc, p_frag + 4 * kk, smem_desc(do_tile + kk * 2048, L::Q_PANEL, 1024));
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-            wgmma_rs<E, D>(dk_acc, ds_frag + 4 * kk, smem_desc(q_tile + kk * 2048, L::Q_PANEL, 1024));
-        wgmma_commit();
-
-        // Both consumers' dSᵀ rows are written (and, two steps back, the other buffer's dQ
-        // product has completed in both: each passed this barrier one step ago after it).
-        named_bar_sync(DS_BAR, 256);
-        wgmma_wait<0>();                      // dV, dK done: p_frag, ds_frag free
-        fence_regs<NKV>(dv_acc);
-        fence_regs<NKV>(dk_acc);
-        if (t == 0) mbar_arrive(qdo_empty + 8 * s);   // Q, dO, lse, D of stage s no longer needed here
-
-        // ---- dQ[BM, 64 columns from 64·cw] = dS K over the block's 128 keys; both operands
-        //      MN-major: dsT_smem (LBO unused: BM = one panel), K (LBO = bytes between panels)
-        float dq_acc[NQ];
-        if (dq_cols) {
+            // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ  [64 keys, BM], fp32: two groups, so Pᵀ can start
+            //      as soon as Sᵀ is done
+            float s_acc[NS], dp_acc[NS];
+            mbar_wait(qdo_full + 8 * s, (q_it / NBUF) & 1);   // Q, dO, lse, D of the step landed
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)
-                wgmma_ss_tt<E, PANEL_COLS>(dq_acc, smem_desc(ds_tile + kk * 2048, L::DS_TILE, 1024),
-                                           smem_desc(k_smem + cw * L::KV_PANEL + kk * 2048, L::KV_PANEL, 1024),
-                                           kk > 0);
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const u32 off = (kk % 4) * 32;    // 16 columns = 32 bytes within a 128-byte panel row
+                wgmma_ss<E, BM>(s_acc, smem_desc(k_wg + (kk / 4) * L::KV_PANEL + off, 16, 1024),
+                                smem_desc(q_tile + (kk / 4) * L::Q_PANEL + off, 16, 1024), kk > 0);
+            }
             wgmma_commit();
-            wgmma_wait<0>();
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const u32 off = (kk % 4) * 32;
+                wgmma_ss<E, BM>(dp_acc, smem_desc(v_wg + (kk / 4) * L::KV_PANEL + off, 16, 1024),
+                                smem_desc(do_tile + (kk / 4) * L::Q_PANEL + off, 16, 1024), kk > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<1>();                      // Sᵀ done (dPᵀ may still run)
+            fence_regs<NS>(s_acc);
+
+            // ---- Pᵀ = exp2(Sᵀ·scale·log2 e − lse·log2 e), masked, in place in s_acc (fp32)
+            bool need_mask = n0 + BN > p.s_k;
+            if (WINDOW)
+                need_mask |= n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
+                             n0 < m0 + BM - 1 + p.diag_offset - p.window_left;
+#pragma unroll
+            for (int i = 0; i < NS; ++i) {
+                const int col = (i / 4) * 8 + col_in_8 + (i % 2);   // query row m0 + col
+                const int key = key0 + ((i % 4) >= 2 ? 8 : 0);
+                float pe = fast_exp2(s_acc[i] * p.scale_log2 - lse_smem[col]);
+                if (need_mask) {
+                    const int diag = m0 + col + p.diag_offset;
+                    bool keep = key < p.s_k;
+                    if (WINDOW) keep = keep && key <= diag + p.window_right && key >= diag - p.window_left;
+                    if (!keep) pe = 0.f;
+                }
+                s_acc[i] = pe;
+            }
+
+            // ---- dSᵀ = Pᵀ ∘ (dPᵀ − D) · scale; Pᵀ, dSᵀ packed to 16-bit pairs (wgmma A fragments)
+            wgmma_wait<0>();                      // dPᵀ done
+            fence_regs<NS>(dp_acc);
+            u32 p_frag[NS / 2], ds_frag[NS / 2];
+#pragma unroll
+            for (int i = 0; i < NS; i += 2) {
+                const int col = (i / 4) * 8 + col_in_8;
+                p_frag[i / 2] = pack2<E>(s_acc[i], s_acc[i + 1]);
+                ds_frag[i / 2] = pack2<E>(s_acc[i] * (dp_acc[i] - dsum_smem[col]) * p.scale,
+                                          s_acc[i + 1] * (dp_acc[i + 1] - dsum_smem[col + 1]) * p.scale);
+            }
+
+            // ---- dSᵀ rows of this consumer -> dsT_smem [BN keys, BM queries] (128-byte swizzle:
+            //      16-byte chunk index XOR row mod 8), the A operand of dQ = dS K
+            const u32 ds_tile = ds_smem + (q_it & 1) * L::DS_TILE;   // two buffers: see the barrier below
+#pragma unroll
+            for (int i = 0; i < NS; i += 2) {
+                const int r = cw * 64 + row_in_wg + ((i % 4) >= 2 ? 8 : 0);
+                const u32 addr = ds_tile + r * 128 + ((((i / 4)) ^ (r & 7)) << 4) + 4 * (t % 4);
+                asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(ds_frag[i / 2]) : "memory");
+            }
+            fence_proxy_async();   // before the wgmma below, which reads shared memory too
+            // ---- dV += Pᵀ dO, dK += dSᵀ Q  [64 keys, D]: dO, Q read MN-major (k-step = 16 rows)
+            fence_regs<NKV>(dv_acc);
+            fence_regs<NKV>(dk_acc);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk)
+                wgmma_rs<E, D>(dv_acc, p_frag + 4 * kk, smem_desc(do_tile + kk * 2048, L::Q_PANEL, 1024));
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk)
+                wgmma_rs<E, D>(dk_acc, ds_frag + 4 * kk, smem_desc(q_tile + kk * 2048, L::Q_PANEL, 1024));
+            wgmma_commit();
+
+            // Both consumers' dSᵀ rows are written (and, two steps back, the other buffer's dQ
+            // product has completed in both: each passed this barrier one step ago after it).
+            named_bar_sync(DS_BAR, 256);
+            wgmma_wait<0>();                      // dV, dK done: p_frag, ds_frag free
+            fence_regs<NKV>(dv_acc);
+            fence_regs<NKV>(dk_acc);
+            if (t == 0) mbar_arrive(qdo_empty + 8 * s);   // Q, dO, lse, D of stage s no longer needed here
+
+            // ---- dQ[BM, 64 columns from 64·cw] = dS K over the tile's 128 keys; both operands
+            //      MN-major: dsT_smem (LBO unused: BM = one panel), K (LBO = bytes between panels)
+            float dq_acc[NQ];
+            if (dq_cols) {
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; ++kk)
+                    wgmma_ss_tt<E, PANEL_COLS>(dq_acc, smem_desc(ds_tile + kk * 2048, L::DS_TILE, 1024),
+                                               smem_desc(k_tile + cw * L::KV_PANEL + kk * 2048, L::KV_PANEL, 1024),
+                                               kk > 0);
+                wgmma_commit();
+                wgmma_wait<0>();
+            }
+
+            // ---- dQ slice (rows row_in_wg, +8; chunk-swizzled columns) -> the accumulator
+            const int head = step_head(p, wt, st);
+            float* dq_bh = p.dq_accum + ((i64)wt.batch * p.h + head) * p.s_q * D;   // [s_q, D]
+            if (dq_cols && DQ_BULK) {
+                // via dq_smem [BM][D]; DQ_WARP adds the whole tile
+                fence_regs<NQ>(dq_acc);
+                if (q_it > 0) mbar_wait(dq_empty, (q_it - 1) & 1);   // last step's tile was read out
+                if (cw == 0 && t == 0) {                             // where DQ_WARP adds it
+                    job_smem[0] = (u64)(dq_bh + (i64)m0 * D);
+                    job_smem[1] = (u64)(min(BM, p.s_q - m0) * D * 4);
+                }
+#pragma unroll
+                for (int i = 0; i < NQ; i += 4) {
+                    const int col = cw * PANEL_COLS + (i / 4) * 8 + col_in_8;
+                    const int r0 = row_in_wg, r1 = row_in_wg + 8;     // r1 mod 8 = r0 mod 8
+                    const u32 addr0 = dq_smem + r0 * L::DQ_PITCH + 4 * dq_swizzle(r0, col);
+                    const u32 addr1 = dq_smem + r1 * L::DQ_PITCH + 4 * dq_swizzle(r1, col);
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" :: "r"(addr0), "f"(dq_acc[i]), "f"(dq_acc[i + 1]) : "memory");
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" :: "r"(addr1), "f"(dq_acc[i + 2]), "f"(dq_acc[i + 3]) : "memory");
+                }
+                fence_proxy_async();              // generic stores -> visible to the bulk reduce
+                mbar_arrive(dq_full);
+            } else if (dq_cols) {
+                // straight from registers (m0 is a multiple of 8: row mod 8 = row_in_wg mod 8)
+                fence_regs<NQ>(dq_acc);
+                const int r0 = m0 + row_in_wg;
+#pragma unroll
+                for (int i = 0; i < NQ; i += 4) {
+                    const int col = cw * PANEL_COLS + (i / 4) * 8 + col_in_8;
+                    if (r0 < p.s_q) red_add_v2(dq_bh + (i64)r0 * D + dq_swizzle(r0, col), dq_acc[i], dq_acc[i + 1]);
+                    if (r0 + 8 < p.s_q)
+                        red_add_v2(dq_bh + (i64)(r0 + 8) * D + dq_swizzle(r0 + 8, col), dq_acc[i + 2], dq_acc[i + 3]);
+                }
+            }
+        }
+        if (wt.steps > 0) {
+            // this consumer's last reads of K (dQ product) and V (dPᵀ) have completed (waited above)
+            if (t == 0) mbar_arrive(kv_empty + 8 * kb);
+            ++kv_it;
         }
 
-        // ---- dQ slice (rows row_in_wg, +8; chunk-swizzled columns) -> the accumulator
-        if (dq_cols && DQ_BULK) {
-            // via dq_smem [BM][D]; DQ_WARP adds the whole tile
-            fence_regs<NQ>(dq_acc);
-            if (st > 0) mbar_wait(dq_empty, (st - 1) & 1);   // last step's tile was read out
+        // ---- dK, dV of this consumer's 64 keys (GQA: already summed over the group's query
+        //      heads; zeros for a tile that no query sees); the next tile's loads are in flight
 #pragma unroll
-            for (int i = 0; i < NQ; i += 4) {
-                const int col = cw * PANEL_COLS + (i / 4) * 8 + col_in_8;
-                const int r0 = row_in_wg, r1 = row_in_wg + 8;     // r1 mod 8 = r0 mod 8
-                const u32 addr0 = dq_smem + r0 * L::DQ_PITCH + 4 * dq_swizzle(r0, col);
-                const u32 addr1 = dq_smem + r1 * L::DQ_PITCH + 4 * dq_swizzle(r1, col);
-                asm volatile("st.shared.v2.f32 [%0], {%1, %2};" :: "r"(addr0), "f"(dq_acc[i]), "f"(dq_acc[i + 1]) : "memory");
-                asm volatile("st.shared.v2.f32 [%0], {%1, %2};" :: "r"(addr1), "f"(dq_acc[i + 2]), "f"(dq_acc[i + 3]) : "memory");
-            }
-            fence_proxy_async();              // generic stores -> visible to the bulk reduce
-            mbar_arrive(dq_full);
-        } else if (dq_cols) {
-            // straight from registers (m0 is a multiple of 8: row mod 8 = row_in_wg mod 8)
-            fence_regs<NQ>(dq_acc);
-            const int head = kv_head * p.h_per_hk + st / m_count;
-            float* dq_bh = p.dq_accum + ((i64)batch * p.h + head) * p.s_q * D;   // [s_q, D]
-            const int r0 = m0 + row_in_wg;
+        for (int r = 0; r < 2; ++r) {
+            const int key = key0 + 8 * r;
+            if (key < p.s_k) {
+                S* dk_row = (S*)p.dk + wt.batch * p.dk_stride_b + key * p.dk_stride_s + wt.kv_head * p.dk_stride_h;
+                S* dv_row = (S*)p.dv + wt.batch * p.dv_stride_b + key * p.dv_stride_s + wt.kv_head * p.dv_stride_h;
 #pragma unroll
-            for (int i = 0; i < NQ; i += 4) {
-                const int col = cw * PANEL_COLS + (i / 4) * 8 + col_in_8;
-                if (r0 < p.s_q) red_add_v2(dq_bh + (i64)r0 * D + dq_swizzle(r0, col), dq_acc[i], dq_acc[i + 1]);
-                if (r0 + 8 < p.s_q)
-                    red_add_v2(dq_bh + (i64)(r0 + 8) * D + dq_swizzle(r0 + 8, col), dq_acc[i + 2], dq_acc[i + 3]);
+                for (int i = 0; i < NKV; i += 4) {
+                    const int col = (i / 4) * 8 + col_in_8;
+                    *(u32*)(dk_row + col) = pack2<E>(dk_acc[i + 2 * r], dk_acc[i + 2 * r + 1]);
+                    *(u32*)(dv_row + col) = pack2<E>(dv_acc[i + 2 * r], dv_acc[i + 2 * r + 1]);
+                }
             }
         }
     }
 
-    // ---- dK, dV of this consumer's 64 keys (GQA: already summed over the group's query heads)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = key0 + 8 * r;
-        if (key < p.s_k) {
-            S* dk_row = (S*)p.dk + batch * p.dk_stride_b + key * p.dk_stride_s + kv_head * p.dk_stride_h;
-            S* dv_row = (S*)p.dv + batch * p.dv_stride_b + key * p.dv_stride_s + kv_head * p.dv_stride_h;
-#pragma unroll
-            for (int i = 0; i < NKV; i += 4) {
-                const int col = (i / 4) * 8 + col_in_8;
-                *(u32*)(dk_row + col) = pack2<E>(dk_acc[i + 2 * r], dk_acc[i + 2 * r + 1]);
-                *(u32*)(dv_row + col) = pack2<E>(dv_acc[i + 2 * r], dv_acc[i + 2 * r + 1]);
-            }
-        }
+    // ---- no work left: stop DQ_WARP (after it has read out the last tile)
+    if (DQ_BULK && dq_cols) {
+        if (q_it > 0) mbar_wait(dq_empty, (q_it - 1) & 1);
+        if (cw == 0 && t == 0) job_smem[0] = 0;
+        mbar_arrive(dq_full);
     }
 }
 
-// dq = E(dQ accumulator) for the Hopper main kernel: one thread per element, reading the
-// chunk-swizzled accumulator rows (dq_swizzle); flash_bwd_pre zeroed it (layout-blind).
-template <typename E>
+// ---------------------------------------------------------------------------------------------
+// Helper kernels, grid (query-row blocks, h, b) x 256 threads: no index division per element.
+// ---------------------------------------------------------------------------------------------
+
+// D = rowsum(dO ∘ O) [b, h, s_q] and the zeroed dQ accumulator row, D / 8 threads per query row,
+// each with one 16-byte chunk of dO and O (the launcher runs bwd.cu's flash_bwd_pre instead when
+// O's rows are not 16-byte aligned; dO's are, for TMA).
+template <typename E, int D>
+__global__ void __launch_bounds__(256)
+flash_bwd_pre_sm90(const Params p) {
+    typedef typename Elem<E>::storage S;
+    constexpr int LANES = D / 8;             // threads per row (consecutive lanes of one warp)
+    constexpr int ROWS = 256 / LANES;        // rows per block
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int i = blockIdx.x * ROWS + threadIdx.x / LANES;   // query row
+    const int chunk = threadIdx.x % LANES;                   // columns 8·chunk .. 8·chunk + 7
+    float acc = 0.f;
+    if (i < p.s_q) {
+        const S* do_row = (const S*)p.dout + batch * p.do_stride_b + (i64)i * p.do_stride_s + head * p.do_stride_h;
+        const S* o_row = (const S*)p.o + batch * p.o_stride_b + (i64)i * p.o_stride_s + head * p.o_stride_h;
+        const uint4 dov = *(const uint4*)(do_row + 8 * chunk);   // 8 16-bit elements each
+        const uint4 ov = *(const uint4*)(o_row + 8 * chunk);
+        const u32 dw[4] = {dov.x, dov.y, dov.z, dov.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            acc += to_float<E>((S)(dw[e] & 0xffffu)) * to_float<E>((S)(ow[e] & 0xffffu)) +
+                   to_float<E>((S)(dw[e] >> 16)) * to_float<E>((S)(ow[e] >> 16));
+    }
+    // sum over the row's LANES threads
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (i < p.s_q) {
+        const i64 row = ((i64)batch * p.h + head) * p.s_q + i;   // [b, h, s_q]
+        if (chunk == 0) p.dsum[row] = acc;
+        float4* dq_row = (float4*)(p.dq_accum + row * D);       // [D / 4] 16-byte chunks
+        dq_row[chunk] = make_float4(0.f, 0.f, 0.f, 0.f);
+        dq_row[chunk + LANES] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+
+// dq = E(dQ accumulator): one thread per 16-byte chunk (4 floats) of an accumulator row, read
+// from its chunk-swizzled place (dq_swizzle: chunk c of row i sits at c XOR i mod 8).
+template <typename E, int D>
 __global__ void __launch_bounds__(256)
 flash_bwd_dq_sm90(const Params p) {
     typedef typename Elem<E>::storage S;
-    const i64 total = (i64)p.b * p.h * p.s_q * p.d;
-    for (i64 idx = (i64)blockIdx.x * 256 + threadIdx.x; idx < total; idx += (i64)gridDim.x * 256) {
-        const int c = (int)(idx % p.d);
-        const i64 row = idx / p.d;                     // (batch * h + head) * s_q + i
-        const int i = (int)(row % p.s_q);
-        const int head = (int)((row / p.s_q) % p.h), batch = (int)(row / ((i64)p.s_q * p.h));
-        const float acc = p.dq_accum[row * p.d + sm90b::dq_swizzle(i, c)];
-        ((S*)p.dq)[batch * p.dq_stride_b + (i64)i * p.dq_stride_s + head * p.dq_stride_h + c] = from_float<E>(acc);
+    constexpr int CHUNKS = D / 4;            // 16-byte chunks per accumulator row
+    constexpr int ROWS = 256 / CHUNKS;       // rows per block
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int i = blockIdx.x * ROWS + threadIdx.x / CHUNKS;   // query row
+    const int c = threadIdx.x % CHUNKS;                       // columns 4c .. 4c + 3
+    if (i >= p.s_q) return;
+    const i64 row = ((i64)batch * p.h + head) * p.s_q + i;    // [b, h, s_q]
+    const float4 a = *(const float4*)(p.dq_accum + row * D + 4 * (c ^ (i & 7)));
+    S* dq_el = (S*)p.dq + batch * p.dq_stride_b + (i64)i * p.dq_stride_s + head * p.dq_stride_h + 4 * c;
+    const u32 lo = pack2<E>(a.x, a.y), hi = pack2<E>(a.z, a.w);   // element 4c in lo's low half
+    // 8-byte store where dq's rows allow it (a uniform test), else four 16-bit stores
+    const bool vec = ((size_t)p.dq % 8 == 0) && p.dq_stride_b % 4 == 0 && p.dq_stride_s % 4 == 0 &&
+                     p.dq_stride_h % 4 == 0;
+    if (vec) {
+        *(uint2*)dq_el = make_uint2(lo, hi);
+    } else {
+        dq_el[0] = (S)(lo & 0xffffu);
+        dq_el[1] = (S)(lo >> 16);
+        dq_el[2] = (S)(hi & 0xffffu);
+        dq_el[3] = (S)(hi >> 16);
     }
 }

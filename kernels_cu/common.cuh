@@ -78,7 +78,7 @@ struct Params {
     int deterministic;      // 1: each key tile stores its dQ part in its own slab; 0: float atomics
     float scale;            // scale in natural units (the dS multiplier)
     // ---- Hopper kernels only (kernels_cu/fwd_sm90.cu, bwd_sm90.cu) ----
-    unsigned int* sched;    // [2] forward work-tile counter, blocks finished: zero before and after
+    unsigned int* sched;    // [2] Hopper fwd / bwd work-tile counter, blocks finished: zero before and after
     // TMA descriptors built by the host (cupyflash/_tma.py); each is a 128-byte CUtensorMap over
     // a rank-4 view (d, s, heads, b) of q / k / v, read through the kernel parameter
     // (__grid_constant__)

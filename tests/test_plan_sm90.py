@@ -167,13 +167,20 @@ def test_backward_variants_fit_and_layout_mirror():
     vs = h90.variants()
     assert len(vs) == 8 and len({v.name for v in vs}) == 8
     assert all(v.smem_bytes <= H200_SMEM for v in vs)
+    assert {(v.d, v.kvbuf) for v in vs} == {(64, 2), (128, 1)}
     src = (ROOT / "kernels_cu" / "bwd_sm90.cu").read_text()
-    for expr in ("DQ = DS + 2 * DS_TILE", "DQ_PITCH = D * 4;", "ROWS = DQ + BM * DQ_PITCH",
-                 "BARS = ROWS + NBUF * 2 * BM * 4", "BYTES = BARS + 8 * (3 + 2 * NBUF)",
+    for expr in ("V = K + KVBUF * KV_TILE", "Q = V + KVBUF * KV_TILE", "DQ = DS + 2 * DS_TILE",
+                 "DQ_PITCH = D * 4;", "ROWS = DQ + BM * DQ_PITCH", "TILE = ROWS + NBUF * 2 * BM * 4",
+                 "JOB = TILE + 16", "BARS = JOB + 16",
+                 "BYTES = BARS + 8 * (2 * KVBUF + 2 * NBUF + 2 + 2 * TILE_RING)",
                  "if (smem_given < L::BYTES + 1024) __trap();"):
         assert expr in src, expr
     assert h90.smem_bytes(128) == (2 * 128 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 2 * 128 * 64 * 2
-                                   + 64 * 128 * 4 + 1024 + 56 + 1024)
+                                   + 64 * 128 * 4 + 1024 + 32 + 8 * 12 + 1024)
+    assert h90.smem_bytes(64) == (2 * 2 * 128 * 64 * 2 + 2 * 2 * 64 * 64 * 2 + 2 * 128 * 64 * 2
+                                  + 64 * 64 * 4 + 1024 + 32 + 8 * 14 + 1024)
+    # a second K / V buffer does not fit at d = 128
+    assert h90.smem_bytes(128, 2) > H200_SMEM
 
 
 @pytest.mark.parametrize("s_q,window,softcap,nc", [
