@@ -496,14 +496,19 @@ def plan_forward_varlen_sm90(dtype_name: str, batch: int, total_q: int, total_k:
                              scale=scale, window_left=window_left, window_right=window_right,
                              bottom_right=bottom_right, softcap=softcap, num_sms=num_sms,
                              variant=variant, varlen=True)
-    prm = plan.params
+    _varlen_params(plan.params, total_q, total_k, window_left, window_right, bottom_right)
+    return plan
+
+
+def _varlen_params(prm, total_q, total_k, window_left, window_right, bottom_right):
+    """The packed-sequence fields of a varlen Params record (either kernel): s_q / s_k = the
+    totals, windows unbounded past every sequence, causal / window aligned per sequence."""
     unbounded = total_q + total_k                  # past every sequence's own s_q + s_k
     prm["s_q"], prm["s_k"] = total_q, total_k
     prm["window_left"] = window_left if window_left >= 0 else unbounded
     prm["window_right"] = window_right if window_right >= 0 else unbounded
     prm["diag_offset"] = 0                         # per sequence, from varlen_bottom_right
     prm["varlen_bottom_right"] = int(bool(bottom_right))
-    return plan
 
 
 def plan_forward_varlen(dtype_name: str, batch: int, total_q: int, total_k: int,
@@ -523,12 +528,7 @@ def plan_forward_varlen(dtype_name: str, batch: int, total_q: int, total_k: int,
                         allow_tf32=allow_tf32, smem_optin=smem_optin, varlen=True)
     v = plan.variant
     prm = plan.params
-    unbounded = total_q + total_k                  # past every sequence's own s_q + s_k
-    prm["s_q"], prm["s_k"] = total_q, total_k
-    prm["window_left"] = window_left if window_left >= 0 else unbounded
-    prm["window_right"] = window_right if window_right >= 0 else unbounded
-    prm["diag_offset"] = 0                         # per sequence, from varlen_bottom_right
-    prm["varlen_bottom_right"] = int(bool(bottom_right))
+    _varlen_params(prm, total_q, total_k, window_left, window_right, bottom_right)
     if batch > 65535:
         raise NotImplementedError(f"{batch} sequences exceed CUDA's grid limit (65535)")
     grid = (plan.grid[0], h, batch)
