@@ -524,6 +524,8 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             name, d, v.shape[3], scale=float(opts.scale), softcap=float(opts.softcap or 0.0),
             has_alibi=opts.alibi_slopes is not None, cc=_info(dev_id)[0], smem_optin=smem,
             tensors=[(a.shape, st) for a, st in zip((q, k, v, out), elem_strides)])
+        if reason is None and (opts.bias is not None or opts.mask is not None):
+            reason = "a bias or mask with varlen (the GENERAL kernel's)"
         if reason is None and (q.data.ptr | k.data.ptr | v.data.ptr) % _plan.TMA_ALIGN == 0 \
                 and out.data.ptr % 4 == 0:
             return _forward_varlen_sm90(q, k, v, cq, ck, int(max_seqlen_q), int(max_seqlen_k),
