@@ -1,7 +1,8 @@
 // cupyflash: Hopper (sm_90a) attention forward: TMA loads, wgmma products, warp specialization.
 //
-//   O = softmax(scale · Q Kᵀ) V per (batch, head), computed 128 query rows x BN keys at a time with
-//   the online-softmax recurrence (running max m, denominator l, O rescaled, one final O / l).
+//   O = softmax(scale · Q Kᵀ + bias) V per (batch, head), computed BM query rows x BN keys at a
+//   time with the online-softmax recurrence (running max m, denominator l, O rescaled, one final
+//   O / l).
 //
 // Persistent blocks of 128·(NC + 1) threads (one per SM) walk the work tiles (BM = 64·NC query
 // rows of one head of one batch); each block = NC + 1 warpgroups:
