@@ -1,8 +1,6 @@
-"""Time Hopper-kernel instantiations (tile width BN, ring depth STAGES, consumer warpgroups NC,
-Q buffers QBUF)
-side by side on the FA
-benchmark shapes (bf16, batch·seqlen = 16k tokens, hidden 2048), each checked against the
-portable kernel first. For choosing _plan.SM90_TILES; run on a cc 9.0 GPU:
+"""Time Hopper-kernel instantiations (tile width BN, ring depth STAGES, consumer warpgroups NC)
+side by side on the FA benchmark shapes (bf16, batch·seqlen = 16k tokens, hidden 2048), each
+checked against the portable kernel first. For choosing _plan.SM90_TILES; run on a cc 9.0 GPU:
 
     PYTHONPATH=. python benchmarks/sm90_tune.py [--seqlen 1024 4096 16384]
 """
@@ -16,10 +14,10 @@ from cupyflash import _gpu, _plan
 from cupyflash._bench import time_ms
 from cupyflash._options import Options
 
-#: (BN, STAGES, NC, QBUF) per head dim
-CANDIDATES = {64: [(128, 2, 2, 1), (128, 2, 2, 2), (128, 2, 3, 1), (128, 2, 3, 2)],
-              128: [(128, 2, 2, 1), (128, 2, 2, 2), (144, 2, 2, 2), (160, 2, 2, 2)],
-              256: [(64, 2, 2, 1), (80, 2, 2, 1)]}
+#: (BN, STAGES, NC) per head dim
+CANDIDATES = {64: [(128, 2, 2), (128, 2, 3), (192, 2, 2)],
+              128: [(128, 2, 2), (128, 3, 2), (160, 2, 2)],
+              256: [(64, 2, 2), (80, 2, 2)]}
 
 
 def main():
@@ -27,8 +25,8 @@ def main():
     ap.add_argument("--seqlen", nargs="+", type=int, default=[1024, 4096, 16384])
     ap.add_argument("--head-dim", nargs="+", type=int, default=sorted(CANDIDATES))
     ap.add_argument("--causal", nargs="+", default=["false", "true"], help="e.g. --causal true")
-    ap.add_argument("--tiles", nargs="+", default=[], metavar="D:BN,STAGES,NC,QBUF",
-                    help="candidates instead of CANDIDATES, e.g. 64:96,2,2,1 128:128,2,2,1")
+    ap.add_argument("--tiles", nargs="+", default=[], metavar="D:BN,STAGES,NC",
+                    help="candidates instead of CANDIDATES, e.g. 64:96,2,2 128:128,2,2")
     args = ap.parse_args()
     candidates = CANDIDATES
     if args.tiles:
@@ -49,14 +47,14 @@ def main():
                 _gpu.forward(q, k, v, out, lse, opts, kernel="portable")
                 ref = out.astype(cp.float32)
                 cells = []
-                for bn, st, nc, qb in candidates[d]:
-                    var = _plan.Sm90Variant("bf16_t", d, bn, st, causal, False, nc, qb)
+                for bn, st, nc in candidates[d]:
+                    var = _plan.Sm90Variant("bf16_t", d, bn, st, causal, False, nc)
                     out.fill(0)
                     _gpu.forward(q, k, v, out, lse, opts, kernel=var)
                     err = float(cp.abs(out.astype(cp.float32) - ref).max())
                     ms = time_ms(lambda: _gpu.forward(q, k, v, out, lse, opts, kernel=var))
                     tf = 4 * b * h * s * s * d / (2 if causal else 1) / ms / 1e9
-                    cells.append(f"{64 * nc}x{bn}s{st}q{qb}: {tf:6.1f}{'' if err < 2e-2 else ' BAD %.1e' % err}")
+                    cells.append(f"{64 * nc}x{bn}s{st}: {tf:6.1f}{'' if err < 2e-2 else ' BAD %.1e' % err}")
                 print(f"d{d:3d} s{s:6d} causal={causal!s:5}  " + "  ".join(cells), flush=True)
             del q, k, v, out
             cp.get_default_memory_pool().free_all_blocks()

@@ -186,21 +186,26 @@ def _sm90_variant_by_name(name):
     raise ValueError(f"kernel={name!r}: no such Hopper variant (see _plan.sm90_variants())")
 
 
+def _sm90_check(q, k, v, out, opts, dtype_name, dev_id, smem):
+    """(element strides of q, k, v, out; why the Hopper forward cannot run this call, or None)."""
+    elem_strides = [_elem_strides(a, t) for a, t in ((q, "q"), (k, "k"), (v, "v"), (out, "o"))]
+    reason = _plan.sm90_unsupported(
+        dtype_name, q.shape[3], v.shape[3], scale=float(opts.scale),
+        softcap=float(opts.softcap or 0.0), has_alibi=opts.alibi_slopes is not None,
+        cc=_info(dev_id)[0], smem_optin=smem,
+        tensors=[(a.shape, st) for a, st in zip((q, k, v, out), elem_strides)])
+    return elem_strides, reason
+
+
 def _build(key, q, k, v, out, lse, opts, kernel, dev_id):
     name, smem = _check_launchable(q, k, v, out, lse, dev_id)
-    cc = _info(dev_id)[0]
     b, s_q, h, d = q.shape
     _, s_k, h_k, _ = k.shape
     d_v = v.shape[3]
     has_alibi = opts.alibi_slopes is not None
     extra = ()
-    elem_strides = [_elem_strides(a, t) for a, t in ((q, "q"), (k, "k"), (v, "v"), (out, "o"))]
-    sm90_reason = None
+    elem_strides, sm90_reason = _sm90_check(q, k, v, out, opts, name, dev_id, smem)
     if _want_sm90(kernel):
-        sm90_reason = _plan.sm90_unsupported(
-            name, d, d_v, scale=float(opts.scale), softcap=float(opts.softcap or 0.0),
-            has_alibi=has_alibi, cc=cc, smem_optin=smem,
-            tensors=[(a.shape, st) for a, st in zip((q, k, v, out), elem_strides)])
         if sm90_reason is not None and kernel != "auto":
             raise ValueError(f"kernel={kernel!r}: the Hopper kernel cannot run this call: "
                              f"{sm90_reason}")
@@ -455,11 +460,7 @@ def _forward_general(q, k, v, out, lse, opts, kernel="auto") -> str:
     _, s_k, h_k, _ = k.shape
     operand = None   # bias_operand(opts.bias, q.dtype), once made
     if _want_sm90(kernel):
-        elem_strides = [_elem_strides(a, t) for a, t in ((q, "q"), (k, "k"), (v, "v"), (out, "o"))]
-        reason = _plan.sm90_unsupported(
-            name, d, v.shape[3], scale=float(opts.scale), softcap=float(opts.softcap or 0.0),
-            has_alibi=opts.alibi_slopes is not None, cc=_info(dev_id)[0], smem_optin=smem,
-            tensors=[(a.shape, st) for a, st in zip((q, k, v, out), elem_strides)])
+        elem_strides, reason = _sm90_check(q, k, v, out, opts, name, dev_id, smem)
         if reason is None and opts.mask is not None:
             reason = "a boolean mask (not in the Hopper kernel yet)"
         if reason is None and d not in _plan.SM90_BIAS_HEAD_DIMS:
@@ -519,11 +520,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     cq = cupy.ascontiguousarray(cu_seqlens_q, dtype=np.int32)
     ck = cupy.ascontiguousarray(cu_seqlens_k, dtype=np.int32)
     if kernel != "portable":
-        elem_strides = [_elem_strides(a, t) for a, t in ((q, "q"), (k, "k"), (v, "v"), (out, "o"))]
-        reason = _plan.sm90_unsupported(
-            name, d, v.shape[3], scale=float(opts.scale), softcap=float(opts.softcap or 0.0),
-            has_alibi=opts.alibi_slopes is not None, cc=_info(dev_id)[0], smem_optin=smem,
-            tensors=[(a.shape, st) for a, st in zip((q, k, v, out), elem_strides)])
+        elem_strides, reason = _sm90_check(q, k, v, out, opts, name, dev_id, smem)
         if reason is None and (opts.bias is not None or opts.mask is not None):
             reason = "a bias or mask with varlen (the GENERAL kernel's)"
         if reason is None and (q.data.ptr | k.data.ptr | v.data.ptr) % _plan.TMA_ALIGN == 0 \

@@ -82,6 +82,10 @@ class BwdVariant(NamedTuple):
         return f"flash_bwd_dq<{self.elem}>"
 
     @property
+    def helper_expressions(self):
+        return (self.pre_expression, self.dq_expression)
+
+    @property
     def name(self) -> str:
         if self.general:
             flags = "_gen"
@@ -301,24 +305,25 @@ def flops(b: int, h: int, s_q: int, s_k: int, d: int, d_v: int, causal: bool = F
 # Compilation (one RawModule per main variant, holding the two helper kernels of its dtype)
 # ------------------------------------------------------------------------------------------
 def program(variants):
-    """(source, options, name expressions) compiling ``variants`` (BwdVariant) and their helper
-    kernels (the Hopper variants have their own: _gpu_bwd_sm90.program)."""
+    """(source, options, name expressions) compiling ``variants`` (all BwdVariant, from bwd.cu,
+    or all Sm90BwdVariant, from bwd_sm90.cu) and their helper kernels (``helper_expressions``)."""
     from . import _modules
     src, opts, names = _modules.program(variants, file=getattr(variants[0], "file", "bwd.cu"))
     helpers = []
     for v in variants:
-        for n in (v.pre_expression, v.dq_expression):
+        for n in v.helper_expressions:
             if n not in helpers:
                 helpers.append(n)
     return src, opts, names + helpers
 
 
-_functions = {}   # (device id, variant) -> (main, pre, dq) RawKernels
+_functions = {}   # (device id, variant class, variant) -> (main, *helpers) RawKernels
 
 
 def get_functions(variant, device_id: int):
-    """(main, pre, dq) kernels of a BwdVariant on ``device_id`` (lazy)."""
-    key = (device_id, variant)
+    """(main, *helpers in helper_expressions order) kernels of a BwdVariant ((main, pre, dq)) or
+    Sm90BwdVariant ((main, pre, pre_portable, dq)) on ``device_id`` (lazy)."""
+    key = (device_id, type(variant), variant)
     fns = _functions.get(key)
     if fns is None:
         import cupy
@@ -327,8 +332,7 @@ def get_functions(variant, device_id: int):
         main = mod.get_function(variant.name_expression)
         if variant.smem_bytes > 48 * 1024:
             main.max_dynamic_shared_size_bytes = variant.smem_bytes
-        fns = _functions[key] = (main, mod.get_function(variant.pre_expression),
-                                 mod.get_function(variant.dq_expression))
+        fns = _functions[key] = (main,) + tuple(mod.get_function(n) for n in variant.helper_expressions)
     return fns
 
 

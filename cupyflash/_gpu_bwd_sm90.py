@@ -122,30 +122,14 @@ def unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: flo
 
 def program(variants_):
     """(source, options, name expressions) of ``variants_`` and their helper kernels."""
-    from . import _modules
-    src, opts, names = _modules.program(variants_, file="bwd_sm90.cu")
-    for v in variants_:
-        for n in v.helper_expressions:
-            if n not in names:
-                names.append(n)
-    return src, opts, names
-
-
-_functions = {}   # (device id, variant) -> (main, pre, pre_portable, dq) RawKernels
+    from . import _gpu_bwd
+    return _gpu_bwd.program(variants_)
 
 
 def get_functions(variant: Sm90BwdVariant, device_id: int):
     """(main, pre, pre_portable, dq) kernels of ``variant`` on ``device_id`` (lazy)."""
-    key = (device_id, variant)
-    fns = _functions.get(key)
-    if fns is None:
-        import cupy
-        src, opts, names = program([variant])
-        mod = cupy.RawModule(code=src, options=opts, name_expressions=names)
-        main = mod.get_function(variant.name_expression)
-        main.max_dynamic_shared_size_bytes = variant.smem_bytes
-        fns = _functions[key] = (main,) + tuple(mod.get_function(n) for n in variant.helper_expressions)
-    return fns
+    from . import _gpu_bwd
+    return _gpu_bwd.get_functions(variant, device_id)
 
 
 def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,

@@ -285,25 +285,23 @@ def _sizes_and_scalars(bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left, wind
 
 
 # ------------------------------------------------------------------------------------------
-# Hopper (sm_90a) forward: flash_fwd_sm90<E, D, BN, STAGES, NC, QBUF, WINDOW, SOFTCAP, VARLEN,
-# BIAS> in
+# Hopper (sm_90a) forward: flash_fwd_sm90<E, D, BN, STAGES, NC, WINDOW, SOFTCAP, VARLEN, BIAS>
+# in
 # kernels_cu/fwd_sm90.cu (TMA + wgmma, one producer and NC consumer warpgroups, BM = 64·NC,
-# QBUF Q buffers).
+# one Q buffer).
 # Chosen on compute capability 9.0 wherever it covers the call (sm90_unsupported() is None);
 # everything else runs the portable kernel above.
 # ------------------------------------------------------------------------------------------
 SM90_HEAD_DIMS = (64, 128, 256)
-#: (BN, STAGES, NC, QBUF) per head dim: K/V tiles of BN keys in a ring of STAGES buffers, NC
-#: consumer warpgroups of 64 query rows (work tiles of BM = 64·NC rows), QBUF Q buffers (with
-#: two, the next work tile's Q loads early and its first S rides in the last turn of the current
-#: one: measured no faster on the H200, so unused). benchmarks/sm90_tune.py measured these
+#: (BN, STAGES, NC) per head dim: K/V tiles of BN keys in a ring of STAGES buffers, NC consumer
+#: warpgroups of 64 query rows (work tiles of BM = 64·NC rows). benchmarks/sm90_tune.py measured these
 #: (docs/hopper.md): three consumers win at hd 64 except for causal / window calls of up to
 #: 1k queries, whose 192-row tiles waste more of the masked diagonal.
-SM90_TILES = {64: (128, 2, 3, 1), 128: (128, 2, 2, 1), 256: (80, 2, 2, 1)}
+SM90_TILES = {64: (128, 2, 3), 128: (128, 2, 2), 256: (80, 2, 2)}
 #: hd 64 with two consumers: softcap, varlen and bias (the tanh, the per-sequence tile state or
 #: the bias fragment needs registers that three consumers' 160 lack: ptxas spills) and short
 #: causal / window calls.
-SM90_TILES_NC2 = {64: (128, 2, 2, 1)}
+SM90_TILES_NC2 = {64: (128, 2, 2)}
 SM90_SHORT_WINDOW_SQ = 1024
 #: Head dims of the BIAS variants (hd 256 spills with the bias loads).
 SM90_BIAS_HEAD_DIMS = (64, 128)
@@ -322,7 +320,6 @@ class Sm90Variant(NamedTuple):
     window: bool
     softcap: bool
     nc: int = 2
-    qbuf: int = 1
     varlen: bool = False
     bias: int = 0           # 0 none, 1 bias in the inputs' 16-bit type, 2 float32 bias
 
@@ -341,24 +338,23 @@ class Sm90Variant(NamedTuple):
     def name_expression(self) -> str:
         b = lambda x: "true" if x else "false"  # noqa: E731
         return (f"flash_fwd_sm90<{self.elem}, {self.d}, {self.bn}, {self.stages}, {self.nc}, "
-                f"{self.qbuf}, {b(self.window)}, {b(self.softcap)}, {b(self.varlen)}, {self.bias}>")
+                f"{b(self.window)}, {b(self.softcap)}, {b(self.varlen)}, {self.bias}>")
 
     @property
     def name(self) -> str:
         flags = ("_window" if self.window else "") + ("_softcap" if self.softcap else "") + (
             "_varlen" if self.varlen else "") + ("", "_bias", "_bias32")[self.bias]
-        qb = "q2" if self.qbuf == 2 else ""
-        return f"fwd90_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}s{self.stages}{qb}{flags}"
+        return f"fwd90_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}s{self.stages}{flags}"
 
     @property
     def smem_bytes(self) -> int:
-        return sm90_smem_bytes(self.d, self.bn, self.stages, self.nc, self.qbuf)
+        return sm90_smem_bytes(self.d, self.bn, self.stages, self.nc)
 
 
-def sm90_smem_bytes(d: int, bn: int, stages: int, nc: int = 2, qbuf: int = 1) -> int:
-    """Mirrors sm90::Layout in fwd_sm90.cu: Q [qbuf, 64·nc, d], K and V [stages, bn, d] (16-bit),
+def sm90_smem_bytes(d: int, bn: int, stages: int, nc: int = 2) -> int:
+    """Mirrors sm90::Layout in fwd_sm90.cu: Q [64·nc, d], K and V [stages, bn, d] (16-bit),
     the mbarriers, the work-tile indices, and 1024 bytes of slack to align the swizzled panels."""
-    return 2 * d * (64 * nc * qbuf + 2 * stages * bn) + 8 * (2 * qbuf + 4 * stages + 1) + 1024
+    return 2 * d * (64 * nc + 2 * stages * bn) + 8 * (2 + 4 * stages + 1) + 1024
 
 
 def sm90_variant(elem: str, d: int, window: bool, softcap: bool,
@@ -369,8 +365,8 @@ def sm90_variant(elem: str, d: int, window: bool, softcap: bool,
     short_window = window and s_q is not None and s_q <= SM90_SHORT_WINDOW_SQ
     nc2 = softcap or varlen or bias or short_window
     tiles = SM90_TILES_NC2.get(d, SM90_TILES[d]) if nc2 else SM90_TILES[d]
-    bn, stages, nc, qbuf = tiles
-    return Sm90Variant(elem, d, bn, stages, window, softcap, nc, qbuf, varlen, bias)
+    bn, stages, nc = tiles
+    return Sm90Variant(elem, d, bn, stages, window, softcap, nc, varlen, bias)
 
 
 def sm90_variants():

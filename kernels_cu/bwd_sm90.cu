@@ -263,16 +263,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 }
                 if (wt.steps > 0 && kv_at == wt.steps) load_kv();
             }
-            if (p.sched) {
-                // every block has drawn its last index before it counts itself finished, so the
-                // last one may zero the counter for the next launch on this stream
-                __threadfence();
-                if (atomicAdd(p.sched + 1, 1u) == gridDim.x - 1) {
-                    p.sched[0] = 0;
-                    p.sched[1] = 0;
-                    __threadfence();
-                }
-            }
+            if (p.sched) sched_finish(p.sched);   // this block has drawn its last work tile
         } else if (warp == ROWS_WARP) {
             // lse·log2 e and D [BM] per step into the stage's rows_smem (two rows per lane); rows
             // past s_q and rows that saw no key in the forward (lse = -inf) get +inf: P is then 0

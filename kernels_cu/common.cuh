@@ -82,7 +82,7 @@ struct Params {
     // TMA descriptors built by the host (cupyflash/_tma.py); each is a 128-byte CUtensorMap over
     // a rank-4 view (d, s, heads, b) of q / k / v, read through the kernel parameter
     // (__grid_constant__)
-    TmaDesc tma_q;          // q [b, s_q, h, d]: box [64 columns, 128 rows]
+    TmaDesc tma_q;          // q [b, s_q, h, d]: box [64 columns, BM rows]
     TmaDesc tma_k;          // k [b, s_k, h_k, d]: box [64 columns, BN rows]
     TmaDesc tma_v;          // v [b, s_k, h_k, d_v]: box [64 columns, BN rows]
     TmaDesc tma_do;         // dout [b, s_q, h, d_v] (backward): box [64 columns, BM rows]

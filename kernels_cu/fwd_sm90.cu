@@ -48,19 +48,18 @@ template <> struct Regs<3> { static constexpr int PRODUCER = 32, CONSUMER = 160;
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
 // cupyflash/_plan.py: sm90_smem_bytes.
-template <int D, int BN, int STAGES, int NC, int QBUF>
+template <int D, int BN, int STAGES, int NC>
 struct Layout {
     static constexpr int BM = WG_ROWS * NC;                  // query rows per work tile
     static constexpr int PANELS = D / PANEL_COLS;
     static constexpr int Q_PANEL = BM * 128;                 // bytes of q_smem [BM, 64]
-    static constexpr int Q_TILE = PANELS * Q_PANEL;          // one Q buffer
     static constexpr int KV_PANEL = BN * 128;                // bytes of k_smem / v_smem [BN, 64]
     static constexpr int KV_TILE = PANELS * KV_PANEL;        // one stage of K (or V)
-    static constexpr int Q = 0;                              // q_smem [QBUF][PANELS][BM][64]
-    static constexpr int K = Q + QBUF * Q_TILE;              // k_smem [STAGES][PANELS][BN][64]
+    static constexpr int Q = 0;                              // q_smem [PANELS][BM][64]
+    static constexpr int K = Q + PANELS * Q_PANEL;           // k_smem [STAGES][PANELS][BN][64]
     static constexpr int V = K + STAGES * KV_TILE;           // v_smem [STAGES][PANELS][BN][64]
-    static constexpr int BARS = V + STAGES * KV_TILE;        // q_full[QB], q_empty[QB], k/v_full[S], k/v_empty[S]
-    static constexpr int TILE = BARS + 8 * (2 * QBUF + 4 * STAGES);  // work-tile index [QBUF], producer -> consumers
+    static constexpr int BARS = V + STAGES * KV_TILE;        // q_full, q_empty, k/v_full[S], k/v_empty[S]
+    static constexpr int TILE = BARS + 8 * (2 + 4 * STAGES);  // work-tile index, producer -> consumers
     static constexpr int BYTES = TILE + 8;
 };
 
@@ -134,18 +133,16 @@ __device__ __forceinline__ float* lse_rows(const Params& p, const WorkTile& wt) 
 // run on across tiles, so the producer loads the next tile's Q and first K/V tiles while the
 // consumers finish the current one.
 // BIAS: 0 none, 1 bias elements in E's storage, 2 float32 bias elements.
-template <typename E, int D, int BN, int STAGES, int NC, int QBUF, bool WINDOW, bool SOFTCAP, bool VARLEN,
-          int BIAS>
+template <typename E, int D, int BN, int STAGES, int NC, bool WINDOW, bool SOFTCAP, bool VARLEN, int BIAS>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 flash_fwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90;
-    using L = Layout<D, BN, STAGES, NC, QBUF>;
+    using L = Layout<D, BN, STAGES, NC>;
     constexpr int BM = L::BM;
     typedef typename Elem<E>::storage S;
     static_assert(Elem<E>::is16, "the Hopper path takes float16 / bfloat16");
     static_assert(D % PANEL_COLS == 0 && D <= 256 && BN % 16 == 0 && BN <= 256 && BM <= 256, "tile shape");
-    static_assert(QBUF == 1 || QBUF == 2, "one or two Q buffers");
-    static_assert(BIAS == 0 || (QBUF == 1 && !VARLEN), "bias: one Q buffer, dense batches");
+    static_assert(BIAS == 0 || !VARLEN, "bias: dense batches");
     constexpr int NS = BN / 2;       // S accumulator registers per lane: [64, BN] over 128 lanes
     constexpr int NO = D / 2;        // O accumulator registers per lane: [64, D]
 
@@ -157,23 +154,21 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     // 128-byte swizzled tiles need 1024-byte aligned panels (the swizzle pattern repeats every 8 rows)
     const u32 smem = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 q_smem = smem + L::Q, k_smem = smem + L::K, v_smem = smem + L::V;
-    const u32 q_full = smem + L::BARS;                 // [QBUF]: Q tile (and its work-tile index) landed
-    const u32 q_empty = q_full + 8 * QBUF;             // [QBUF]: every consumer is done with the Q tile
-    const u32 k_full = q_empty + 8 * QBUF;             // [STAGES]: K tile of the stage landed
+    const u32 q_full = smem + L::BARS;                 // Q tile (and its work-tile index) landed
+    const u32 q_empty = q_full + 8;                    // every consumer is done with the Q tile
+    const u32 k_full = q_empty + 8;                    // [STAGES]: K tile of the stage landed
     const u32 v_full = k_full + 8 * STAGES;            // [STAGES]: V tile landed
     const u32 k_empty = v_full + 8 * STAGES;           // [STAGES]: every consumer is done with the K tile
     const u32 v_empty = k_empty + 8 * STAGES;          // [STAGES]: every consumer is done with the V tile
-    volatile int* tile_smem = (volatile int*)(smem_raw + (smem - smem_addr(smem_raw)) + L::TILE);   // [QBUF]
+    volatile int* tile_smem = (volatile int*)(smem_raw + (smem - smem_addr(smem_raw)) + L::TILE);
     const int num_work = p.num_m_blocks * p.h * p.b;
 
     const int wg = threadIdx.x / 128;      // 0 producer, 1 .. NC consumers
     const int t = threadIdx.x % 128;       // lane within the warpgroup
 
     if (threadIdx.x == 0) {
-        for (int b = 0; b < QBUF; ++b) {
-            mbar_init(q_full + 8 * b, 1);      // the producer's expect_tx arrival (+ bytes)
-            mbar_init(q_empty + 8 * b, NC);    // one arrival per consumer warpgroup
-        }
+        mbar_init(q_full, 1);                  // the producer's expect_tx arrival (+ bytes)
+        mbar_init(q_empty, NC);                // one arrival per consumer warpgroup
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_full + 8 * s, 1);
             mbar_init(v_full + 8 * s, 1);
@@ -194,10 +189,8 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             int kv_it = 0;     // K/V tiles issued so far (ring position)
             int drawn = 0;     // work-tile indices drawn so far (without a counter: i + k·grid)
             for (int tile_i = 0;; ++tile_i) {   // tile_i: work tiles handed to the consumers
-                const int qb = tile_i % QBUF;     // Q buffer of this tile
-                const u32 qf = q_full + 8 * qb;
-                // the consumers are done with the Q buffer's previous tile (and have read its index)
-                if (tile_i >= QBUF) mbar_wait(q_empty + 8 * qb, ((tile_i / QBUF) - 1) & 1);
+                // the consumers are done with the previous tile's Q (and have read its index)
+                if (tile_i > 0) mbar_wait(q_empty, (tile_i - 1) & 1);
                 int w;
                 WorkTile wt;
                 do {   // varlen: tiles past their sequence's end have no rows; skip them here
@@ -206,50 +199,39 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                     if (w < num_work) wt = work_tile<WINDOW, VARLEN, BM, BN>(p, w);
                 } while (VARLEN && w < num_work && !wt.rows);
                 if (w >= num_work) {                  // no work left: tell the consumers, stop
-                    tile_smem[qb] = -1;
-                    mbar_arrive(qf);
+                    *tile_smem = -1;
+                    mbar_arrive(q_full);
                     break;
                 }
-                tile_smem[qb] = w;                    // published by the q_full arrival (release)
+                *tile_smem = w;                       // published by the q_full arrival (release)
                 if (wt.n_tiles == 0) {                // rows that see no key: nothing to load
-                    mbar_arrive(qf);
+                    mbar_arrive(q_full);
                     continue;
                 }
                 // Q tile [BM, D]
-                mbar_arrive_expect_tx(qf, BM * D * 2);
+                mbar_arrive_expect_tx(q_full, BM * D * 2);
 #pragma unroll
                 for (int c = 0; c < L::PANELS; ++c)
-                    tma_load_4d(q_smem + qb * L::Q_TILE + c * L::Q_PANEL, &p.tma_q, qf,
-                                c * PANEL_COLS, wt.q_row + wt.m0, wt.head, wt.tma_b);
+                    tma_load_4d(q_smem + c * L::Q_PANEL, &p.tma_q, q_full, c * PANEL_COLS,
+                                wt.q_row + wt.m0, wt.head, wt.tma_b);
                 // K, V tiles [BN, D], right to left through the band, STAGES buffers deep
                 for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
                     const int n0 = wt.k_row + (wt.t_first + wt.n_tiles - 1 - it) * BN;   // packed row
                     const int s = kv_it % STAGES;
-                    const u32 reuse = ((kv_it / STAGES) - 1) & 1;   // phase of the stage's last release
-                    if (kv_it >= STAGES) mbar_wait(k_empty + 8 * s, reuse);
-                    mbar_arrive_expect_tx(k_full + 8 * s, BN * D * 2);
+                    // K (then V) of stage s, once every consumer has released the stage's last one
+                    auto load = [&](u32 dst_smem, const TmaDesc* desc, u32 full, u32 empty) {
+                        if (kv_it >= STAGES) mbar_wait(empty + 8 * s, ((kv_it / STAGES) - 1) & 1);
+                        mbar_arrive_expect_tx(full + 8 * s, BN * D * 2);
 #pragma unroll
-                    for (int c = 0; c < L::PANELS; ++c)
-                        tma_load_4d(k_smem + s * L::KV_TILE + c * L::KV_PANEL, &p.tma_k,
-                                    k_full + 8 * s, c * PANEL_COLS, n0, wt.kv_head, wt.tma_b);
-                    if (kv_it >= STAGES) mbar_wait(v_empty + 8 * s, reuse);
-                    mbar_arrive_expect_tx(v_full + 8 * s, BN * D * 2);
-#pragma unroll
-                    for (int c = 0; c < L::PANELS; ++c)
-                        tma_load_4d(v_smem + s * L::KV_TILE + c * L::KV_PANEL, &p.tma_v,
-                                    v_full + 8 * s, c * PANEL_COLS, n0, wt.kv_head, wt.tma_b);
+                        for (int c = 0; c < L::PANELS; ++c)
+                            tma_load_4d(dst_smem + s * L::KV_TILE + c * L::KV_PANEL, desc,
+                                        full + 8 * s, c * PANEL_COLS, n0, wt.kv_head, wt.tma_b);
+                    };
+                    load(k_smem, &p.tma_k, k_full, k_empty);
+                    load(v_smem, &p.tma_v, v_full, v_empty);
                 }
             }
-            if (p.sched) {
-                // every block has drawn its last index before it counts itself finished, so the
-                // last one may zero the counter for the next launch on this stream
-                __threadfence();
-                if (atomicAdd(p.sched + 1, 1u) == gridDim.x - 1) {
-                    p.sched[0] = 0;
-                    p.sched[1] = 0;
-                    __threadfence();
-                }
-            }
+            if (p.sched) sched_finish(p.sched);   // this block has drawn its last work tile
         }
         return;
     }
@@ -264,7 +246,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     const float sl2 = SOFTCAP || BIAS ? 1.f : p.scale_log2;
 
     int kv_it = 0;             // K/V ring position of the current key tile (runs on across tiles)
-    int tile_i = 0;            // work tiles taken so far: Q buffer tile_i % QBUF, its phase
+    int tile_i = 0;            // work tiles taken so far (the Q barriers' phase)
     WorkTile wt;               // the current work tile
     float o_acc[NO];           // O [64, D] of this warpgroup, fp32
     float m_run[2] = {-CF_INF, -CF_INF};   // running row max (raw scores; base-2: softcap, bias)
@@ -277,9 +259,8 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     // are finished right here (out = 0, lse = -inf). False when no work is left.
     auto fetch_tile = [&]() -> bool {
         for (;; ++tile_i) {
-            const int qb = tile_i % QBUF;
-            mbar_wait(q_full + 8 * qb, (tile_i / QBUF) & 1);
-            const int w = tile_smem[qb];
+            mbar_wait(q_full, tile_i & 1);
+            const int w = *tile_smem;
             if (w < 0) return false;
             wt = work_tile<WINDOW, VARLEN, BM, BN>(p, w);
             if (wt.n_tiles > 0) return true;
@@ -289,16 +270,16 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                 if (r0 + i / D < wt.s_q) o_bh[(r0 + i / D) * p.o_stride_s + i % D] = from_float<E>(0.f);
             if (t < WG_ROWS && r0 + t < wt.s_q) lse_rows<VARLEN>(p, wt)[r0 + t] = -CF_INF;
             named_bar_sync(WG_BAR + cw, 128);   // the whole warpgroup has read the tile index
-            if (t == 0) mbar_arrive(q_empty + 8 * qb);
+            if (t == 0) mbar_arrive(q_empty);
         }
     };
     auto key0 = [&](int it) { return (wt.t_first + wt.n_tiles - 1 - it) * BN; };   // right to left
 
-    // ---- S = Q Kᵀ  [64, BN], fp32, of the key tile in ring position kv against the Q tile of
-    //      work tile ti: k-steps of 16 columns through the D / 64 panels (issued and committed)
-    auto issue_s = [&](int kv, int ti) {
+    // ---- S = Q Kᵀ  [64, BN], fp32, of the key tile in ring position kv: k-steps of 16 columns
+    //      through the D / 64 panels (issued and committed)
+    auto issue_s = [&](int kv) {
         const int s = kv % STAGES;
-        const u32 q_wg = q_smem + (ti % QBUF) * L::Q_TILE + cw * WG_ROWS * 128;   // our 64 rows
+        const u32 q_wg = q_smem + cw * WG_ROWS * 128;      // this warpgroup's 64 rows of each Q panel
         const u32 k_tile = k_smem + s * L::KV_TILE;
         mbar_wait(k_full + 8 * s, (kv / STAGES) & 1);
         wgmma_fence();   // a pipeline stage of its own: O's product may be waited for alone
@@ -322,12 +303,12 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             wgmma_rs<E, D>(o_acc, p_frag + 4 * kk, smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024));
         wgmma_commit();
     };
-    // S of ring position kv has completed: release its K stage, and the Q buffer of work tile ti
-    // when it was that tile's last S
-    auto s_done = [&](int kv, int ti, bool last_s) {
+    // S of ring position kv has completed: release its K stage, and the Q tile when it was the
+    // work tile's last S
+    auto s_done = [&](int kv, bool last_s) {
         fence_regs<NS>(s_acc);
         if (t == 0) mbar_arrive(k_empty + 8 * (kv % STAGES));
-        if (last_s && t == 0) mbar_arrive(q_empty + 8 * (ti % QBUF));
+        if (last_s && t == 0) mbar_arrive(q_empty);
     };
     // O += P V of ring position kv has completed: release its V stage
     auto pv_done = [&](int kv) {
@@ -484,11 +465,11 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     // A turn with the S of the current tile's first key tile alone (no O += P V in flight)
     auto first_turn = [&]() {
         named_bar_sync(TURN_BAR + cw, 256);    // our turn on the tensor cores
-        issue_s(kv_it, tile_i);
+        issue_s(kv_it);
         named_bar_arrive(next_turn, 256);      // the next consumer may issue its GEMMs
         if constexpr (BIAS != 0) fetch_bias(key0(0));
         wgmma_wait<0>();
-        s_done(kv_it, tile_i, wt.n_tiles == 1);
+        s_done(kv_it, wt.n_tiles == 1);
         start_tile();
     };
     // A turn with the last O += P V of the current tile alone
@@ -505,8 +486,8 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     // TURN_BAR + c is "consumer c's turn": c's 128 threads sync on it, the consumer before c
     // arrives on it after issuing). Consumer 0 takes the very first turn: its own arrival here
     // plus its first sync complete barrier TURN_BAR. Every consumer walks the same work tiles
-    // and takes the same turns (one per key tile, plus one for a tile's first S unless it rode
-    // along in the previous tile's last turn), so the order holds across tiles.
+    // and takes the same n_tiles + 1 turns per tile (the first S; S of the next key tile + O += P V
+    // per key tile; the last O += P V alone), so the order holds across tiles.
     if (cw == 0) named_bar_arrive(TURN_BAR, 256);
 
     if (fetch_tile()) {
@@ -519,50 +500,24 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             const int last = wt.n_tiles - 1;
             for (int it = 0; it < last; ++it, ++kv_it) {
                 named_bar_sync(TURN_BAR + cw, 256);     // our turn on the tensor cores
-                issue_s(kv_it + 1, tile_i);
+                issue_s(kv_it + 1);
                 issue_pv(kv_it);
                 named_bar_arrive(next_turn, 256);        // the next consumer may issue its GEMMs
                 if constexpr (BIAS != 0) fetch_bias(key0(it + 1));
                 wgmma_wait<1>();                         // S done (O += P V may still run)
-                s_done(kv_it + 1, tile_i, it + 1 == last);
+                s_done(kv_it + 1, it + 1 == last);
                 softmax_scores(key0(it + 1));
                 wgmma_wait<0>();                         // O += P V done
                 pv_done(kv_it);
                 pack_p();
             }
-            // ---- the tile's last key tile
-            if constexpr (QBUF == 2) {
-                // The next tile's Q is already in its own buffer: its first S rides along in this
-                // turn, ahead of our last O += P V, and the epilogue runs after both.
-                const WorkTile cur = wt;
-                ++tile_i;
-                if (!fetch_tile()) {
-                    wt = cur;
-                    last_turn();
-                    store_tile();
-                    break;
-                }
-                named_bar_sync(TURN_BAR + cw, 256);
-                issue_s(kv_it + 1, tile_i);
-                issue_pv(kv_it);
-                named_bar_arrive(next_turn, 256);
-                wgmma_wait<0>();                         // both products done
-                s_done(kv_it + 1, tile_i, wt.n_tiles == 1);
-                pv_done(kv_it);
-                ++kv_it;
-                const WorkTile next = wt;
-                wt = cur;
-                store_tile();
-                wt = next;
-                start_tile();
-            } else {
-                // One Q buffer: the next tile's Q loads once every consumer is done with this one's
-                last_turn();
-                store_tile();
-                ++tile_i;
-                if (!fetch_tile()) break;
-                first_turn();
-            }
+            // ---- the tile's last key tile, the epilogue, then the next tile (its Q loads once
+            //      every consumer is done with this one's)
+            last_turn();
+            store_tile();
+            ++tile_i;
+            if (!fetch_tile()) break;
+            first_turn();
         }
     }
 }

@@ -81,6 +81,18 @@ __device__ __forceinline__ void fence_regs(u32* r) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
 }
 
+// The persistent kernels' work-tile counter sched [2] (drawn index, finished blocks): called
+// once per block after its last draw. Every block has drawn its last index before it counts
+// itself finished, so the last one may zero the counter for the next launch on the stream.
+__device__ __forceinline__ void sched_finish(unsigned int* sched) {
+    __threadfence();
+    if (atomicAdd(sched + 1, 1u) == gridDim.x - 1) {
+        sched[0] = 0;
+        sched[1] = 0;
+        __threadfence();
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Named barriers (ids 1..15; 0 is __syncthreads) over `threads` threads, and warpgroup
 // register reallocation.

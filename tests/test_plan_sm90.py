@@ -125,11 +125,10 @@ def test_wgmma_header_is_generated_and_current():
 def test_smem_layout_mirror():
     """sm90_smem_bytes mirrors sm90::Layout in fwd_sm90.cu (the kernel traps on a mismatch)."""
     src = (ROOT / "kernels_cu" / "fwd_sm90.cu").read_text()
-    assert "TILE = BARS + 8 * (2 * QBUF + 4 * STAGES)" in src and "BYTES = TILE + 8" in src and "if (smem_given < L::BYTES + 1024) __trap();" in src
+    assert "TILE = BARS + 8 * (2 + 4 * STAGES)" in src and "BYTES = TILE + 8" in src and "if (smem_given < L::BYTES + 1024) __trap();" in src
     assert _plan.sm90_smem_bytes(128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 8 * 11 + 1024
-    # three consumer warpgroups: a 192-row Q tile; two Q buffers
+    # three consumer warpgroups: a 192-row Q tile
     assert _plan.sm90_smem_bytes(64, 128, 2, 3) == 2 * 64 * (192 + 4 * 128) + 8 * 11 + 1024
-    assert _plan.sm90_smem_bytes(64, 128, 2, 3, 2) == 2 * 64 * (2 * 192 + 4 * 128) + 8 * 13 + 1024
 
 
 # ---------------------------------------------------------------------------------------------
