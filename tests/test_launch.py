@@ -131,3 +131,37 @@ def test_sm90_launch_falls_back_for_unaligned_bases(rng, monkeypatch, which, off
     else:
         assert seen[-1][0] == "portable" and name.startswith("fwd_bf16_d128")
         assert [int(seen[-1][1][n]) for n in "qkvo"] == [ptrs[c] for c in "qkvo"]
+
+
+def test_forward_varlen_names_a_bad_kernel_choice():
+    from cupyflash import _gpu
+    with pytest.raises(ValueError, match=r"kernel='fwd': accepted 'auto', 'sm90', 'portable'"):
+        _gpu.forward_varlen(None, None, None, None, None, 1, 1, None, None, None, kernel="fwd")
+
+
+class _FakeBias:
+    """What bias_pair_ok reads of a CuPy array: shape, strides, itemsize, data.ptr."""
+
+    def __init__(self, shape, strides, itemsize, ptr):
+        from types import SimpleNamespace
+        self.shape, self.strides, self.itemsize = shape, strides, itemsize
+        self.data = SimpleNamespace(ptr=ptr)
+
+
+@pytest.mark.parametrize("shape,elem_strides,itemsize,ptr,s_k,ok", [
+    ((2, 4, 8, 6), (192, 48, 6, 1), 2, 256, 6, True),     # contiguous 16-bit (b, h, s_q, s_k)
+    ((1, 4, 8, 6), (0, 48, 6, 1), 4, 256, 6, True),       # float32, broadcast over batch
+    ((2, 1, 1, 6), (6, 0, 0, 1), 2, 256, 6, True),        # key padding (b, 1, 1, s_k)
+    ((2, 4, 8, 8), (256, 64, 8, 1), 2, 256, 8, True),     # row-padded view (even row stride)
+    ((2, 4, 8, 5), (160, 40, 5, 1), 2, 256, 5, False),    # odd s_k: no column pairs
+    ((2, 4, 8, 6), (192, 48, 1, 8), 2, 256, 6, False),    # keys not contiguous
+    ((2, 4, 8, 6), (192, 48, 7, 1), 2, 256, 6, False),    # odd row stride: pairs misaligned
+    ((2, 4, 8, 6), (192, 48, 6, 1), 2, 258, 6, False),    # base not 4-byte aligned
+    ((2, 4, 8, 6), (192, 48, 6, 1), 4, 260, 6, False),    # float32 base not 8-byte aligned
+], ids=["f16", "f32_bcast", "key_pad", "row_padded", "odd_sk", "keys_strided", "odd_row",
+        "base16", "base32"])
+def test_bias_pair_ok(shape, elem_strides, itemsize, ptr, s_k, ok):
+    """The Hopper forward's bias path needs column pairs (j, j + 1) in one aligned load."""
+    from cupyflash import _gpu
+    b = _FakeBias(shape, tuple(st * itemsize for st in elem_strides), itemsize, ptr)
+    assert _gpu.bias_pair_ok(b, s_k) is ok
