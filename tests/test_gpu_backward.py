@@ -30,39 +30,10 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-cp = pytest.importorskip("cupy")
-ml_dtypes = pytest.importorskip("ml_dtypes")
+from gpu_util import DTYPES, FLOOR, alloc, cp, keep_mask  # noqa: E402  (skips without CuPy)
 
 from cupyflash import reference  # noqa: E402
 from cupyflash._options import Options  # noqa: E402
-
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32)}
-FLOOR = {"float16": 1e-4, "bfloat16": 1e-3}
-
-
-def _alloc(shape, dtype, layout, pad=0):
-    """A CuPy array viewed as bshd `shape`, stored as bshd / bhsd / with a padded last dim."""
-    b, s, h, d = shape
-    if layout == "bhsd":
-        return cp.empty((b, h, s, d), dtype).transpose(0, 2, 1, 3)
-    if layout == "padded":   # row pitch d + pad: unaligned rows when pad is odd
-        return cp.empty((b, s, h, d + pad), dtype)[..., :d]
-    if layout == "sstride":  # every other sequence position of a twice-longer buffer
-        return cp.empty((b, 2 * s, h, d), dtype)[:, ::2]
-    return cp.empty(shape, dtype)
-
-
-def _keep(s_q, s_k, wl, wr, bottom_right):
-    i = np.arange(s_q)
-    diag = i + (s_k - s_q) if bottom_right else i
-    j = np.arange(s_k)[None, :]
-    keep = np.ones((s_q, s_k), bool)
-    if wl >= 0:
-        keep &= j >= diag[:, None] - wl
-    if wr >= 0:
-        keep &= j <= diag[:, None] + wr
-    return keep, diag
 
 
 def _naive_bwd(q, k, v, do, dtype, scale, keep, softcap, alibi, diag):
@@ -121,13 +92,13 @@ def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False,
     don = draw((b, s_q, h, d_v))
 
     def dev(a, shape=None):
-        x = _alloc(a.shape if shape is None else shape, dtype, layout, pad)
+        x = alloc(a.shape if shape is None else shape, dtype, layout, pad)
         if a is not None:
             x[...] = cp.asarray(a)
         return x
 
     q, k, v, dout = dev(qn), dev(kn), dev(vn), dev(don)
-    out = _alloc((b, s_q, h, d_v), dtype, layout, pad)
+    out = alloc((b, s_q, h, d_v), dtype, layout, pad)
     lse = cp.empty((b, h, s_q), cp.float32)
 
     wl, wr = (-1, -1) if window is None else window
@@ -146,7 +117,7 @@ def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False,
 
     results = []
     for _ in range(repeats):
-        grads = [_alloc(x.shape, dtype, layout, pad) for x in (q, k, v)]
+        grads = [alloc(x.shape, dtype, layout, pad) for x in (q, k, v)]
         nan = cp.asarray(np.full((), np.nan, np.float32)).astype(dtype)
         for gr in grads:
             gr[...] = nan
@@ -184,7 +155,7 @@ def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False,
             rel = e / max(1.0, sc)
             assert rel <= tol, f"{name}: d{w} error {e:.3g} / max(1, max|ref| {sc:.3g}) > {tol}"
     else:
-        keep, diag = _keep(s_q, s_k, wl, wr, bottom_right)
+        keep, diag = keep_mask(s_q, s_k, wl, wr, bottom_right)
         naive = _naive_bwd(cp.asarray(qn), cp.asarray(kn), cp.asarray(vn), cp.asarray(don),
                            dtype, scale_, keep, softcap,
                            None if slopes is None else cp.asarray(np.broadcast_to(slopes, (b, h))),

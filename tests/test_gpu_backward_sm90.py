@@ -7,25 +7,15 @@ than compute capability 9.0. Also checks the launcher's choice under the default
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-cp = pytest.importorskip("cupy")
-
+from gpu_util import BF16, cp, hopper_only  # noqa: E402  (skips without CuPy)
 from test_gpu_backward import run_case  # noqa: E402  (pytest puts tests/ on sys.path)
 
 from cupyflash._options import Options  # noqa: E402
 
 
-def _cc():
-    try:
-        return int(cp.cuda.Device().compute_capability)
-    except Exception:  # noqa: BLE001  (no usable device: the gpu marker skips anyway)
-        return 0
-
-
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(_cc() != 90, reason="the Hopper kernel needs compute capability 9.0")]
+pytestmark = [pytest.mark.gpu, hopper_only]
 
 DTYPES = ["float16", "bfloat16"]
 
@@ -108,7 +98,7 @@ def test_launcher_picks_sm90_where_covered(kw, expect):
     from cupyflash import _gpu, _gpu_bwd
     kw = dict(kw)
     d = kw.pop("d", 128)
-    q, k, v, do = (cp.random.standard_normal((1, 100, 2, d), dtype=cp.float32).astype(_bf16())
+    q, k, v, do = (cp.random.standard_normal((1, 100, 2, d), dtype=cp.float32).astype(BF16)
                    for _ in range(4))
     opts = Options(scale=0.1, **kw)
     out, lse = cp.empty_like(q), cp.empty((1, 2, 100), cp.float32)
@@ -117,7 +107,3 @@ def test_launcher_picks_sm90_where_covered(kw, expect):
                              cp.empty_like(v), opts)
     assert name.startswith(expect), name
 
-
-def _bf16():
-    import ml_dtypes
-    return np.dtype(ml_dtypes.bfloat16)

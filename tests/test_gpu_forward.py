@@ -23,33 +23,17 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-cp = pytest.importorskip("cupy")
-ml_dtypes = pytest.importorskip("ml_dtypes")
+from gpu_util import DTYPES, FLOOR, alloc, cp, keep_mask  # noqa: E402  (skips without CuPy)
 
 from cupyflash import reference  # noqa: E402
 from cupyflash._options import Options  # noqa: E402
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32)}
-FLOOR_OUT = {"float16": 1e-4, "bfloat16": 1e-3}
 FLOOR_LSE = 1e-4
 
 
 def _gpu():
     from cupyflash import _gpu
     return _gpu
-
-
-def _alloc(shape, dtype, layout, pad=0):
-    """A CuPy array viewed as bshd `shape`, stored as bshd / bhsd / with a padded last dim."""
-    b, s, h, d = shape
-    if layout == "bhsd":
-        return cp.empty((b, h, s, d), dtype).transpose(0, 2, 1, 3)
-    if layout == "padded":   # row pitch d + pad: unaligned rows when pad is odd
-        return cp.empty((b, s, h, d + pad), dtype)[..., :d]
-    if layout == "sstride":  # every other sequence position of a twice-longer buffer
-        return cp.empty((b, 2 * s, h, d), dtype)[:, ::2]
-    return cp.empty(shape, dtype)
 
 
 def _naive(q, k, v, dtype, scale, keep, softcap, alibi, diag):
@@ -92,13 +76,13 @@ def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False,
     qn = rng.standard_normal((b, s_q, h, d), dtype=np.float32).astype(dtype)
     kn = rng.standard_normal((b, s_k, h_k, d), dtype=np.float32).astype(dtype)
     vn = rng.standard_normal((b, s_k, h_k, d_v), dtype=np.float32).astype(dtype)
-    q = _alloc(qn.shape, dtype, layout, pad)
-    k = _alloc(kn.shape, dtype, layout, pad)
-    v = _alloc(vn.shape, dtype, layout, pad)
+    q = alloc(qn.shape, dtype, layout, pad)
+    k = alloc(kn.shape, dtype, layout, pad)
+    v = alloc(vn.shape, dtype, layout, pad)
     q[...] = cp.asarray(qn)
     k[...] = cp.asarray(kn)
     v[...] = cp.asarray(vn)
-    out = _alloc((b, s_q, h, d_v), dtype, layout, pad)
+    out = alloc((b, s_q, h, d_v), dtype, layout, pad)
     out[...] = cp.asarray(np.full((), np.nan, np.float32)).astype(dtype)
     lse = cp.full((b, h, s_q), cp.nan, cp.float32)
 
@@ -141,27 +125,20 @@ def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False,
         lse_rel = np.linalg.norm(got_lse[live] - ref_l) / max(np.linalg.norm(ref_l), 1.0)
         assert lse_rel <= tol, f"{name}: lse relative error {lse_rel:.3g} > {tol}"
         return name
-    naive_dtype, floor_out, floor_lse = dtype, FLOOR_OUT[dtype_name], FLOOR_LSE
-    if True:  # max abs error against the naive computation in the same dtype
-        i = np.arange(s_q)
-        diag = i + (s_k - s_q) if bottom_right else i
-        j = np.arange(s_k)[None, :]
-        keep = np.ones((s_q, s_k), bool)
-        if wl >= 0:
-            keep &= j >= diag[:, None] - wl
-        if wr >= 0:
-            keep &= j <= diag[:, None] + wr
-        n_out, n_lse = _naive(cp.asarray(qn), cp.asarray(kn), cp.asarray(vn), naive_dtype, scale_,
-                              keep, softcap, None if slopes is None else
-                              cp.asarray(np.broadcast_to(slopes, (b, h))), diag)
-        n_out = cp.asnumpy(n_out).astype(np.float64)
-        n_lse = cp.asnumpy(n_lse).astype(np.float64)
-        naive_out = np.abs(n_out - ref_out).max()
-        naive_lse = np.abs(n_lse[live] - ref_lse[live]).max() if live.any() else 0.0
-        tol_out = 2 * naive_out + floor_out
-        tol_lse = 2 * naive_lse + floor_lse
-        assert err_out <= tol_out, f"{name}: out err {err_out:.3g} > {tol_out:.3g} (naive {naive_out:.3g})"
-        assert err_lse <= tol_lse, f"{name}: lse err {err_lse:.3g} > {tol_lse:.3g} (naive {naive_lse:.3g})"
+    naive_dtype, floor_out, floor_lse = dtype, FLOOR[dtype_name], FLOOR_LSE
+    # max abs error against the naive computation in the same dtype
+    keep, diag = keep_mask(s_q, s_k, wl, wr, bottom_right)
+    n_out, n_lse = _naive(cp.asarray(qn), cp.asarray(kn), cp.asarray(vn), naive_dtype, scale_,
+                          keep, softcap, None if slopes is None else
+                          cp.asarray(np.broadcast_to(slopes, (b, h))), diag)
+    n_out = cp.asnumpy(n_out).astype(np.float64)
+    n_lse = cp.asnumpy(n_lse).astype(np.float64)
+    naive_out = np.abs(n_out - ref_out).max()
+    naive_lse = np.abs(n_lse[live] - ref_lse[live]).max() if live.any() else 0.0
+    tol_out = 2 * naive_out + floor_out
+    tol_lse = 2 * naive_lse + floor_lse
+    assert err_out <= tol_out, f"{name}: out err {err_out:.3g} > {tol_out:.3g} (naive {naive_out:.3g})"
+    assert err_lse <= tol_lse, f"{name}: lse err {err_lse:.3g} > {tol_lse:.3g} (naive {naive_lse:.3g})"
     return name
 
 

@@ -12,22 +12,13 @@ import math
 import numpy as np
 import pytest
 
-cp = pytest.importorskip("cupy")
-
+from gpu_util import cp, hopper_only  # noqa: E402  (skips without CuPy)
 from test_gpu_forward import run_case  # noqa: E402  (pytest puts tests/ on sys.path)
 
 from cupyflash._options import Options  # noqa: E402
 
 
-def _cc():
-    try:
-        return int(cp.cuda.Device().compute_capability)
-    except Exception:  # noqa: BLE001  (no usable device: the gpu marker skips anyway)
-        return 0
-
-
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(_cc() != 90, reason="the Hopper kernel needs compute capability 9.0")]
+pytestmark = [pytest.mark.gpu, hopper_only]
 
 DTYPES = ["float16", "bfloat16"]
 HEAD_DIMS = [64, 128, 256]
