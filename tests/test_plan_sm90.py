@@ -164,7 +164,8 @@ def test_backward_coverage(kw, why):
 def test_backward_variants_fit_and_layout_mirror():
     from cupyflash import _gpu_bwd_sm90 as h90
     vs = h90.variants()
-    assert len(vs) == 8 and len({v.name for v in vs}) == 8
+    assert len(vs) == 16 and len({v.name for v in vs}) == 16
+    assert {v.varlen for v in vs} == {False, True}
     assert all(v.smem_bytes <= H200_SMEM for v in vs)
     assert {(v.d, v.kvbuf) for v in vs} == {(64, 2), (128, 1)}
     src = (ROOT / "kernels_cu" / "bwd_sm90.cu").read_text()
@@ -220,3 +221,28 @@ def test_varlen_plan(d, window, softcap):
         _plan.plan_forward_sm90("bfloat16", 1, 10, 10, 8, 2, d, d, scale=0.1,
                                 window_right=0 if window else -1,
                                 softcap=20.0 if softcap else 0.0, variant=v)
+
+
+def test_backward_varlen_variant_names():
+    """VARLEN is the sixth template argument (after KVBUF); its names end in _varlen; the dense
+    names are unchanged."""
+    from cupyflash import _gpu_bwd_sm90 as h90
+    dense = h90.variant_for("bf16_t", 128, True)
+    vl = h90.variant_for("bf16_t", 128, True, varlen=True)
+    assert dense.name == "bwd90_bf16_d128_64x128_window" and not dense.varlen
+    assert dense.name_expression == "flash_bwd_sm90<bf16_t, 128, true, true, 1, false>"
+    assert vl.name == "bwd90_bf16_d128_64x128_window_varlen"
+    assert vl.name_expression == "flash_bwd_sm90<bf16_t, 128, true, true, 1, true>"
+    v64 = h90.variant_for("f16_t", 64, False, varlen=True)
+    assert v64.name == "bwd90_f16_d64_64x128_kv2_varlen" and v64.kvbuf == 2
+    assert v64.name_expression == "flash_bwd_sm90<f16_t, 64, false, true, 2, true>"
+    assert vl.smem_bytes == dense.smem_bytes
+    assert {v.name for v in h90.variants() if v.varlen} == {
+        f"bwd90_{e}_d{d}_64x128{w}{kv}_varlen" for e in ("f16", "bf16") for d in (64, 128)
+        for w in ("", "_window") for kv in (("_kv2",) if d == 64 else ("",))}
+
+
+def test_backward_varlen_kernel_choice_is_checked_first():
+    from cupyflash import _gpu_bwd
+    with pytest.raises(ValueError, match=r"kernel='sm80': accepted 'auto', 'sm90', 'portable'"):
+        _gpu_bwd.backward_varlen(*([None] * 13), None, kernel="sm80")
