@@ -292,13 +292,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                        // so the readers (consumers, ROWS_WARP) never see them
                     w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
                     ++drawn;
-                    if (w < num_work) {
-                        wt = work_tile<WINDOW, VARLEN>(p, w);
-                        // the rest of this (kv head, sequence)'s key tiles have no keys either:
-                        // move the counter past them (it only grows, so no tile with keys is lost)
-                        if (VARLEN && !wt.keys && p.sched)
-                            atomicMax(p.sched, (unsigned)((w / p.num_n_blocks + 1) * p.num_n_blocks));
-                    }
+                    if (w < num_work) wt = work_tile<WINDOW, VARLEN>(p, w);
                 } while (VARLEN && w < num_work && !wt.keys);
                 tile_smem[ts] = w < num_work ? w : -1;
                 mbar_arrive(tile_full + 8 * ts);     // publishes tile_smem[ts] (release)
