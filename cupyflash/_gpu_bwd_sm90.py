@@ -112,6 +112,33 @@ def variants():
             for w in (False, True) for vl in (False, True)]
 
 
+def varlen_work_tiles(cu_seqlens_q, cu_seqlens_k, h: int, h_k: int, window_left: int,
+                      window_right: int, bottom_right: bool = True, window: bool = True):
+    """Mirror of the VARLEN kernel's work decomposition (bwd_sm90.cu: work_tile,
+    query_tile_range, the producer's skip): yields (w, sequence, kv_head, n0, m_first, m_count)
+    for every work tile handed to the consumers, in index order. Window sides are Params values
+    (unbounded: total_q + total_k); ``window``: the WINDOW template flag."""
+    cq = [int(x) for x in cu_seqlens_q]
+    ck = [int(x) for x in cu_seqlens_k]
+    nseq = len(cq) - 1
+    num_n = -(-max(ck[z + 1] - ck[z] for z in range(nseq)) // BN)
+    for w in range(num_n * h_k * nseq):
+        n0 = (w % num_n) * BN
+        kv_head = (w // num_n) % h_k
+        z = w // num_n // h_k
+        s_q, s_k = cq[z + 1] - cq[z], ck[z + 1] - ck[z]
+        if n0 >= s_k:          # skipped by the producer
+            continue
+        diag = s_k - s_q if bottom_right else 0
+        n_rows = min(BN, s_k - n0)
+        i_lo, i_hi = 0, s_q - 1
+        if window:
+            i_lo = max(0, n0 - diag - window_right)
+            i_hi = min(s_q - 1, n0 + n_rows - 1 - diag + window_left)
+        m_count = i_hi // BM - i_lo // BM + 1 if i_hi >= i_lo else 0
+        yield w, z, kv_head, n0, i_lo // BM, m_count
+
+
 def unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: float,
                 has_alibi: bool, deterministic: bool, cc: int, smem_optin: int,
                 tensors=()) -> Optional[str]:
@@ -189,4 +216,5 @@ def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
 
 
 __all__ = ["Sm90BwdVariant", "variants", "variant_for", "kv_buffers", "unsupported",
+           "varlen_work_tiles",
            "smem_bytes", "program", "get_functions", "launch"]

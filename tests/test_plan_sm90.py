@@ -246,3 +246,61 @@ def test_backward_varlen_kernel_choice_is_checked_first():
     from cupyflash import _gpu_bwd
     with pytest.raises(ValueError, match=r"kernel='sm80': accepted 'auto', 'sm90', 'portable'"):
         _gpu_bwd.backward_varlen(*([None] * 13), None, kernel="sm80")
+
+
+@pytest.mark.parametrize("mode", ["plain", "causal", "causal_top_left", "window", "left_window"])
+@pytest.mark.parametrize("lens", [((5, 1, 0, 300, 64, 129, 3, 260), (7, 65, 3, 257, 0, 300, 3, 250)),
+                                  ((127, 131, 1, 257, 61, 0, 2), (127, 131, 1, 257, 61, 5, 0))],
+                         ids=["mixed", "primes"])
+def test_backward_varlen_tiles_cover_the_band_once(lens, mode):
+    """The VARLEN decomposition (varlen_work_tiles, the kernel's work_tile mirror) and the
+    kernel's per-step mask (need_mask; keep = key − n0 < s_k − n0 and, windowed, nrel + (key −
+    n0) − row within [−left, right], nrel = n0 − diag) give every (sequence, head, row, key)
+    pair of each sequence's band exactly once, none outside it (rows past s_q: lse = +inf)."""
+    import numpy as np
+
+    from cupyflash import _gpu_bwd_sm90 as h90
+    lens_q, lens_k = lens
+    cq = np.concatenate([[0], np.cumsum(lens_q)])
+    ck = np.concatenate([[0], np.cumsum(lens_k)])
+    h, h_k = 4, 2
+    unb = int(cq[-1] + ck[-1])
+    wl, wr = {"plain": (-1, -1), "causal": (-1, 0), "causal_top_left": (-1, 0),
+              "window": (20, 5), "left_window": (7, -1)}[mode]
+    window = wl >= 0 or wr >= 0
+    wl_p, wr_p = (wl if wl >= 0 else unb), (wr if wr >= 0 else unb)
+    bottom_right = mode != "causal_top_left"
+    seen = {}
+    for w, z, kv_head, n0, m_first, m_count in h90.varlen_work_tiles(
+            cq, ck, h, h_k, wl_p, wr_p, bottom_right, window):
+        s_q, s_k = lens_q[z], lens_k[z]
+        diag = s_k - s_q if bottom_right else 0
+        nk, nrel = s_k - n0, n0 - diag
+        for st in range(m_count * (h // h_k)):
+            head = kv_head * (h // h_k) + st // m_count
+            m0 = (m_first + st % m_count) * h90.BM
+            need_mask = nk < h90.BN
+            if window:
+                need_mask |= nrel + h90.BN - 1 > m0 + wr_p or nrel < m0 + h90.BM - 1 - wl_p
+            kt = np.arange(h90.BN)[:, None]
+            col = np.arange(h90.BM)[None, :]
+            keep = np.ones((h90.BN, h90.BM), bool)
+            rel = nrel + kt - m0 - col
+            band = (kt < nk) & (rel <= wr_p) & (rel >= -wl_p)
+            if need_mask:
+                keep = band
+            live = m0 + col < s_q                     # rows of the next sequence: P = 0
+            assert need_mask or band[:, live[0]].all(), "an unmasked step needs masking"
+            for j, i in zip(*np.nonzero(keep & live)):
+                key = (z, head, int(m0 + i), int(n0 + j))
+                seen[key] = seen.get(key, 0) + 1
+    assert all(c == 1 for c in seen.values()), "a pair is visited twice"
+    want = set()
+    for z in range(len(lens_q)):
+        s_q, s_k = lens_q[z], lens_k[z]
+        diag = s_k - s_q if bottom_right else 0
+        for i in range(s_q):
+            for j in range(s_k):
+                if (wl < 0 or j >= i + diag - wl) and (wr < 0 or j <= i + diag + wr):
+                    want.update((z, hd, i, j) for hd in range(h))
+    assert set(seen) == want
