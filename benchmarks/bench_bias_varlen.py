@@ -150,7 +150,7 @@ def bench_varlen(causal, warmup, reps):
     grads = [cp.empty_like(x) for x in (q, k, v)]
     bwd = lambda: _gpu_bwd.backward_varlen(dout, q, k, v, out, lse, cu, cu, longest, longest,  # noqa: E731
                                            *grads, opts)
-    bwd()
+    bname = bwd()
     t_b = _cp_time(bwd, warmup, reps)
     flops = sum(4.0 * H * s * s * D for s in lens) / (2 if causal else 1)
     # dense at the longest length, same token count
@@ -164,10 +164,10 @@ def bench_varlen(causal, warmup, reps):
     td_f = _cp_time(fwdd, warmup, reps)
     gd = [cp.empty_like(x) for x in (qd, kd, vd)]
     bwdd = lambda: _gpu_bwd.backward(dod, qd, kd, vd, outd, lsed, *gd, optd)  # noqa: E731
-    bwdd()
+    bnamed = bwdd()
     td_b = _cp_time(bwdd, warmup, reps)
     flops_d = 4.0 * b * H * longest * longest * D / (2 if causal else 1)
-    return dict(lens=lens, name=name, t_f=t_f, t_b=t_b, flops=flops, td_f=td_f, td_b=td_b,
+    return dict(lens=lens, name=name, bname=bname, bnamed=bnamed, t_f=t_f, t_b=t_b, flops=flops, td_f=td_f, td_b=td_b,
                 flops_d=flops_d, tokens=tot, tokens_d=b * longest)
 
 
@@ -207,8 +207,9 @@ def main(argv=None):
             for dname, tv, td, mult in (("fwd", r["t_f"], r["td_f"], 1.0), ("bwd", r["t_b"], r["td_b"], 2.5)):
                 tv_tf = mult * r["flops"] / tv / 1e9
                 td_tf = mult * r["flops_d"] / td / 1e9
+                kern = f"   {r['name']}" if dname == "fwd" else f"   {r['bname']} / {r['bnamed']}"
                 print(f" {str(causal):6s} | {dname} | {tv:9.3f} {tv_tf:8.1f} {r['tokens'] / tv / 1e3:7.1f} |"
-                      f" {td:8.3f} {td_tf:8.1f} {r['tokens_d'] / td / 1e3:7.1f} | {tv_tf / td_tf:5.2f}",
+                      f" {td:8.3f} {td_tf:8.1f} {r['tokens_d'] / td / 1e3:7.1f} | {tv_tf / td_tf:5.2f}{kern}",
                       flush=True)
             res["varlen"].append({k_: v_ for k_, v_ in r.items()} | {"causal": causal})
         print(f" lengths ({len(r['lens'])} sequences): {r['lens']}")

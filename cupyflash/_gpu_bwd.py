@@ -430,9 +430,11 @@ def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
     return plan.variant.name
 
 
-def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, forced):
+def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, forced,
+                     varlen=None):
     """``hopper(prm)`` for _fill_and_launch when the Hopper main kernel covers the call (None
-    otherwise); ``forced`` (kernel="sm90") turns every refusal into a ValueError."""
+    otherwise); ``forced`` (kernel="sm90") turns every refusal into a ValueError. ``varlen``:
+    (sequences, max_seqlen_k) of a packed call (the VARLEN variant)."""
     from . import _gpu
     from . import _gpu_bwd_sm90 as h90
 
@@ -447,10 +449,14 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, for
         if forced:
             raise ValueError(f"kernel='sm90': the Hopper backward cannot run this call: {why}")
         return None
-    variant = h90.variant_for(plan.variant.elem, q.shape[3], plan.variant.window)
+    if varlen is None:
+        variant = h90.variant_for(plan.variant.elem, q.shape[3], plan.variant.window)
+    else:   # the GENERAL plan always has window set: the Hopper variant only where a side is bounded
+        window = int(opts.window_left) >= 0 or int(opts.window_right) >= 0
+        variant = h90.variant_for(plan.variant.elem, q.shape[3], window, varlen=True)
 
     def hopper(prm):
-        ran = h90.launch(variant, prm, plan.pre_grid, q, k, v, dout, dev_id, num_sms)
+        ran = h90.launch(variant, prm, plan.pre_grid, q, k, v, dout, dev_id, num_sms, varlen)
         if ran is None and forced:
             raise ValueError("kernel='sm90': a base address is not 16-byte aligned")
         return ran
@@ -542,16 +548,21 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
 
 
 def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                    max_seqlen_k, dq, dk, dv, opts) -> str:
-    """Gradients of _gpu.forward_varlen in one GENERAL launch set.
+                    max_seqlen_k, dq, dk, dv, opts, *, kernel="auto") -> str:
+    """Gradients of _gpu.forward_varlen in one launch set: the Hopper main kernel's VARLEN
+    variant (_gpu_bwd_sm90) on compute capability 9.0 where it covers the call (same rules as
+    the dense backward), else the portable GENERAL variant. ``kernel``: "auto", "sm90"
+    (ValueError naming the reason where the Hopper kernel cannot run the call) or "portable".
 
     dout, out [1, total_q, h, d_v]; q [1, total_q, h, d]; k [1, total_k, h_k, d]; v [1, total_k,
     h_k, d_v] (CuPy bshd views of the packed tokens); lse float32 [h, total_q] contiguous from
     the varlen forward; cu_seqlens_q / _k int32 CuPy [batch + 1]; dq, dk, dv preallocated like
-    q, k, v (every element written). Returns the variant's name.
+    q, k, v (every element written). Returns the variant's name (``bwd90_…_varlen`` for Hopper).
     """
     import cupy
 
+    if kernel not in ("auto", "sm90", "portable"):
+        raise ValueError(f"kernel={kernel!r}: accepted 'auto', 'sm90', 'portable'")
     name = _checks(dout, q, k, v, out, lse, dq, dk, dv)
     total_q, total_k = q.shape[1], k.shape[1]
     _, _, h, d = q.shape
@@ -577,9 +588,13 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
         prm["cu_seqlens_q"], prm["cu_seqlens_k"] = cq.data.ptr, ck.data.ptr
         return (cq, ck)
 
+    hopper = None
+    if kernel != "portable":
+        hopper = _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms,
+                                  forced=kernel == "sm90", varlen=(nseq, int(max_seqlen_k)))
     return _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id,
                             zero_batch_strides=True, zero_accum=bool(opts.deterministic),
-                            extra=extra)
+                            extra=extra, hopper=hopper)
 
 
 __all__ = ["BwdVariant", "BwdPlan", "plan_backward", "plan_backward_varlen", "dbias_plan",

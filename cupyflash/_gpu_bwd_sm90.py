@@ -1,6 +1,6 @@
 """Hopper (sm_90a) backward main kernel: coverage, variants, compilation and launch.
 
-``flash_bwd_sm90<E, D, WINDOW, DQ_BULK, KVBUF>`` in kernels_cu/bwd_sm90.cu replaces the portable
+``flash_bwd_sm90<E, D, WINDOW, DQ_BULK, KVBUF, VARLEN>`` in kernels_cu/bwd_sm90.cu replaces the portable
 main kernel (flash_bwd in bwd.cu) on compute capability 9.0 wherever it covers the call; the helper
 kernels before it (``flash_bwd_pre_sm90``: D = rowsum(dO ∘ O) with the zeroed dQ accumulator; bwd.cu's
 ``flash_bwd_pre`` when O's rows are not 16-byte aligned) and after it (``flash_bwd_dq_sm90``: the dQ
@@ -16,6 +16,11 @@ current one; two consumer warpgroups of 64 keys each keep dK, dV in registers; e
 goes through shared memory into the float32 accumulator (one cp.reduce.async.bulk .add.f32 by a
 producer warp). The accumulator's rows are chunk-swizzled (bwd_sm90.cu: dq_swizzle), so the dQ
 conversion is flash_bwd_dq_sm90.
+
+VARLEN (``backward_varlen``): work tiles over (key tile of the longest sequence, kv head,
+sequence) on the packed [1, total, h, d] tensors; lse, D and the accumulator are [h, total_q]
+rows; tiles past a sequence's keys are skipped by the producer; the helper kernels see the packed
+tokens as one batch.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ class Sm90BwdVariant(NamedTuple):
     window: bool
     dq_bulk: bool = True   # dQ tile via shared memory + one bulk reduce-add (else red.global)
     kvbuf: int = 1         # K / V buffers: 2 loads the next work tile's K, V during this one's steps
+    varlen: bool = False   # packed sequences (cu_seqlens), backward_varlen
 
     file = "bwd_sm90.cu"
     arch_options = ("-arch=sm_90a",)
@@ -55,7 +61,7 @@ class Sm90BwdVariant(NamedTuple):
     def name_expression(self) -> str:
         tf = {True: "true", False: "false"}
         return (f"flash_bwd_sm90<{self.elem}, {self.d}, {tf[self.window]}, {tf[self.dq_bulk]}, "
-                f"{self.kvbuf}>")
+                f"{self.kvbuf}, {tf[self.varlen]}>")
 
     @property
     def pre_expression(self) -> str:
@@ -76,7 +82,8 @@ class Sm90BwdVariant(NamedTuple):
     @property
     def name(self) -> str:
         return (f"bwd90_{self.elem[:-2]}_d{self.d}_{BM}x{BN}" + ("_window" if self.window else "")
-                + ("" if self.dq_bulk else "_red") + (f"_kv{self.kvbuf}" if self.kvbuf != 1 else ""))
+                + ("" if self.dq_bulk else "_red") + (f"_kv{self.kvbuf}" if self.kvbuf != 1 else "")
+                + ("_varlen" if self.varlen else ""))
 
     @property
     def smem_bytes(self) -> int:
@@ -93,15 +100,43 @@ def smem_bytes(d: int, kvbuf: int = None) -> int:
             + NBUF * 2 * BM * 4 + 16 + 16 + 8 * (2 * kvbuf + 2 * NBUF + 2 + 2 * TILE_RING) + 1024)
 
 
-def variant_for(elem: str, d: int, window: bool) -> "Sm90BwdVariant":
-    """The variant the launcher runs for this element type, head dim and mask kind."""
-    return Sm90BwdVariant(elem, d, window, True, kv_buffers(d))
+def variant_for(elem: str, d: int, window: bool, varlen: bool = False) -> "Sm90BwdVariant":
+    """The variant the launcher runs for this element type, head dim, mask kind and layout
+    (``varlen``: packed sequences)."""
+    return Sm90BwdVariant(elem, d, window, True, kv_buffers(d), varlen)
 
 
 def variants():
-    """Every Sm90BwdVariant (compiled by the harness for sm_90a)."""
-    return [variant_for(e, d, w) for e in ("f16_t", "bf16_t") for d in HEAD_DIMS
-            for w in (False, True)]
+    """Every Sm90BwdVariant (compiled by the harness for sm_90a): dense and varlen."""
+    return [variant_for(e, d, w, vl) for e in ("f16_t", "bf16_t") for d in HEAD_DIMS
+            for w in (False, True) for vl in (False, True)]
+
+
+def varlen_work_tiles(cu_seqlens_q, cu_seqlens_k, h: int, h_k: int, window_left: int,
+                      window_right: int, bottom_right: bool = True, window: bool = True):
+    """Mirror of the VARLEN kernel's work decomposition (bwd_sm90.cu: work_tile,
+    query_tile_range, the producer's skip): yields (w, sequence, kv_head, n0, m_first, m_count)
+    for every work tile handed to the consumers, in index order. Window sides are Params values
+    (unbounded: total_q + total_k); ``window``: the WINDOW template flag."""
+    cq = [int(x) for x in cu_seqlens_q]
+    ck = [int(x) for x in cu_seqlens_k]
+    nseq = len(cq) - 1
+    num_n = -(-max(ck[z + 1] - ck[z] for z in range(nseq)) // BN)
+    for w in range(num_n * h_k * nseq):
+        n0 = (w % num_n) * BN
+        kv_head = (w // num_n) % h_k
+        z = w // num_n // h_k
+        s_q, s_k = cq[z + 1] - cq[z], ck[z + 1] - ck[z]
+        if n0 >= s_k:          # skipped by the producer
+            continue
+        diag = s_k - s_q if bottom_right else 0
+        n_rows = min(BN, s_k - n0)
+        i_lo, i_hi = 0, s_q - 1
+        if window:
+            i_lo = max(0, n0 - diag - window_right)
+            i_hi = min(s_q - 1, n0 + n_rows - 1 - diag + window_left)
+        m_count = i_hi // BM - i_lo // BM + 1 if i_hi >= i_lo else 0
+        yield w, z, kv_head, n0, i_lo // BM, m_count
 
 
 def unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: float,
@@ -133,11 +168,16 @@ def get_functions(variant: Sm90BwdVariant, device_id: int):
 
 
 def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
-           num_sms: int) -> Optional[str]:
+           num_sms: int, varlen=None) -> Optional[str]:
     """Run pre, the Hopper main kernel and the dQ conversion with the Params record ``prm``
     (pointers, strides, sizes filled by _gpu_bwd.backward; ``pre_grid``: the portable
     flash_bwd_pre's, for O rows that are not 16-byte aligned). Returns None, launching nothing,
-    when a base address is not 16-byte aligned (the caller runs the portable kernels)."""
+    when a base address is not 16-byte aligned (the caller runs the portable kernels).
+
+    ``varlen`` = (sequences, max_seqlen_k) for a VARLEN variant: q, k, v, dout are the packed
+    [1, total, heads, d] tensors, ``prm`` has cu_seqlens, b = 1, s_q / s_k = the totals (what the
+    helper kernels see); the main kernel's record gets b = sequences and num_n_blocks = the key
+    tiles of the longest sequence."""
     from . import _gpu, _tma
 
     ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr)
@@ -155,17 +195,26 @@ def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
     prm["sched"] = _gpu._sched_counter(dev_id, _gpu._current_stream().ptr)
     main, pre, pre_portable, conv = get_functions(variant, dev_id)
     rec = prm.reshape(1)[0]
+    num_work = -(-s_k // BN) * h_k * b
+    main_rec = rec
+    if variant.varlen:
+        nseq, max_k = varlen
+        num_n = -(-max_k // BN)
+        num_work = num_n * h_k * nseq
+        main_prm = prm.copy()
+        main_prm["b"], main_prm["num_n_blocks"] = nseq, num_n
+        main_rec = main_prm.reshape(1)[0]
     o_rows_aligned = (int(prm["o"]) % 16 == 0
                       and all(int(prm[f"o_stride_{a}"]) % 8 == 0 for a in "bsh"))
     if o_rows_aligned:
         pre((-(-s_q // (256 // (variant.d // 8))), h, b), (256, 1, 1), (rec,))
     else:
         pre_portable(pre_grid, (256, 1, 1), (rec,))
-    num_work = -(-s_k // BN) * h_k * b
-    main((min(num_sms, num_work), 1, 1), (THREADS, 1, 1), (rec,), shared_mem=variant.smem_bytes)
+    main((min(num_sms, num_work), 1, 1), (THREADS, 1, 1), (main_rec,), shared_mem=variant.smem_bytes)
     conv((-(-s_q // (256 // (variant.d // 4))), h, b), (256, 1, 1), (rec,))
     return variant.name
 
 
 __all__ = ["Sm90BwdVariant", "variants", "variant_for", "kv_buffers", "unsupported",
+           "varlen_work_tiles",
            "smem_bytes", "program", "get_functions", "launch"]

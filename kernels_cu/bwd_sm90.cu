@@ -35,9 +35,19 @@
 //   the fragment stores hit every bank); flash_bwd_dq_sm90 undoes that when converting.
 // Sᵀ and dPᵀ are separate wgmma groups: Pᵀ = exp2(..) runs while dPᵀ is still in the tensor
 // cores. The consumers never load from global memory.
+// VARLEN (packed sequences): work tiles (key tile of the longest sequence, kv head, sequence z);
+// each reads its sequence's first rows and lengths from cu_seqlens (WorkTile: s_q, s_k, diag,
+// q_row, k_row). The tensor maps cover the packed [1, total, h, d] tensors, so a TMA box may take
+// in rows of the next sequence: those keys are masked (P = 0), those query rows get lse = +inf
+// (P = 0, dS = 0) and D = 0, dK / dV rows past the sequence's s_k are not stored, and the dQ bulk
+// reduce-add covers only the sequence's rows (min(BM, s_q - m0) rows). lse, D and the dQ
+// accumulator are [h, total_q] rows (p.s_q = total_q); the accumulator's chunk swizzle is by the
+// packed row index, so a tile's rows are offset by q_row mod 8 (flash_bwd_dq_sm90 unchanged).
+// Causal / window are aligned per sequence (p.varlen_bottom_right). The producer skips tiles whose
+// keys start past their sequence's end before handing them on: the readers never see them.
 // Covered (the launcher routes the rest to bwd.cu): float16 / bfloat16, d = d_v in {64, 128},
 // causal / window (either alignment), GQA / MQA, any s_q, s_k, scale > 0, no softcap / ALiBi,
-// atomic (non-deterministic) dQ, TMA-compatible strides.
+// atomic (non-deterministic) dQ, TMA-compatible strides; dense or (VARLEN) packed sequences.
 #include "bwd.cu"
 #include "sm90.cuh"
 #include "wgmma.cuh"
@@ -57,6 +67,7 @@ constexpr int NBUF = 2;              // Q / dO ring depth
 constexpr int TILE_RING = 2;         // work-tile indices in flight (tile_smem ring)
 // Arrivals that free a tile_smem slot: each consumer warp (4 + 4) and the ROWS_WARP
 constexpr int TILE_READERS = 2 * 4 + 1;
+static_assert(TILE_RING + 2 <= 4, "tile_smem and seq_smem share 16 bytes");
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
 // cupyflash/_gpu_bwd_sm90.py: smem_bytes.
@@ -76,7 +87,7 @@ struct Layout {
     static constexpr int DS = DO + NBUF * Q_TILE;            // dsT_smem [2][BN][BM]
     static constexpr int DQ = DS + 2 * DS_TILE;              // dq_smem [BM][D] float32 (DQ_BULK)
     static constexpr int ROWS = DQ + BM * DQ_PITCH;          // rows_smem [NBUF][lse·log2 e, D][BM]
-    static constexpr int TILE = ROWS + NBUF * 2 * BM * 4;    // tile_smem [TILE_RING] int (16 bytes)
+    static constexpr int TILE = ROWS + NBUF * 2 * BM * 4;    // tile_smem [TILE_RING] int, seq_smem [2] int (16 bytes)
     static constexpr int JOB = TILE + 16;                    // dq_job: accumulator address, bytes
     static constexpr int BARS = JOB + 16;                    // kv_full[KVBUF], kv_empty[KVBUF],
                                                              // qdo_full[NBUF], qdo_empty[NBUF],
@@ -85,43 +96,91 @@ struct Layout {
     static constexpr int BYTES = BARS + 8 * (2 * KVBUF + 2 * NBUF + 2 + 2 * TILE_RING);
 };
 
-// Query tiles a key tile [n0, n0 + n_rows) meets: rows i with i + off - left <= j <= i + off + right
-// for some key j of the tile (mirror of _gpu_bwd.query_tiles).
+// Query tiles a key tile [n0, n0 + n_rows) of a sequence (s_q, s_k, diag(i) = i + diag) meets:
+// rows i with i + diag - left <= j <= i + diag + right for some key j of the tile (mirror of
+// _gpu_bwd.query_tiles)
 template <bool WINDOW>
-__device__ __forceinline__ void query_tile_range(const Params& p, int n0, int* m_first, int* m_count) {
-    const int n_rows = min(BN, p.s_k - n0);
-    int i_lo = 0, i_hi = p.s_q - 1;
+__device__ __forceinline__ void query_tile_range(const Params& p, int s_q, int s_k, int diag, int n0,
+                                                 int* m_first, int* m_count) {
+    const int n_rows = min(BN, s_k - n0);
+    int i_lo = 0, i_hi = s_q - 1;
     if (WINDOW) {
-        i_lo = max(0, n0 - p.diag_offset - p.window_right);
-        i_hi = min(p.s_q - 1, n0 + n_rows - 1 - p.diag_offset + p.window_left);
+        i_lo = max(0, n0 - diag - p.window_right);
+        i_hi = min(s_q - 1, n0 + n_rows - 1 - diag + p.window_left);
     }
     *m_first = i_lo / BM;
     *m_count = i_hi >= i_lo ? i_hi / BM - i_lo / BM + 1 : 0;
 }
 
-// Work tile w = n_block + num_n · (kv_head + h_k · batch): key tiles fastest
+// Work tile w = n_block + num_n · (kv_head + h_k · batch): key tiles fastest. VARLEN: "batch" is
+// packed sequence z (p.b sequences: rows cu_seqlens[z] .. cu_seqlens[z + 1] of the [1, total, h, d]
+// tensors; p.s_q / p.s_k are the totals, num_n = p.num_n_blocks covers the longest sequence's keys,
+// so tiles whose keys start past their sequence's s_k have no keys: the producer skips them).
 struct WorkTile {
-    int n0, kv_head, batch;   // keys n0 .. n0 + BN of kv head kv_head in batch `batch`
+    int n0, kv_head, batch;   // keys n0 .. n0 + BN (of the sequence) of kv head kv_head in batch `batch`
+    int s_q, s_k, diag;       // this sequence's lengths; diag(i) = i + diag
+    int q_row, k_row;         // first packed row of the sequence in q / dO and in k / v (0 dense)
+    int tma_b;                // batch coordinate of the tensor maps and strides (0 varlen)
     int m_first, m_count;     // the query tiles that see them
     int steps;                // m_count x the query heads of the group
+    bool keys;                // the tile has keys (varlen: n0 < this sequence's s_k)
 };
-template <bool WINDOW>
+template <bool WINDOW, bool VARLEN>
 __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
-    const int num_n = (p.s_k + BN - 1) / BN;
+    const int num_n = VARLEN ? p.num_n_blocks : (p.s_k + BN - 1) / BN;
     WorkTile wt;
     wt.n0 = (w % num_n) * BN;
     wt.kv_head = (w / num_n) % p.h_k;
     wt.batch = w / num_n / p.h_k;
-    query_tile_range<WINDOW>(p, wt.n0, &wt.m_first, &wt.m_count);
-    wt.steps = wt.m_count * p.h_per_hk;
+    if constexpr (VARLEN) {
+        wt.q_row = p.cu_seqlens_q[wt.batch];
+        wt.k_row = p.cu_seqlens_k[wt.batch];
+        wt.s_q = p.cu_seqlens_q[wt.batch + 1] - wt.q_row;
+        wt.s_k = p.cu_seqlens_k[wt.batch + 1] - wt.k_row;
+        wt.diag = p.varlen_bottom_right ? wt.s_k - wt.s_q : 0;
+        wt.tma_b = 0;
+    } else {
+        wt.q_row = wt.k_row = 0;
+        wt.s_q = p.s_q;
+        wt.s_k = p.s_k;
+        wt.diag = p.diag_offset;
+        wt.tma_b = wt.batch;
+    }
+    wt.keys = wt.n0 < wt.s_k;
+    query_tile_range<WINDOW>(p, wt.s_q, wt.s_k, wt.diag, wt.n0, &wt.m_first, &wt.m_count);
+    wt.steps = wt.keys ? wt.m_count * p.h_per_hk : 0;
     return wt;
 }
-// query head and first query row of step st of a work tile
+// query head and first query row (of the sequence) of step st of a work tile
 __device__ __forceinline__ int step_head(const Params& p, const WorkTile& wt, int st) {
     return wt.kv_head * p.h_per_hk + st / wt.m_count;
 }
 __device__ __forceinline__ int step_m0(const WorkTile& wt, int st) {
     return (wt.m_first + st % wt.m_count) * BM;
+}
+// Index of the sequence's row 0 of query head `head` in the [b, h, s_q] row arrays (lse, D, the
+// dQ accumulator's rows); VARLEN: [h, total_q] (p.s_q = total_q)
+template <bool VARLEN>
+__device__ __forceinline__ i64 head_rows(const Params& p, const WorkTile& wt, int head) {
+    if constexpr (VARLEN) return (i64)head * p.s_q + wt.q_row;
+    return ((i64)wt.batch * p.h + head) * p.s_q;
+}
+
+// cu_seqlens[z], read again where it is used (an L1 hit) rather than held in a register across
+// a tile's steps: the hd 128 consumers have none to spare
+__device__ __forceinline__ int ld_seq(const int* a) {
+    return __ldg(a);
+}
+// The work tile's accumulator rows [s_q, D] of query head `head` and (*s_q) the sequence's s_q
+template <bool VARLEN, int D>
+__device__ __forceinline__ float* dq_rows(const Params& p, const WorkTile& wt, int head, int* s_q) {
+    if constexpr (VARLEN) {
+        const int q_row = ld_seq(p.cu_seqlens_q + wt.batch);
+        *s_q = ld_seq(p.cu_seqlens_q + wt.batch + 1) - q_row;
+        return p.dq_accum + ((i64)head * p.s_q + q_row) * D;
+    }
+    *s_q = p.s_q;
+    return p.dq_accum + ((i64)wt.batch * p.h + head) * p.s_q * D;
 }
 
 // Float offset of element (row i, column c) in a chunk-swizzled float32 row of D columns:
@@ -155,7 +214,7 @@ __device__ __forceinline__ void red_add_v2(float* addr, float x, float y) {
 
 }  // namespace sm90b
 
-template <typename E, int D, bool WINDOW, bool DQ_BULK, int KVBUF>
+template <typename E, int D, bool WINDOW, bool DQ_BULK, int KVBUF, bool VARLEN>
 __global__ void __launch_bounds__(sm90b::THREADS, 1)
 flash_bwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90b;
@@ -178,6 +237,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     const u32 do_smem = smem + L::DO, ds_smem = smem + L::DS, dq_smem = smem + L::DQ;
     float* rows_smem = (float*)(smem_gen + L::ROWS);    // [NBUF][2][BM]: lse·log2 e, D per stage
     volatile int* tile_smem = (volatile int*)(smem_gen + L::TILE);   // [TILE_RING] work tile, -1: none left
+    volatile int* seq_smem = tile_smem + TILE_RING;     // [2] VARLEN: the consumers' tile nk, nrel
     volatile u64* job_smem = (volatile u64*)(smem_gen + L::JOB);     // [2] dQ tile's accumulator
                                                                      // address (0: stop), bytes
     const u32 kv_full = smem + L::BARS;                 // [KVBUF]: K, V tiles of the buffer landed
@@ -188,7 +248,8 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     const u32 dq_empty = dq_full + 8;                   // dq_smem read out by the bulk reduce
     const u32 tile_full = dq_empty + 8;                 // [TILE_RING]: tile_smem slot written
     const u32 tile_empty = tile_full + 8 * TILE_RING;   // [TILE_RING]: every reader has read the slot
-    const int num_work = ((p.s_k + BN - 1) / BN) * p.h_k * p.b;
+    // VARLEN: p.b sequences, p.num_n_blocks key tiles of the longest one each
+    const int num_work = (VARLEN ? p.num_n_blocks : (p.s_k + BN - 1) / BN) * p.h_k * p.b;
 
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
     if (threadIdx.x == 0) {
@@ -220,15 +281,22 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             tma_prefetch_desc(&p.tma_v);
             tma_prefetch_desc(&p.tma_do);
             int kv_it = 0, q_it = 0;   // K/V tiles and Q/dO steps issued so far (ring positions)
-            for (int tile_i = 0;; ++tile_i) {   // tile_i: work tiles drawn so far
+            int drawn = 0;             // work-tile indices drawn so far (without a counter: i + k·grid)
+            for (int tile_i = 0;; ++tile_i) {   // tile_i: work tiles handed to the readers so far
                 const int ts = tile_i % TILE_RING;
                 // every reader has taken the slot's previous index
                 if (tile_i >= TILE_RING) mbar_wait(tile_empty + 8 * ts, ((tile_i / TILE_RING) - 1) & 1);
-                const int w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + tile_i * gridDim.x;
+                int w;
+                WorkTile wt;
+                do {   // varlen: tiles whose keys start past their sequence's end are skipped here,
+                       // so the readers (consumers, ROWS_WARP) never see them
+                    w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
+                    ++drawn;
+                    if (w < num_work) wt = work_tile<WINDOW, VARLEN>(p, w);
+                } while (VARLEN && w < num_work && !wt.keys);
                 tile_smem[ts] = w < num_work ? w : -1;
                 mbar_arrive(tile_full + 8 * ts);     // publishes tile_smem[ts] (release)
                 if (w >= num_work) break;            // no work left: the readers stop on -1
-                const WorkTile wt = work_tile<WINDOW>(p, w);
                 // K, V [BN, D] of the tile into buffer kv_it % KVBUF (none for a tile without steps)
                 auto load_kv = [&]() {
                     const int kb = kv_it % KVBUF;
@@ -237,29 +305,33 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
 #pragma unroll
                     for (int c = 0; c < L::PANELS; ++c) {
                         tma_load_4d(k_smem + kb * L::KV_TILE + c * L::KV_PANEL, &p.tma_k, kv_full + 8 * kb,
-                                    c * PANEL_COLS, wt.n0, wt.kv_head, wt.batch);
+                                    c * PANEL_COLS, wt.k_row + wt.n0, wt.kv_head, wt.tma_b);
                         tma_load_4d(v_smem + kb * L::KV_TILE + c * L::KV_PANEL, &p.tma_v, kv_full + 8 * kb,
-                                    c * PANEL_COLS, wt.n0, wt.kv_head, wt.batch);
+                                    c * PANEL_COLS, wt.k_row + wt.n0, wt.kv_head, wt.tma_b);
                     }
                     ++kv_it;
                 };
                 // KVBUF = 1: the buffer frees only after the current tile's last dQ product, so the
                 // tile's first NBUF Q/dO steps (whose ring slots free earlier) go first
                 const int kv_at = KVBUF == 1 ? min(NBUF, wt.steps) : 0;
+                // step st = (query head of the group) x m_count + query tile mi: counted, not divided
+                int head = wt.kv_head * p.h_per_hk, mi = 0;
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
                     if (st == kv_at) load_kv();
                     // Q, dO [BM, D] of the step into ring slot q_it % NBUF
-                    const int head = step_head(p, wt, st), m0 = step_m0(wt, st);
+                    const int m0 = (wt.m_first + mi) * BM;
+                    if (++mi == wt.m_count) mi = 0;
                     const int s = q_it % NBUF;
                     if (q_it >= NBUF) mbar_wait(qdo_empty + 8 * s, ((q_it / NBUF) - 1) & 1);
                     mbar_arrive_expect_tx(qdo_full + 8 * s, 2 * BM * D * 2);
 #pragma unroll
                     for (int c = 0; c < L::PANELS; ++c) {
                         tma_load_4d(q_smem + s * L::Q_TILE + c * L::Q_PANEL, &p.tma_q, qdo_full + 8 * s,
-                                    c * PANEL_COLS, m0, head, wt.batch);
+                                    c * PANEL_COLS, wt.q_row + m0, head, wt.tma_b);
                         tma_load_4d(do_smem + s * L::Q_TILE + c * L::Q_PANEL, &p.tma_do, qdo_full + 8 * s,
-                                    c * PANEL_COLS, m0, head, wt.batch);
+                                    c * PANEL_COLS, wt.q_row + m0, head, wt.tma_b);
                     }
+                    if (mi == 0) ++head;
                 }
                 if (wt.steps > 0 && kv_at == wt.steps) load_kv();
             }
@@ -275,20 +347,20 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 __syncwarp();                                 // every lane has read the slot
                 if (lane == 0) mbar_arrive(tile_empty + 8 * ts);
                 if (w < 0) break;
-                const WorkTile wt = work_tile<WINDOW>(p, w);
+                const WorkTile wt = work_tile<WINDOW, VARLEN>(p, w);
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
                     const int head = step_head(p, wt, st), m0 = step_m0(wt, st);
                     const int s = q_it % NBUF;
-                    const i64 bh_row = ((i64)wt.batch * p.h + head) * p.s_q;   // [b, h, s_q] row base
+                    const i64 bh_row = head_rows<VARLEN>(p, wt, head);   // row 0 of the sequence's head
                     if (q_it >= NBUF) mbar_wait(qdo_empty + 8 * s, ((q_it / NBUF) - 1) & 1);
                     float* lse_stage = rows_smem + s * 2 * BM;   // [BM]
                     float* dsum_stage = lse_stage + BM;          // [BM]
 #pragma unroll
                     for (int r = lane; r < BM; r += 32) {
                         const int i = m0 + r;
-                        const float lse = i < p.s_q ? p.lse[bh_row + i] : CF_INF;
+                        const float lse = i < wt.s_q ? p.lse[bh_row + i] : CF_INF;
                         lse_stage[r] = lse == -CF_INF ? CF_INF : lse * CF_LOG2E;
-                        dsum_stage[r] = i < p.s_q ? p.dsum[bh_row + i] : 0.f;
+                        dsum_stage[r] = i < wt.s_q ? p.dsum[bh_row + i] : 0.f;
                     }
                     mbar_arrive(qdo_full + 8 * s);   // release: the stores above are seen after the wait
                 }
@@ -327,9 +399,17 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
         __syncwarp();                                      // every lane of the warp has read the slot
         if (t % 32 == 0) mbar_arrive(tile_empty + 8 * ts);
         if (w < 0) break;
-        const WorkTile wt = work_tile<WINDOW>(p, w);
+        const WorkTile wt = work_tile<WINDOW, VARLEN>(p, w);
         const int n0 = wt.n0;
         const int key0 = n0 + cw * 64 + row_in_wg;         // this lane's keys: key0, key0 + 8
+        // VARLEN's mask values, kept in shared memory (hd 128 has no registers to spare): nk =
+        // s_k − n0 (keys of the tile in the sequence) and nrel = n0 − diag. Every consumer thread
+        // writes the same values; only tiles with steps read them, and a thread writes the next
+        // tile's after passing the DS_BAR of this tile's last step, so after every read of these.
+        if (VARLEN && wt.steps > 0) {
+            seq_smem[0] = wt.s_k - n0;
+            seq_smem[1] = n0 - wt.diag;
+        }
         const int kb = kv_it % KVBUF;
         const u32 k_tile = k_smem + kb * L::KV_TILE, v_tile = v_smem + kb * L::KV_TILE;   // [BN, D]
         const u32 k_wg = k_tile + cw * 64 * 128, v_wg = v_tile + cw * 64 * 128;   // this consumer's 64 keys
@@ -368,19 +448,31 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             fence_regs<NS>(s_acc);
 
             // ---- Pᵀ = exp2(Sᵀ·scale·log2 e − lse·log2 e), masked, in place in s_acc (fp32)
-            bool need_mask = n0 + BN > p.s_k;
+            // VARLEN in two per-tile values: nk = s_k − n0 (keys of the tile in the sequence; the
+            // next sequence's are masked too) and nrel = n0 − diag (key − diag(row) = nrel +
+            // (key − n0) − row)
+            const int nk = VARLEN ? seq_smem[0] : 0, nrel = VARLEN && WINDOW ? seq_smem[1] : 0;
+            bool need_mask = VARLEN ? nk < BN : n0 + BN > p.s_k;
             if (WINDOW)
-                need_mask |= n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
-                             n0 < m0 + BM - 1 + p.diag_offset - p.window_left;
+                need_mask |= VARLEN ? nrel + BN - 1 > m0 + p.window_right || nrel < m0 + BM - 1 - p.window_left
+                                    : n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
+                                      n0 < m0 + BM - 1 + p.diag_offset - p.window_left;
 #pragma unroll
             for (int i = 0; i < NS; ++i) {
                 const int col = (i / 4) * 8 + col_in_8 + (i % 2);   // query row m0 + col
                 const int key = key0 + ((i % 4) >= 2 ? 8 : 0);
                 float pe = fast_exp2(s_acc[i] * p.scale_log2 - lse_smem[col]);
                 if (need_mask) {
-                    const int diag = m0 + col + p.diag_offset;
-                    bool keep = key < p.s_k;
-                    if (WINDOW) keep = keep && key <= diag + p.window_right && key >= diag - p.window_left;
+                    bool keep;
+                    if constexpr (VARLEN) {
+                        const int kt = key - n0, rel = nrel + kt - m0 - col;   // key − diag(row)
+                        keep = kt < nk;
+                        if (WINDOW) keep = keep && rel <= p.window_right && rel >= -p.window_left;
+                    } else {
+                        const int diag = m0 + col + p.diag_offset;
+                        keep = key < p.s_k;
+                        if (WINDOW) keep = keep && key <= diag + p.window_right && key >= diag - p.window_left;
+                    }
                     if (!keep) pe = 0.f;
                 }
                 s_acc[i] = pe;
@@ -444,21 +536,26 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
 
             // ---- dQ slice (rows row_in_wg, +8; chunk-swizzled columns) -> the accumulator
             const int head = step_head(p, wt, st);
-            float* dq_bh = p.dq_accum + ((i64)wt.batch * p.h + head) * p.s_q * D;   // [s_q, D]
+            // The sequence's accumulator rows [s_q, D] (dq_rows); their chunk swizzle is by the row's
+            // index in the (batch, head) slab: varlen rows start at q_row, so the tile's rows are
+            // offset by sw = q_row mod 8.
             if (dq_cols && DQ_BULK) {
                 // via dq_smem [BM][D]; DQ_WARP adds the whole tile
                 fence_regs<NQ>(dq_acc);
                 if (q_it > 0) mbar_wait(dq_empty, (q_it - 1) & 1);   // last step's tile was read out
+                const int sw = VARLEN ? ld_seq(p.cu_seqlens_q + wt.batch) & 7 : 0;
                 if (cw == 0 && t == 0) {                             // where DQ_WARP adds it
+                    int s_q;
+                    float* dq_bh = dq_rows<VARLEN, D>(p, wt, head, &s_q);
                     job_smem[0] = (u64)(dq_bh + (i64)m0 * D);
-                    job_smem[1] = (u64)(min(BM, p.s_q - m0) * D * 4);
+                    job_smem[1] = (u64)(min(BM, s_q - m0) * D * 4);   // this sequence's rows only
                 }
 #pragma unroll
                 for (int i = 0; i < NQ; i += 4) {
                     const int col = cw * PANEL_COLS + (i / 4) * 8 + col_in_8;
                     const int r0 = row_in_wg, r1 = row_in_wg + 8;     // r1 mod 8 = r0 mod 8
-                    const u32 addr0 = dq_smem + r0 * L::DQ_PITCH + 4 * dq_swizzle(r0, col);
-                    const u32 addr1 = dq_smem + r1 * L::DQ_PITCH + 4 * dq_swizzle(r1, col);
+                    const u32 addr0 = dq_smem + r0 * L::DQ_PITCH + 4 * dq_swizzle(r0 + sw, col);
+                    const u32 addr1 = dq_smem + r1 * L::DQ_PITCH + 4 * dq_swizzle(r1 + sw, col);
                     asm volatile("st.shared.v2.f32 [%0], {%1, %2};" :: "r"(addr0), "f"(dq_acc[i]), "f"(dq_acc[i + 1]) : "memory");
                     asm volatile("st.shared.v2.f32 [%0], {%1, %2};" :: "r"(addr1), "f"(dq_acc[i + 2]), "f"(dq_acc[i + 3]) : "memory");
                 }
@@ -467,13 +564,16 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             } else if (dq_cols) {
                 // straight from registers (m0 is a multiple of 8: row mod 8 = row_in_wg mod 8)
                 fence_regs<NQ>(dq_acc);
+                int s_q;
+                float* dq_bh = dq_rows<VARLEN, D>(p, wt, head, &s_q);
+                const int sw = VARLEN ? ld_seq(p.cu_seqlens_q + wt.batch) & 7 : 0;
                 const int r0 = m0 + row_in_wg;
 #pragma unroll
                 for (int i = 0; i < NQ; i += 4) {
                     const int col = cw * PANEL_COLS + (i / 4) * 8 + col_in_8;
-                    if (r0 < p.s_q) red_add_v2(dq_bh + (i64)r0 * D + dq_swizzle(r0, col), dq_acc[i], dq_acc[i + 1]);
-                    if (r0 + 8 < p.s_q)
-                        red_add_v2(dq_bh + (i64)(r0 + 8) * D + dq_swizzle(r0 + 8, col), dq_acc[i + 2], dq_acc[i + 3]);
+                    if (r0 < s_q) red_add_v2(dq_bh + (i64)r0 * D + dq_swizzle(r0 + sw, col), dq_acc[i], dq_acc[i + 1]);
+                    if (r0 + 8 < s_q)
+                        red_add_v2(dq_bh + (i64)(r0 + 8) * D + dq_swizzle(r0 + 8 + sw, col), dq_acc[i + 2], dq_acc[i + 3]);
                 }
             }
         }
@@ -485,12 +585,15 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
 
         // ---- dK, dV of this consumer's 64 keys (GQA: already summed over the group's query
         //      heads; zeros for a tile that no query sees); the next tile's loads are in flight
+        const int k_row = VARLEN ? ld_seq(p.cu_seqlens_k + wt.batch) : 0;   // packed row of key 0
+        const int s_k = VARLEN ? ld_seq(p.cu_seqlens_k + wt.batch + 1) - k_row : p.s_k;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int key = key0 + 8 * r;
-            if (key < p.s_k) {
-                S* dk_row = (S*)p.dk + wt.batch * p.dk_stride_b + key * p.dk_stride_s + wt.kv_head * p.dk_stride_h;
-                S* dv_row = (S*)p.dv + wt.batch * p.dv_stride_b + key * p.dv_stride_s + wt.kv_head * p.dv_stride_h;
+            if (key < s_k) {   // varlen: never a row of the next sequence
+                const i64 row = k_row + key;
+                S* dk_row = (S*)p.dk + wt.tma_b * p.dk_stride_b + row * p.dk_stride_s + wt.kv_head * p.dk_stride_h;
+                S* dv_row = (S*)p.dv + wt.tma_b * p.dv_stride_b + row * p.dv_stride_s + wt.kv_head * p.dv_stride_h;
 #pragma unroll
                 for (int i = 0; i < NKV; i += 4) {
                     const int col = (i / 4) * 8 + col_in_8;

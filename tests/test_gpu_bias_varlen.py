@@ -426,7 +426,10 @@ LENS = {
 
 def run_varlen(rng, dtype_name, lens_q, lens_k, h, hk, d, *, causal=False, window=None,
                softcap=0.0, alibi=False, backward=True, deterministic=False, repeats=1,
-               kernel="auto"):
+               kernel="auto", bwd_kernel="auto", expect_bwd=None, causal_align="bottom_right"):
+    """Forward (``kernel``) and backward (``bwd_kernel``; its name must start with
+    ``expect_bwd`` when given) against the reference, sequence by sequence; returns the
+    forward's variant name."""
     from cupyflash import _gpu, _gpu_bwd
     dtype = DTYPES[dtype_name]
     cq, ck = _cu(lens_q), _cu(lens_k)
@@ -438,7 +441,8 @@ def run_varlen(rng, dtype_name, lens_q, lens_k, h, hk, d, *, causal=False, windo
     slopes = rng.uniform(0.01, 0.3, (nseq, h)).astype(np.float32) if alibi else None
     dims = _checks.Dims(nseq, tq, tk, h, hk, d, d)
     opts = _checks.make_options(dims, cp, causal=causal, window=window, softcap=softcap or None,
-                                alibi_slopes=slopes, deterministic=deterministic)
+                                alibi_slopes=slopes, deterministic=deterministic,
+                                causal_align=causal_align)
     out = _nan_like((1, tq, h, d), dtype)
     lse = cp.full((h, tq), cp.nan, cp.float32)
     cqd, ckd = cp.asarray(cq), cp.asarray(ck)
@@ -454,8 +458,10 @@ def run_varlen(rng, dtype_name, lens_q, lens_k, h, hk, d, *, causal=False, windo
         results = []
         for _ in range(repeats):
             gr = [_nan_like(x.shape, dtype) for x in (q, k, v)]
-            _gpu_bwd.backward_varlen(dout, q, k, v, out, lse, cqd, ckd, max(lens_q), max(lens_k),
-                                     *gr, opts)
+            bname = _gpu_bwd.backward_varlen(dout, q, k, v, out, lse, cqd, ckd, max(lens_q),
+                                             max(lens_k), *gr, opts, kernel=bwd_kernel)
+            if expect_bwd is not None:
+                assert bname.startswith(expect_bwd), bname
             cp.cuda.get_current_stream().synchronize()
             results.append([_h(x[0]) for x in gr])
         for other in results[1:]:
@@ -472,6 +478,8 @@ def run_varlen(rng, dtype_name, lens_q, lens_k, h, hk, d, *, causal=False, windo
         sl = None if slopes is None else slopes[i:i + 1]
         kw = dict(scale=scale, causal=causal, window=window, softcap=softcap or None,
                   alibi_slopes=sl)
+        if causal_align != "bottom_right":
+            kw["causal_align"] = causal_align
         if lens_k[i] == 0:   # no key: out 0, lse -inf, dq 0
             assert (got_out[sq_] == 0).all() and np.isneginf(got_lse[:, sq_]).all(), what
             if grads is not None:
@@ -479,7 +487,8 @@ def run_varlen(rng, dtype_name, lens_q, lens_k, h, hk, d, *, causal=False, windo
             continue
         ref_out, ref_lse = reference.attention(qn[None, sq_], kn[None, sk_], vn[None, sk_],
                                                return_lse=True, **kw)
-        keep, diag = _keep(lens_q[i], lens_k[i], causal, window)
+        keep, diag = _keep(lens_q[i], lens_k[i], causal, window,
+                           bottom_right=causal_align == "bottom_right")
         naive = _naive(q[:, sq_], k[:, sk_], v[:, sk_], dout[:, sq_] if backward else None, dtype,
                        scale, keep, None, softcap, None if sl is None else cp.asarray(sl), diag)
         check_out_lse(dtype_name, got_out[sq_][None], got_lse[None, :, sq_], ref_out, ref_lse,
@@ -487,7 +496,8 @@ def run_varlen(rng, dtype_name, lens_q, lens_k, h, hk, d, *, causal=False, windo
         # the dense call on this sequence alone agrees to the same tolerance
         dense, dense_lse = cf.attention(q[:, sq_], k[:, sk_], v[:, sk_], return_lse=True,
                                         causal=causal, window=window, softcap=softcap or None,
-                                        alibi_slopes=None if sl is None else cp.asarray(sl))
+                                        alibi_slopes=None if sl is None else cp.asarray(sl),
+                                        causal_align=causal_align)
         diff = np.abs(got_out[sq_][None] - _h(dense)).max()
         tol = (2e-5 * max(1.0, np.abs(ref_out).max()) if dtype_name == "float32" else
                2 * np.abs(_h(naive[0]) - ref_out).max() + FLOOR[dtype_name])
@@ -548,6 +558,44 @@ def test_varlen_hopper(rng, d, opt):
 def test_varlen_hopper_float16_gqa(rng):
     name = run_varlen(rng, "float16", *LENS["mixed"], 6, 3, 128, causal=True, kernel="sm90")
     assert name.startswith("fwd90_"), name
+
+
+# The Hopper backward's VARLEN variant (forced; its name is checked): tiles that straddle
+# sequence ends in both q and k, sequences of length 0 and 1, without keys or without queries,
+# primes, s_q != s_k per sequence (bottom-right and top-left causal), GQA / MQA, both head dims and
+# 16-bit dtypes. Several key tiles per sequence (700 / 650 rows) and query tiles per step.
+HOPPER_BWD_LENS = {
+    "mixed": HOPPER_LENS,
+    "primes": ((127, 131, 1, 257, 61, 0, 2), (127, 131, 1, 257, 61, 5, 0)),
+}
+
+
+@hopper
+@pytest.mark.parametrize("opt", ["plain", "causal", "causal_top_left", "window", "gqa", "mqa"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_varlen_backward_hopper(rng, dtype, d, opt):
+    kw = {"causal": dict(causal=True), "causal_top_left": dict(causal=True, causal_align="top_left"),
+          "window": dict(window=(40, 7)), "gqa": dict(causal=True)}.get(opt, {})
+    h, hk = {"gqa": (6, 2), "mqa": (4, 1)}.get(opt, (4, 2))
+    lens = HOPPER_BWD_LENS["primes" if opt in ("gqa", "mqa") else "mixed"]
+    run_varlen(rng, dtype, *lens, h, hk, d, bwd_kernel="sm90", expect_bwd="bwd90_", **kw)
+
+
+@hopper
+def test_varlen_backward_hopper_routing(rng):
+    """auto takes the Hopper backward where it covers the call, the portable one elsewhere;
+    kernel='sm90' names why it cannot run a call."""
+    from cupyflash import _gpu_bwd
+    lens = ((33, 1, 190, 0, 77), (50, 9, 120, 5, 77))
+    run_varlen(rng, "bfloat16", *lens, 4, 2, 128, causal=True, expect_bwd="bwd90_")
+    run_varlen(rng, "bfloat16", *lens, 4, 2, 128, bwd_kernel="portable", expect_bwd="bwd_bf16")
+    run_varlen(rng, "bfloat16", *lens, 4, 2, 64, deterministic=True, expect_bwd="bwd_bf16")
+    run_varlen(rng, "bfloat16", *lens, 4, 2, 96, expect_bwd="bwd_bf16")
+    with pytest.raises(ValueError, match="softcap"):
+        run_varlen(rng, "bfloat16", *lens, 4, 2, 64, softcap=5.0, bwd_kernel="sm90")
+    with pytest.raises(ValueError, match="kernel='x'"):
+        _gpu_bwd.backward_varlen(*([None] * 13), None, kernel="x")
 
 
 def test_varlen_top_left_api(rng):

@@ -165,3 +165,52 @@ def test_bias_pair_ok(shape, elem_strides, itemsize, ptr, s_k, ok):
     from cupyflash import _gpu
     b = _FakeBias(shape, tuple(st * itemsize for st in elem_strides), itemsize, ptr)
     assert _gpu.bias_pair_ok(b, s_k) is ok
+
+
+def test_sm90_backward_varlen_launch_records(monkeypatch):
+    """The VARLEN Hopper backward: the main kernel's record has b = sequences and num_n_blocks =
+    the longest sequence's key tiles (its grid: min(SMs, work tiles)); the helper kernels keep
+    b = 1 and see the packed tokens as one batch (grid z = 1)."""
+    import ml_dtypes
+
+    from cupyflash import _gpu, _gpu_bwd, _gpu_bwd_sm90 as h90, _tma
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    total_q, total_k, h, h_k, d = 1500, 1400, 4, 2, 128
+
+    class Arr:   # a packed [1, total, heads, d] stand-in for a CuPy array
+        def __init__(self, rows, heads, ptr):
+            self.shape, self.dtype = (1, rows, heads, d), bf16
+            self.strides = (rows * heads * d * 2, heads * d * 2, d * 2, 2)
+            self.data = type("M", (), {"ptr": ptr})()
+
+    q, dout = Arr(total_q, h, 1 << 20), Arr(total_q, h, 3 << 20)
+    k, v = Arr(total_k, h_k, 5 << 20), Arr(total_k, h_k, 7 << 20)
+    plan = _gpu_bwd.plan_backward_varlen("bfloat16", 8, total_q, total_k, 700, 650, h, h_k, d, d,
+                                         scale=0.1, window_right=0)
+    prm = plan.params.copy()
+    prm["dk"], prm["dv"], prm["o"] = 9 << 20, 11 << 20, 13 << 20
+    seen = []
+
+    def kernel_of(name):
+        def kernel(grid, block, args, shared_mem=0):   # args: (the record, a numpy.void)
+            seen.append((name, grid, np.array(args[0], _plan.PARAMS_DTYPE)[()]))
+        return kernel
+
+    monkeypatch.setattr(_tma, "encode", lambda *a: np.zeros(16, np.uint64))
+    monkeypatch.setattr(_gpu, "_current_stream", lambda: type("S", (), {"ptr": 77})())
+    monkeypatch.setattr(_gpu, "_sched_counter", lambda dev, stream: 4096)
+    monkeypatch.setattr(h90, "get_functions", lambda variant, dev: tuple(
+        kernel_of(n) for n in ("main", "pre", "pre_portable", "dq")))
+    variant = h90.variant_for("bf16_t", d, True, varlen=True)
+    assert h90.launch(variant, prm, plan.pre_grid, q, k, v, dout, 0, 132, (8, 650)) == variant.name
+    assert [s[0] for s in seen] == ["pre", "main", "dq"]
+    (_, pre_grid, pre_rec), (_, main_grid, main_rec), (_, dq_grid, dq_rec) = seen
+    num_n = -(-650 // 128)
+    assert main_grid == (min(132, num_n * h_k * 8), 1, 1)
+    assert (main_rec["b"], main_rec["num_n_blocks"]) == (8, num_n)
+    assert pre_grid[1:] == (h, 1) and dq_grid[1:] == (h, 1)
+    for rec in (pre_rec, dq_rec):
+        assert rec["b"] == 1 and rec["s_q"] == total_q
+    assert main_rec["s_q"] == total_q and main_rec["s_k"] == total_k
+    assert main_rec["varlen_bottom_right"] == 1 and main_rec["diag_offset"] == 0

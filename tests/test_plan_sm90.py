@@ -164,7 +164,8 @@ def test_backward_coverage(kw, why):
 def test_backward_variants_fit_and_layout_mirror():
     from cupyflash import _gpu_bwd_sm90 as h90
     vs = h90.variants()
-    assert len(vs) == 8 and len({v.name for v in vs}) == 8
+    assert len(vs) == 16 and len({v.name for v in vs}) == 16
+    assert {v.varlen for v in vs} == {False, True}
     assert all(v.smem_bytes <= H200_SMEM for v in vs)
     assert {(v.d, v.kvbuf) for v in vs} == {(64, 2), (128, 1)}
     src = (ROOT / "kernels_cu" / "bwd_sm90.cu").read_text()
@@ -220,3 +221,86 @@ def test_varlen_plan(d, window, softcap):
         _plan.plan_forward_sm90("bfloat16", 1, 10, 10, 8, 2, d, d, scale=0.1,
                                 window_right=0 if window else -1,
                                 softcap=20.0 if softcap else 0.0, variant=v)
+
+
+def test_backward_varlen_variant_names():
+    """VARLEN is the sixth template argument (after KVBUF); its names end in _varlen; the dense
+    names are unchanged."""
+    from cupyflash import _gpu_bwd_sm90 as h90
+    dense = h90.variant_for("bf16_t", 128, True)
+    vl = h90.variant_for("bf16_t", 128, True, varlen=True)
+    assert dense.name == "bwd90_bf16_d128_64x128_window" and not dense.varlen
+    assert dense.name_expression == "flash_bwd_sm90<bf16_t, 128, true, true, 1, false>"
+    assert vl.name == "bwd90_bf16_d128_64x128_window_varlen"
+    assert vl.name_expression == "flash_bwd_sm90<bf16_t, 128, true, true, 1, true>"
+    v64 = h90.variant_for("f16_t", 64, False, varlen=True)
+    assert v64.name == "bwd90_f16_d64_64x128_kv2_varlen" and v64.kvbuf == 2
+    assert v64.name_expression == "flash_bwd_sm90<f16_t, 64, false, true, 2, true>"
+    assert vl.smem_bytes == dense.smem_bytes
+    assert {v.name for v in h90.variants() if v.varlen} == {
+        f"bwd90_{e}_d{d}_64x128{w}{kv}_varlen" for e in ("f16", "bf16") for d in (64, 128)
+        for w in ("", "_window") for kv in (("_kv2",) if d == 64 else ("",))}
+
+
+def test_backward_varlen_kernel_choice_is_checked_first():
+    from cupyflash import _gpu_bwd
+    with pytest.raises(ValueError, match=r"kernel='sm80': accepted 'auto', 'sm90', 'portable'"):
+        _gpu_bwd.backward_varlen(*([None] * 13), None, kernel="sm80")
+
+
+@pytest.mark.parametrize("mode", ["plain", "causal", "causal_top_left", "window", "left_window"])
+@pytest.mark.parametrize("lens", [((5, 1, 0, 300, 64, 129, 3, 260), (7, 65, 3, 257, 0, 300, 3, 250)),
+                                  ((127, 131, 1, 257, 61, 0, 2), (127, 131, 1, 257, 61, 5, 0))],
+                         ids=["mixed", "primes"])
+def test_backward_varlen_tiles_cover_the_band_once(lens, mode):
+    """The VARLEN decomposition (varlen_work_tiles, the kernel's work_tile mirror) and the
+    kernel's per-step mask (need_mask; keep = key − n0 < s_k − n0 and, windowed, nrel + (key −
+    n0) − row within [−left, right], nrel = n0 − diag) give every (sequence, head, row, key)
+    pair of each sequence's band exactly once, none outside it (rows past s_q: lse = +inf)."""
+    import numpy as np
+
+    from cupyflash import _gpu_bwd_sm90 as h90
+    lens_q, lens_k = lens
+    cq = np.concatenate([[0], np.cumsum(lens_q)])
+    ck = np.concatenate([[0], np.cumsum(lens_k)])
+    h, h_k = 4, 2
+    unb = int(cq[-1] + ck[-1])
+    wl, wr = {"plain": (-1, -1), "causal": (-1, 0), "causal_top_left": (-1, 0),
+              "window": (20, 5), "left_window": (7, -1)}[mode]
+    window = wl >= 0 or wr >= 0
+    wl_p, wr_p = (wl if wl >= 0 else unb), (wr if wr >= 0 else unb)
+    bottom_right = mode != "causal_top_left"
+    seen = {}
+    for w, z, kv_head, n0, m_first, m_count in h90.varlen_work_tiles(
+            cq, ck, h, h_k, wl_p, wr_p, bottom_right, window):
+        s_q, s_k = lens_q[z], lens_k[z]
+        diag = s_k - s_q if bottom_right else 0
+        nk, nrel = s_k - n0, n0 - diag
+        for st in range(m_count * (h // h_k)):
+            head = kv_head * (h // h_k) + st // m_count
+            m0 = (m_first + st % m_count) * h90.BM
+            need_mask = nk < h90.BN
+            if window:
+                need_mask |= nrel + h90.BN - 1 > m0 + wr_p or nrel < m0 + h90.BM - 1 - wl_p
+            kt = np.arange(h90.BN)[:, None]
+            col = np.arange(h90.BM)[None, :]
+            keep = np.ones((h90.BN, h90.BM), bool)
+            rel = nrel + kt - m0 - col
+            band = (kt < nk) & (rel <= wr_p) & (rel >= -wl_p)
+            if need_mask:
+                keep = band
+            live = m0 + col < s_q                     # rows of the next sequence: P = 0
+            assert need_mask or band[:, live[0]].all(), "an unmasked step needs masking"
+            for j, i in zip(*np.nonzero(keep & live)):
+                key = (z, head, int(m0 + i), int(n0 + j))
+                seen[key] = seen.get(key, 0) + 1
+    assert all(c == 1 for c in seen.values()), "a pair is visited twice"
+    want = set()
+    for z in range(len(lens_q)):
+        s_q, s_k = lens_q[z], lens_k[z]
+        diag = s_k - s_q if bottom_right else 0
+        for i in range(s_q):
+            for j in range(s_k):
+                if (wl < 0 or j >= i + diag - wl) and (wr < 0 or j <= i + diag + wr):
+                    want.update((z, hd, i, j) for hd in range(h))
+    assert set(seen) == want
