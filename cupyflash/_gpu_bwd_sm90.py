@@ -44,6 +44,7 @@ class Sm90BwdVariant(NamedTuple):
     window: bool
     dq_bulk: bool = True   # dQ tile via shared memory + one bulk reduce-add (else red.global)
     kvbuf: int = 1         # K / V buffers: 2 loads the next work tile's K, V during this one's steps
+    bias: int = 0          # additive bias (+ dbias): 0 none, 1 in the inputs' 16-bit type, 2 float32
 
     file = "bwd_sm90.cu"
     arch_options = ("-arch=sm_90a",)
@@ -55,7 +56,7 @@ class Sm90BwdVariant(NamedTuple):
     def name_expression(self) -> str:
         tf = {True: "true", False: "false"}
         return (f"flash_bwd_sm90<{self.elem}, {self.d}, {tf[self.window]}, {tf[self.dq_bulk]}, "
-                f"{self.kvbuf}>")
+                f"{self.kvbuf}, {self.bias}>")
 
     @property
     def pre_expression(self) -> str:
@@ -76,7 +77,8 @@ class Sm90BwdVariant(NamedTuple):
     @property
     def name(self) -> str:
         return (f"bwd90_{self.elem[:-2]}_d{self.d}_{BM}x{BN}" + ("_window" if self.window else "")
-                + ("" if self.dq_bulk else "_red") + (f"_kv{self.kvbuf}" if self.kvbuf != 1 else ""))
+                + ("" if self.dq_bulk else "_red") + (f"_kv{self.kvbuf}" if self.kvbuf != 1 else "")
+                + ("", "_bias16", "_bias32")[self.bias])
 
     @property
     def smem_bytes(self) -> int:
@@ -93,15 +95,16 @@ def smem_bytes(d: int, kvbuf: int = None) -> int:
             + NBUF * 2 * BM * 4 + 16 + 16 + 8 * (2 * kvbuf + 2 * NBUF + 2 + 2 * TILE_RING) + 1024)
 
 
-def variant_for(elem: str, d: int, window: bool) -> "Sm90BwdVariant":
-    """The variant the launcher runs for this element type, head dim and mask kind."""
-    return Sm90BwdVariant(elem, d, window, True, kv_buffers(d))
+def variant_for(elem: str, d: int, window: bool, bias: int = 0) -> "Sm90BwdVariant":
+    """The variant the launcher runs for this element type, head dim, mask kind and bias kind
+    (0 none, 1 bias in the 16-bit input type, 2 float32 bias)."""
+    return Sm90BwdVariant(elem, d, window, True, kv_buffers(d), bias)
 
 
 def variants():
     """Every Sm90BwdVariant (compiled by the harness for sm_90a)."""
-    return [variant_for(e, d, w) for e in ("f16_t", "bf16_t") for d in HEAD_DIMS
-            for w in (False, True)]
+    return [variant_for(e, d, w, bias) for e in ("f16_t", "bf16_t") for d in HEAD_DIMS
+            for w in (False, True) for bias in (0, 1, 2)]
 
 
 def unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: float,
@@ -118,6 +121,21 @@ def unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: flo
     return _plan.sm90_common_unsupported(dtype_name, d, d_v, HEAD_DIMS, cc=cc,
                                          smem_need=smem_bytes(d), smem_optin=smem_optin,
                                          tensors=tensors)
+
+
+def bias_unsupported(strides, s_k: int, ptr: int, itemsize: int) -> Optional[str]:
+    """Why the BIAS variant cannot read this bias operand (None when it can): ``strides`` are
+    its element strides over (b, h, s_q, s_k), 0 where broadcast (_gpu.broadcast_strides). It
+    needs the layout of the forward's pair loads (_gpu.bias_pair_ok): a unit key stride (the
+    warp's loads of 8 consecutive keys coalesce), even s_k and even strides (dbias is written as
+    8-byte pairs of keys into an accumulator with the bias's shape), an aligned pair."""
+    if strides[3] != 1:
+        return "bias layout: key stride %d (the Hopper backward needs 1)" % strides[3]
+    if s_k % 2:
+        return f"bias with odd seqlen_k {s_k} (the Hopper backward writes dbias in key pairs)"
+    if any(x % 2 for x in strides[:3]) or ptr % (2 * itemsize):
+        return f"bias layout: strides {tuple(strides)} / address not in aligned pairs"
+    return None
 
 
 def program(variants_):
@@ -168,4 +186,5 @@ def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
 
 
 __all__ = ["Sm90BwdVariant", "variants", "variant_for", "kv_buffers", "unsupported",
+           "bias_unsupported",
            "smem_bytes", "program", "get_functions", "launch"]

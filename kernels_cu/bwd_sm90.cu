@@ -155,7 +155,9 @@ __device__ __forceinline__ void red_add_v2(float* addr, float x, float y) {
 
 }  // namespace sm90b
 
-template <typename E, int D, bool WINDOW, bool DQ_BULK, int KVBUF>
+// BIAS: 0 none, 1 bias elements in E's storage, 2 float32 bias elements (unit key stride: the
+// launcher checks); dbias (Params dbias_accum / dbias_mode / dbias_stride_*) then receives dS.
+template <typename E, int D, bool WINDOW, bool DQ_BULK, int KVBUF, int BIAS>
 __global__ void __launch_bounds__(sm90b::THREADS, 1)
 flash_bwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90b;
@@ -163,6 +165,8 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     typedef typename Elem<E>::storage S;
     static_assert(Elem<E>::is16 && (D == 64 || D == 128), "float16 / bfloat16, head dim 64 or 128");
     static_assert(KVBUF == 1 || KVBUF == 2, "one or two K / V buffers");
+    static_assert(BIAS >= 0 && BIAS <= 2, "bias: none, E, float32");
+    constexpr int BIAS_BYTES = BIAS == 2 ? 4 : 2;   // bytes per bias element
     constexpr int NS = BM / 2;       // Sᵀ / dPᵀ accumulator registers per lane: [64, BM]
     constexpr int NKV = D / 2;       // dK / dV accumulator registers per lane: [64, D]
     constexpr int NQ = PANEL_COLS / 2;   // dQ slice accumulator registers per lane: [BM, 64]
@@ -319,6 +323,29 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     const bool dq_cols = cw * PANEL_COLS < D;              // this consumer computes a dQ slice
 
     float dk_acc[NKV], dv_acc[NKV];   // dK, dV [64 keys, D], fp32
+
+    // Bias plane [s_q, s_k] (unit key stride) of (batch, query head), as bytes; the dbias plane
+    // of the float32 accumulator (null: no dbias wanted)
+    auto bias_plane = [&](int batch, int head) -> const char* {
+        return (const char*)p.bias + (batch * p.bias_stride_b + head * p.bias_stride_h) * BIAS_BYTES;
+    };
+    // This consumer's bias block [BM queries, 64 keys] of a step into L1 or L2 (ahead of its loads):
+    // thread t takes query row t / 2, half t % 2 of the row's bytes (first and last byte: the
+    // block need not be line-aligned)
+    auto fetch_bias = [&](int batch, int head, int m0, int n0, bool L1) {
+        const char* plane = bias_plane(batch, head);
+        const int r = min(m0 + t / 2, p.s_q - 1);
+        const int k_lo = min(n0 + cw * 64 + (t % 2) * 32, p.s_k - 1);
+        const int k_hi = min(n0 + cw * 64 + (t % 2) * 32 + 31, p.s_k - 1);
+        const char* row = plane + (i64)r * p.bias_stride_q * BIAS_BYTES;
+        if (L1) {
+            asm volatile("prefetch.global.L1 [%0];" :: "l"(row + (i64)k_lo * BIAS_BYTES));
+            asm volatile("prefetch.global.L1 [%0];" :: "l"(row + (i64)k_hi * BIAS_BYTES));
+        } else {
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(row + (i64)k_lo * BIAS_BYTES));
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(row + (i64)k_hi * BIAS_BYTES));
+        }
+    };
     int q_it = 0, kv_it = 0;          // Q/dO steps and K/V tiles consumed so far (ring positions)
     for (int tile_i = 0;; ++tile_i) {
         const int ts = tile_i % TILE_RING;
@@ -344,6 +371,12 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             const u32 q_tile = q_smem + s * L::Q_TILE, do_tile = do_smem + s * L::Q_TILE;
             const float* lse_smem = rows_smem + s * 2 * BM;   // [BM] lse·log2 e of the step
             const float* dsum_smem = lse_smem + BM;           // [BM] D of the step
+            const int head = step_head(p, wt, st);
+            if constexpr (BIAS != 0) {   // bias blocks: this step's into L1 (loaded after Sᵀ),
+                                         // the next step's into L2
+                fetch_bias(wt.batch, head, m0, n0, true);
+                if (st + 1 < wt.steps) fetch_bias(wt.batch, step_head(p, wt, st + 1), step_m0(wt, st + 1), n0, false);
+            }
 
             // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ  [64 keys, BM], fp32: two groups, so Pᵀ can start
             //      as soon as Sᵀ is done
@@ -357,35 +390,82 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                                 smem_desc(q_tile + (kk / 4) * L::Q_PANEL + off, 16, 1024), kk > 0);
             }
             wgmma_commit();
+            // dPᵀ = V dOᵀ: issued right behind Sᵀ (no bias: Pᵀ overlaps it), or after Pᵀ (BIAS:
+            // the bias loads need the registers dPᵀ would hold in flight)
+            auto issue_dp = [&]() {
+                wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const u32 off = (kk % 4) * 32;
-                wgmma_ss<E, BM>(dp_acc, smem_desc(v_wg + (kk / 4) * L::KV_PANEL + off, 16, 1024),
-                                smem_desc(do_tile + (kk / 4) * L::Q_PANEL + off, 16, 1024), kk > 0);
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    const u32 off = (kk % 4) * 32;
+                    wgmma_ss<E, BM>(dp_acc, smem_desc(v_wg + (kk / 4) * L::KV_PANEL + off, 16, 1024),
+                                    smem_desc(do_tile + (kk / 4) * L::Q_PANEL + off, 16, 1024), kk > 0);
+                }
+                wgmma_commit();
+            };
+            if constexpr (BIAS == 0) {
+                issue_dp();
+                wgmma_wait<1>();                  // Sᵀ done (dPᵀ may still run)
+            } else {
+                wgmma_wait<0>();                  // Sᵀ done
             }
-            wgmma_commit();
-            wgmma_wait<1>();                      // Sᵀ done (dPᵀ may still run)
             fence_regs<NS>(s_acc);
 
-            // ---- Pᵀ = exp2(Sᵀ·scale·log2 e − lse·log2 e), masked, in place in s_acc (fp32)
+            // ---- Pᵀ = exp2(Sᵀ·scale·log2 e (+ bias·log2 e) − lse·log2 e), masked, in place in
+            //      s_acc (fp32); the bias [query m0 + col, key] read per pair of queries (clamped
+            //      into the plane: those P are masked or 0)
             bool need_mask = n0 + BN > p.s_k;
             if (WINDOW)
                 need_mask |= n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
                              n0 < m0 + BM - 1 + p.diag_offset - p.window_left;
+            // bias rows m0 + col_in_8 (+ 8 per i / 4, + 1 per i % 2) at keys key0, key0 + 8 (keys
+            // clamped into the row; rows past s_q not read: their P is 0 anyway, lse = +inf)
+            const char* brow = nullptr;
+            i64 b_sq = 0;            // bytes between bias rows
+            int b_k8 = 0;            // bytes from key key0 to key0 + 8 (clamped)
+            if constexpr (BIAS != 0) {
+                const int k_a = min(key0, p.s_k - 1), k_b = min(key0 + 8, p.s_k - 1);
+                b_sq = p.bias_stride_q * BIAS_BYTES;
+                b_k8 = (k_b - k_a) * BIAS_BYTES;
+                brow = bias_plane(wt.batch, head) + (i64)(m0 + col_in_8) * b_sq + (i64)k_a * BIAS_BYTES;
+            }
 #pragma unroll
-            for (int i = 0; i < NS; ++i) {
-                const int col = (i / 4) * 8 + col_in_8 + (i % 2);   // query row m0 + col
+            for (int i = 0; i < NS; i += 2) {
+                const int col = (i / 4) * 8 + col_in_8;             // query rows m0 + col, + 1
                 const int key = key0 + ((i % 4) >= 2 ? 8 : 0);
-                float pe = fast_exp2(s_acc[i] * p.scale_log2 - lse_smem[col]);
+                const float2 l2 = *(const float2*)(lse_smem + col);
+                float x0 = s_acc[i] * p.scale_log2, x1 = s_acc[i + 1] * p.scale_log2;
+                if constexpr (BIAS != 0) {
+                    const char* r0 = brow + ((i % 4) >= 2 ? b_k8 : 0);
+                    const char* r1 = r0 + b_sq;
+                    float b0 = 0.f, b1 = 0.f;
+                    if (m0 + col < p.s_q) {
+                        if constexpr (BIAS == 1) b0 = to_float<E>(*(const S*)r0);
+                        else b0 = *(const float*)r0;
+                    }
+                    if (m0 + col + 1 < p.s_q) {
+                        if constexpr (BIAS == 1) b1 = to_float<E>(*(const S*)r1);
+                        else b1 = *(const float*)r1;
+                    }
+                    x0 = fmaf(b0, CF_LOG2E, x0);
+                    x1 = fmaf(b1, CF_LOG2E, x1);
+                    if (i % 4 == 2) brow += 8 * b_sq;                // next 8 query rows
+                }
+                float pe0 = fast_exp2(x0 - l2.x), pe1 = fast_exp2(x1 - l2.y);
                 if (need_mask) {
                     const int diag = m0 + col + p.diag_offset;
-                    bool keep = key < p.s_k;
-                    if (WINDOW) keep = keep && key <= diag + p.window_right && key >= diag - p.window_left;
-                    if (!keep) pe = 0.f;
+                    bool keep0 = key < p.s_k, keep1 = keep0;
+                    if (WINDOW) {
+                        keep0 = keep0 && key <= diag + p.window_right && key >= diag - p.window_left;
+                        keep1 = keep1 && key <= diag + 1 + p.window_right && key >= diag + 1 - p.window_left;
+                    }
+                    if (!keep0) pe0 = 0.f;
+                    if (!keep1) pe1 = 0.f;
                 }
-                s_acc[i] = pe;
+                s_acc[i] = pe0;
+                s_acc[i + 1] = pe1;
             }
 
+            if constexpr (BIAS != 0) issue_dp();
             // ---- dSᵀ = Pᵀ ∘ (dPᵀ − D) · scale; Pᵀ, dSᵀ packed to 16-bit pairs (wgmma A fragments)
             wgmma_wait<0>();                      // dPᵀ done
             fence_regs<NS>(dp_acc);
@@ -394,8 +474,14 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             for (int i = 0; i < NS; i += 2) {
                 const int col = (i / 4) * 8 + col_in_8;
                 p_frag[i / 2] = pack2<E>(s_acc[i], s_acc[i + 1]);
-                ds_frag[i / 2] = pack2<E>(s_acc[i] * (dp_acc[i] - dsum_smem[col]) * p.scale,
-                                          s_acc[i + 1] * (dp_acc[i + 1] - dsum_smem[col + 1]) * p.scale);
+                if constexpr (BIAS != 0) {   // dp_acc keeps dSᵀ without the scale: dbias
+                    dp_acc[i] = s_acc[i] * (dp_acc[i] - dsum_smem[col]);
+                    dp_acc[i + 1] = s_acc[i + 1] * (dp_acc[i + 1] - dsum_smem[col + 1]);
+                    ds_frag[i / 2] = pack2<E>(dp_acc[i] * p.scale, dp_acc[i + 1] * p.scale);
+                } else {
+                    ds_frag[i / 2] = pack2<E>(s_acc[i] * (dp_acc[i] - dsum_smem[col]) * p.scale,
+                                              s_acc[i + 1] * (dp_acc[i + 1] - dsum_smem[col + 1]) * p.scale);
+                }
             }
 
             // ---- dSᵀ rows of this consumer -> dsT_smem [BN keys, BM queries] (128-byte swizzle:
@@ -428,6 +514,48 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             fence_regs<NKV>(dk_acc);
             if (t == 0) mbar_arrive(qdo_empty + 8 * s);   // Q, dO, lse, D of stage s no longer needed here
 
+            // ---- dbias (+)= dSᵀ transposed to [query, key] (after dV, dK: registers)
+            if constexpr (BIAS != 0) {
+                if (p.dbias_accum) {
+                    float* db = p.dbias_accum + wt.batch * p.dbias_stride_b + head * p.dbias_stride_h;
+                    if (p.dbias_mode & DBIAS_ROWS) {
+                        // bias broadcast over queries: one sum per key over the step's queries
+                        // (0 past s_q: P = 0), the quad's 4 lanes hold the key's other queries
+                        float sk[2] = {0.f, 0.f};
+#pragma unroll
+                        for (int i = 0; i < NS; ++i) sk[(i % 4) / 2] += dp_acc[i];
+#pragma unroll
+                        for (int r = 0; r < 2; ++r) {
+                            const float v = quad_sum(sk[r]);
+                            if (t % 4 == 0 && key0 + 8 * r < p.s_k) red_add_f32(db + key0 + 8 * r, v);
+                        }
+                    } else {
+                        // keys in pairs (key, key + 1) from lanes t, t ^ 4 (one shuffle per pair):
+                        // the lane of an even key writes query col, the odd one query col + 1;
+                        // s_k and the accumulator's row stride are even (launcher), so the pair
+                        // is 8-byte aligned and both keys are in range or neither
+                        const int odd = (row_in_wg & 1);
+                        const bool store = p.dbias_mode & DBIAS_STORE;
+#pragma unroll
+                        for (int i = 0; i < NS; i += 2) {
+                            const float a = dp_acc[i], b = dp_acc[i + 1];   // queries col, col + 1
+                            const float got = __shfl_xor_sync(0xffffffffu, odd ? a : b, 4);
+                            const int q = m0 + (i / 4) * 8 + col_in_8 + odd;
+                            const int k = key0 + ((i % 4) >= 2 ? 8 : 0) - odd;
+                            if (q < p.s_q && k < p.s_k) {
+                                float* dst = db + (i64)q * p.dbias_stride_q + k;
+                                const float x = odd ? got : a, y = odd ? b : got;
+                                if (store)
+                                    asm volatile("st.global.v2.f32 [%0], {%1, %2};" :: "l"(dst), "f"(x), "f"(y) : "memory");
+                                else
+                                    red_add_v2(dst, x, y);
+                            }
+                        }
+                    }
+                }
+            }
+
+
             // ---- dQ[BM, 64 columns from 64·cw] = dS K over the tile's 128 keys; both operands
             //      MN-major: dsT_smem (LBO unused: BM = one panel), K (LBO = bytes between panels)
             float dq_acc[NQ];
@@ -443,7 +571,6 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             }
 
             // ---- dQ slice (rows row_in_wg, +8; chunk-swizzled columns) -> the accumulator
-            const int head = step_head(p, wt, st);
             float* dq_bh = p.dq_accum + ((i64)wt.batch * p.h + head) * p.s_q * D;   // [s_q, D]
             if (dq_cols && DQ_BULK) {
                 // via dq_smem [BM][D]; DQ_WARP adds the whole tile
