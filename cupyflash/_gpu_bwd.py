@@ -237,6 +237,21 @@ class DbiasPlan(NamedTuple):
 
 DBIAS_ROWS, DBIAS_ATOMIC, DBIAS_SLAB_B, DBIAS_SLAB_H = 1, 2, 4, 8
 DBIAS_STORE = 16   # Hopper backward only: each element has one writer, plain stores
+DBIAS_SCHED_B = 32  # Hopper backward only: work tiles batch-fastest (dbias summed over batch)
+HOPPER_SCHED_B = True   # use DBIAS_SCHED_B (a switch for A/B measurements)
+
+
+def hopper_dbias_mode(dplan: "DbiasPlan", b: int, h: int, s_q: int) -> int:
+    """Params.dbias_mode for the Hopper backward: dbias_plan's bits, plus DBIAS_STORE where each
+    element has one writer (single_writer) and DBIAS_SCHED_B where dbias sums over a batch > 1
+    (the blocks adding into the same dbias tile then run at the same time: L2 hits, not a
+    read of the float32 accumulator from DRAM per batch entry)."""
+    mode = dplan.mode
+    if single_writer(dplan.shape, b, h, s_q):
+        mode |= DBIAS_STORE
+    if HOPPER_SCHED_B and dplan.shape[0] == 1 and b > 1 and dplan.shape[2] > 1:
+        mode |= DBIAS_SCHED_B
+    return mode
 
 
 def single_writer(bias_shape, b: int, h: int, s_q: int) -> bool:
@@ -536,8 +551,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
 
         if bias is not None:
             dplan = dbias_plan(bias.shape, b, h_k, bool(opts.deterministic))
-            # the Hopper kernel stores (no addition) where each element has one writer
-            hopper_mode = dplan.mode | (DBIAS_STORE if single_writer(bias.shape, b, h, s_q) else 0)
+            hopper_mode = hopper_dbias_mode(dplan, b, h, s_q)
             if dplan.mode >= 0:
                 n = dplan.slabs * int(np.prod(dplan.shape))
                 direct = (dplan.slabs == 1 and dbias.dtype == np.float32

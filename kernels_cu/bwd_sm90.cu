@@ -99,19 +99,28 @@ __device__ __forceinline__ void query_tile_range(const Params& p, int n0, int* m
     *m_count = i_hi >= i_lo ? i_hi / BM - i_lo / BM + 1 : 0;
 }
 
-// Work tile w = n_block + num_n · (kv_head + h_k · batch): key tiles fastest
+// Work tile w = n_block + num_n · (kv_head + h_k · batch): key tiles fastest; with a bias whose
+// dbias sums over the batch (DBIAS_SCHED_B), w = batch + b · (n_block + num_n · kv_head): the
+// blocks adding into one dbias tile run together, so its float32 lines stay in L2 between their
+// additions
 struct WorkTile {
     int n0, kv_head, batch;   // keys n0 .. n0 + BN of kv head kv_head in batch `batch`
     int m_first, m_count;     // the query tiles that see them
     int steps;                // m_count x the query heads of the group
 };
-template <bool WINDOW>
+template <bool WINDOW, bool BIAS>
 __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
     const int num_n = (p.s_k + BN - 1) / BN;
     WorkTile wt;
-    wt.n0 = (w % num_n) * BN;
-    wt.kv_head = (w / num_n) % p.h_k;
-    wt.batch = w / num_n / p.h_k;
+    if (BIAS && (p.dbias_mode & DBIAS_SCHED_B)) {
+        wt.batch = w % p.b;
+        wt.n0 = ((w / p.b) % num_n) * BN;
+        wt.kv_head = w / p.b / num_n;
+    } else {
+        wt.n0 = (w % num_n) * BN;
+        wt.kv_head = (w / num_n) % p.h_k;
+        wt.batch = w / num_n / p.h_k;
+    }
     query_tile_range<WINDOW>(p, wt.n0, &wt.m_first, &wt.m_count);
     wt.steps = wt.m_count * p.h_per_hk;
     return wt;
@@ -232,7 +241,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 tile_smem[ts] = w < num_work ? w : -1;
                 mbar_arrive(tile_full + 8 * ts);     // publishes tile_smem[ts] (release)
                 if (w >= num_work) break;            // no work left: the readers stop on -1
-                const WorkTile wt = work_tile<WINDOW>(p, w);
+                const WorkTile wt = work_tile<WINDOW, BIAS != 0>(p, w);
                 // K, V [BN, D] of the tile into buffer kv_it % KVBUF (none for a tile without steps)
                 auto load_kv = [&]() {
                     const int kb = kv_it % KVBUF;
@@ -279,7 +288,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 __syncwarp();                                 // every lane has read the slot
                 if (lane == 0) mbar_arrive(tile_empty + 8 * ts);
                 if (w < 0) break;
-                const WorkTile wt = work_tile<WINDOW>(p, w);
+                const WorkTile wt = work_tile<WINDOW, BIAS != 0>(p, w);
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
                     const int head = step_head(p, wt, st), m0 = step_m0(wt, st);
                     const int s = q_it % NBUF;
@@ -354,7 +363,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
         __syncwarp();                                      // every lane of the warp has read the slot
         if (t % 32 == 0) mbar_arrive(tile_empty + 8 * ts);
         if (w < 0) break;
-        const WorkTile wt = work_tile<WINDOW>(p, w);
+        const WorkTile wt = work_tile<WINDOW, BIAS != 0>(p, w);
         const int n0 = wt.n0;
         const int key0 = n0 + cw * 64 + row_in_wg;         // this lane's keys: key0, key0 + 8
         const int kb = kv_it % KVBUF;
@@ -390,8 +399,9 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                                 smem_desc(q_tile + (kk / 4) * L::Q_PANEL + off, 16, 1024), kk > 0);
             }
             wgmma_commit();
-            // dPᵀ = V dOᵀ: issued right behind Sᵀ (no bias: Pᵀ overlaps it), or after Pᵀ (BIAS:
+            // dPᵀ = V dOᵀ: issued right behind Sᵀ (Pᵀ overlaps it), or after Pᵀ (BIAS at d = 128:
             // the bias loads need the registers dPᵀ would hold in flight)
+            constexpr bool DP_EARLY = BIAS == 0 || D == 64;
             auto issue_dp = [&]() {
                 wgmma_fence();
 #pragma unroll
@@ -402,7 +412,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 }
                 wgmma_commit();
             };
-            if constexpr (BIAS == 0) {
+            if constexpr (DP_EARLY) {
                 issue_dp();
                 wgmma_wait<1>();                  // Sᵀ done (dPᵀ may still run)
             } else {
@@ -465,7 +475,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 s_acc[i + 1] = pe1;
             }
 
-            if constexpr (BIAS != 0) issue_dp();
+            if constexpr (!DP_EARLY) issue_dp();
             // ---- dSᵀ = Pᵀ ∘ (dPᵀ − D) · scale; Pᵀ, dSᵀ packed to 16-bit pairs (wgmma A fragments)
             wgmma_wait<0>();                      // dPᵀ done
             fence_regs<NS>(dp_acc);

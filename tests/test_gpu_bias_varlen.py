@@ -421,7 +421,8 @@ def test_bias_hopper_backward_options(rng, d, opt):
         kw = dict(bias_layout="row_padded")
     dtype = "float16" if opt in ("mqa", "sq_gt_sk") else "bfloat16"
     expect = "_bias32" if bias32 else "_bias16"
-    run_dense(rng, dtype, b, sq, sk, h, hk, d, bias=kind, kernel="sm90", expect_fwd="_bias",
+    run_dense(rng, dtype, b, sq, sk, h, hk, d, bias=kind, kernel="sm90",
+              expect_fwd="_bias32" if bias32 else "_bias",
               bwd_kernel=None if opt == "auto" else "sm90", expect_bwd=("bwd90_", expect), **kw)
 
 

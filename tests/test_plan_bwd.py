@@ -139,6 +139,18 @@ def test_dbias_single_writer(shape, b, h, s_q, want):
     assert _gpu_bwd.single_writer(shape, b, h, s_q) is want
 
 
+@pytest.mark.parametrize("shape,b,h,s_q,want", [
+    ((1, 4, 10, 20), 3, 4, 10, 2 | 32),     # summed over batch: atomics, batch-fastest tiles
+    ((1, 4, 10, 20), 1, 4, 10, 16),         # batch 1: stores
+    ((2, 4, 10, 20), 2, 4, 10, 16),         # full shape: stores
+    ((1, 1, 1, 20), 3, 4, 10, 1 | 2),       # rows summed in the kernel: tiny dbias, no reorder
+    ((2, 1, 10, 20), 2, 4, 10, 2),          # summed over kv heads: atomics
+])
+def test_hopper_dbias_mode(shape, b, h, s_q, want):
+    dplan = _gpu_bwd.dbias_plan(shape, b, 2, False)
+    assert _gpu_bwd.hopper_dbias_mode(dplan, b, h, s_q) == want
+
+
 def test_varlen_backward_plan():
     pl = _gpu_bwd.plan_backward_varlen("bfloat16", 4, 700, 900, 300, 400, 8, 2, 64, 64,
                                        scale=0.1, window_left=16, deterministic=True)
