@@ -403,7 +403,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             // the bias loads need the registers dPᵀ would hold in flight)
             constexpr bool DP_EARLY = BIAS == 0 || D == 64;
             auto issue_dp = [&]() {
-                wgmma_fence();
+                if (!DP_EARLY || BIAS != 0) wgmma_fence();   // (no bias: in the same fence as Sᵀ)
 #pragma unroll
                 for (int kk = 0; kk < D / 16; ++kk) {
                     const u32 off = (kk % 4) * 32;
@@ -421,58 +421,75 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             fence_regs<NS>(s_acc);
 
             // ---- Pᵀ = exp2(Sᵀ·scale·log2 e (+ bias·log2 e) − lse·log2 e), masked, in place in
-            //      s_acc (fp32); the bias [query m0 + col, key] read per pair of queries (clamped
-            //      into the plane: those P are masked or 0)
+            //      s_acc (fp32)
             bool need_mask = n0 + BN > p.s_k;
             if (WINDOW)
                 need_mask |= n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
                              n0 < m0 + BM - 1 + p.diag_offset - p.window_left;
-            // bias rows m0 + col_in_8 (+ 8 per i / 4, + 1 per i % 2) at keys key0, key0 + 8 (keys
-            // clamped into the row; rows past s_q not read: their P is 0 anyway, lse = +inf)
-            const char* brow = nullptr;
-            i64 b_sq = 0;            // bytes between bias rows
-            int b_k8 = 0;            // bytes from key key0 to key0 + 8 (clamped)
-            if constexpr (BIAS != 0) {
-                const int k_a = min(key0, p.s_k - 1), k_b = min(key0 + 8, p.s_k - 1);
-                b_sq = p.bias_stride_q * BIAS_BYTES;
-                b_k8 = (k_b - k_a) * BIAS_BYTES;
-                brow = bias_plane(wt.batch, head) + (i64)(m0 + col_in_8) * b_sq + (i64)k_a * BIAS_BYTES;
-            }
+            if constexpr (BIAS == 0) {
 #pragma unroll
-            for (int i = 0; i < NS; i += 2) {
-                const int col = (i / 4) * 8 + col_in_8;             // query rows m0 + col, + 1
-                const int key = key0 + ((i % 4) >= 2 ? 8 : 0);
-                const float2 l2 = *(const float2*)(lse_smem + col);
-                float x0 = s_acc[i] * p.scale_log2, x1 = s_acc[i + 1] * p.scale_log2;
-                if constexpr (BIAS != 0) {
-                    const char* r0 = brow + ((i % 4) >= 2 ? b_k8 : 0);
-                    const char* r1 = r0 + b_sq;
-                    float b0 = 0.f, b1 = 0.f;
-                    if (m0 + col < p.s_q) {
-                        if constexpr (BIAS == 1) b0 = to_float<E>(*(const S*)r0);
-                        else b0 = *(const float*)r0;
+                for (int i = 0; i < NS; ++i) {
+                    const int col = (i / 4) * 8 + col_in_8 + (i % 2);   // query row m0 + col
+                    const int key = key0 + ((i % 4) >= 2 ? 8 : 0);
+                    float pe = fast_exp2(s_acc[i] * p.scale_log2 - lse_smem[col]);
+                    if (need_mask) {
+                        const int diag = m0 + col + p.diag_offset;
+                        bool keep = key < p.s_k;
+                        if (WINDOW) keep = keep && key <= diag + p.window_right && key >= diag - p.window_left;
+                        if (!keep) pe = 0.f;
                     }
-                    if (m0 + col + 1 < p.s_q) {
-                        if constexpr (BIAS == 1) b1 = to_float<E>(*(const S*)r1);
-                        else b1 = *(const float*)r1;
-                    }
-                    x0 = fmaf(b0, CF_LOG2E, x0);
-                    x1 = fmaf(b1, CF_LOG2E, x1);
-                    if (i % 4 == 2) brow += 8 * b_sq;                // next 8 query rows
+                    s_acc[i] = pe;
                 }
-                float pe0 = fast_exp2(x0 - l2.x), pe1 = fast_exp2(x1 - l2.y);
-                if (need_mask) {
-                    const int diag = m0 + col + p.diag_offset;
-                    bool keep0 = key < p.s_k, keep1 = keep0;
-                    if (WINDOW) {
-                        keep0 = keep0 && key <= diag + p.window_right && key >= diag - p.window_left;
-                        keep1 = keep1 && key <= diag + 1 + p.window_right && key >= diag + 1 - p.window_left;
-                    }
-                    if (!keep0) pe0 = 0.f;
-                    if (!keep1) pe1 = 0.f;
+            } else {
+                // BIAS: the bias [query m0 + col, key] read per pair of queries (clamped into the
+                // plane: those P are masked or 0)
+                // bias rows m0 + col_in_8 (+ 8 per i / 4, + 1 per i % 2) at keys key0, key0 + 8 (keys
+                // clamped into the row; rows past s_q not read: their P is 0 anyway, lse = +inf)
+                const char* brow = nullptr;
+                i64 b_sq = 0;            // bytes between bias rows
+                int b_k8 = 0;            // bytes from key key0 to key0 + 8 (clamped)
+                {
+                    const int k_a = min(key0, p.s_k - 1), k_b = min(key0 + 8, p.s_k - 1);
+                    b_sq = p.bias_stride_q * BIAS_BYTES;
+                    b_k8 = (k_b - k_a) * BIAS_BYTES;
+                    brow = bias_plane(wt.batch, head) + (i64)(m0 + col_in_8) * b_sq + (i64)k_a * BIAS_BYTES;
                 }
-                s_acc[i] = pe0;
-                s_acc[i + 1] = pe1;
+#pragma unroll
+                for (int i = 0; i < NS; i += 2) {
+                    const int col = (i / 4) * 8 + col_in_8;             // query rows m0 + col, + 1
+                    const int key = key0 + ((i % 4) >= 2 ? 8 : 0);
+                    const float2 l2 = *(const float2*)(lse_smem + col);
+                    float x0 = s_acc[i] * p.scale_log2, x1 = s_acc[i + 1] * p.scale_log2;
+                    if constexpr (BIAS != 0) {
+                        const char* r0 = brow + ((i % 4) >= 2 ? b_k8 : 0);
+                        const char* r1 = r0 + b_sq;
+                        float b0 = 0.f, b1 = 0.f;
+                        if (m0 + col < p.s_q) {
+                            if constexpr (BIAS == 1) b0 = to_float<E>(*(const S*)r0);
+                            else b0 = *(const float*)r0;
+                        }
+                        if (m0 + col + 1 < p.s_q) {
+                            if constexpr (BIAS == 1) b1 = to_float<E>(*(const S*)r1);
+                            else b1 = *(const float*)r1;
+                        }
+                        x0 = fmaf(b0, CF_LOG2E, x0);
+                        x1 = fmaf(b1, CF_LOG2E, x1);
+                        if (i % 4 == 2) brow += 8 * b_sq;                // next 8 query rows
+                    }
+                    float pe0 = fast_exp2(x0 - l2.x), pe1 = fast_exp2(x1 - l2.y);
+                    if (need_mask) {
+                        const int diag = m0 + col + p.diag_offset;
+                        bool keep0 = key < p.s_k, keep1 = keep0;
+                        if (WINDOW) {
+                            keep0 = keep0 && key <= diag + p.window_right && key >= diag - p.window_left;
+                            keep1 = keep1 && key <= diag + 1 + p.window_right && key >= diag + 1 - p.window_left;
+                        }
+                        if (!keep0) pe0 = 0.f;
+                        if (!keep1) pe1 = 0.f;
+                    }
+                    s_acc[i] = pe0;
+                    s_acc[i + 1] = pe1;
+                }
             }
 
             if constexpr (!DP_EARLY) issue_dp();
