@@ -536,6 +536,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
         deterministic=bool(opts.deterministic), smem_optin=smem, num_sms=num_sms,
         variant=kernel if isinstance(kernel, BwdVariant) else None, has_bias=bias is not None,
         has_mask=opts.mask is not None)
+    if kernel == "sm90" and plan.variant.general and bias is None:   # a mask alone
+        raise ValueError("kernel='sm90': the Hopper backward cannot run this call: a boolean "
+                         "mask (not in the Hopper backward)")
     hopper = None
     operand = None   # _gpu.bias_operand(bias, q.dtype), once made
     if (kernel is None or kernel == "sm90") and (not plan.variant.general or bias is not None):

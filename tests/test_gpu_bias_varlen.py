@@ -448,7 +448,8 @@ def test_bias_hopper_backward_falls_back_where_it_cannot(rng):
                   mask=cp.asarray(rng.random((64, 64)) > 0.3))
     det = dict(bias=cp.asarray(_draw(rng, (1, 2, 64, 64), BF16)), deterministic=True)
     keyb = dict(bias=cp.asarray(_draw(rng, (1, 2, 64, 1), BF16)))
-    for kv_len, kw, why in ((63, odd, "odd seqlen_k"), (64, masked, "mask"),
+    mask_only = dict(mask=cp.asarray(rng.random((64, 64)) > 0.3))
+    for kv_len, kw, why in ((63, odd, "odd seqlen_k"), (64, masked, "mask"), (64, mask_only, "mask"),
                             (64, det, "deterministic"), (64, keyb, "key stride 0")):
         assert call(kv_len, None, **kw).endswith("_gen")
         with pytest.raises(ValueError, match=why):
