@@ -17,7 +17,9 @@ num_n_blocks = ceil(s_k / BN) in deterministic mode (see docs/backward.md).
 
 ``backward(dout, q, k, v, out, lse, dq, dk, dv, opts, dbias=None) -> str`` is the launcher the
 API calls; with a bias or mask it runs the GENERAL variant (``flash_bwd<..., true, true, true>``)
-and writes dbias (``dbias_plan`` says how dS is reduced to the bias's shape).
+and writes dbias (``dbias_plan`` says how dS is reduced to the bias's shape), except that on
+compute capability 9.0 a bias without a mask runs the Hopper main kernel's BIAS variant
+(_gpu_bwd_sm90) where it covers the call.
 ``backward_varlen`` runs packed sequences in one launch set (``plan_backward_varlen``).
 """
 from __future__ import annotations
@@ -506,9 +508,11 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
     planner: the Hopper main kernel, _gpu_bwd_sm90, on compute capability 9.0 where it covers
     the call, else the portable one), "portable", "sm90" (ValueError where it cannot run), or a
     BwdVariant to force (tuning, benchmarks).
-    With ``opts.bias`` / ``opts.mask`` the GENERAL variant runs; ``dbias`` (a CuPy array of
-    opts.bias's 4-D shape, any float dtype) then receives dS summed over the bias's broadcast
-    dimensions (float32 accumulation; ``dbias_plan`` says how). Raises NotImplementedError for
+    With ``opts.bias`` / ``opts.mask`` the GENERAL variant runs (a bias without a mask: the Hopper
+    kernel's BIAS variant on compute capability 9.0 where it covers the call); ``dbias`` (a CuPy
+    array of opts.bias's 4-D shape, any float dtype) then receives dS summed over the bias's
+    broadcast dimensions (float32 accumulation; ``dbias_plan`` says how, plus
+    ``hopper_dbias_mode`` on the Hopper kernel). Raises NotImplementedError for
     head dims > 256, other dtypes, pre-sm_80 GPUs.
     """
     import cupy

@@ -1,12 +1,14 @@
 """Hopper (sm_90a) backward main kernel: coverage, variants, compilation and launch.
 
-``flash_bwd_sm90<E, D, WINDOW, DQ_BULK, KVBUF>`` in kernels_cu/bwd_sm90.cu replaces the portable
+``flash_bwd_sm90<E, D, WINDOW, DQ_BULK, KVBUF, BIAS>`` in kernels_cu/bwd_sm90.cu replaces the portable
 main kernel (flash_bwd in bwd.cu) on compute capability 9.0 wherever it covers the call; the helper
 kernels before it (``flash_bwd_pre_sm90``: D = rowsum(dO ∘ O) with the zeroed dQ accumulator; bwd.cu's
 ``flash_bwd_pre`` when O's rows are not 16-byte aligned) and after it (``flash_bwd_dq_sm90``: the dQ
 conversion) are compiled into the same module. Coverage (``unsupported`` says why not):
 float16 / bfloat16, d = d_v in {64, 128}, no softcap / ALiBi, scale > 0, atomic (not
-deterministic) dQ, strides TMA accepts (16-byte multiples) for q, k, v and dout.
+deterministic) dQ, strides TMA accepts (16-byte multiples) for q, k, v and dout; an additive
+bias (BIAS = 1: q's 16-bit type, 2: float32) with dbias where ``bias_unsupported`` accepts its
+layout (no mask: the launcher keeps masks on the portable GENERAL kernel).
 
 Persistent grid (at most one block per SM) over work tiles (key tile of 128 keys, kv head, batch),
 drawn from the per-stream counter the forward uses (``_gpu._sched_counter``): a producer warpgroup
