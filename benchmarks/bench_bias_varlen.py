@@ -15,6 +15,7 @@ CUDA events around each call, warm-up first, median of the repeats. PyTorch is a
 only (imported here, never by cupyflash).
 
     python benchmarks/bench_bias_varlen.py [--seqlens 1024,2048,4096,8192] [--reps 5] [--json F]
+        [--skip bias|varlen] [--bwd-kernel auto|portable|sm90]
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def _rnd(shape):
     return cp.random.standard_normal(shape, dtype=cp.float32).astype(BF16)
 
 
-def bench_bias_ours(s, warmup, reps):
+def bench_bias_ours(s, warmup, reps, bwd_kernel=None):
     b = TOKENS // s
     q, k, v, dout = (_rnd((b, s, H, D)) for _ in range(4))
     bias = _rnd((1, H, s, s))
@@ -73,7 +74,8 @@ def bench_bias_ours(s, warmup, reps):
     t_f = _cp_time(fwd, warmup, reps)
     grads = [cp.empty_like(x) for x in (q, k, v)]
     dbias = cp.empty(bias.shape, BF16)
-    bwd = lambda: _gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts, dbias=dbias)  # noqa: E731
+    bwd = lambda: _gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts, dbias=dbias,  # noqa: E731
+                                    kernel=bwd_kernel)
     bname = bwd()
     cp.cuda.Device().synchronize()
     t_b = _cp_time(bwd, warmup, reps)
@@ -178,6 +180,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", default="", help="comma list: bias,varlen")
+    ap.add_argument("--bwd-kernel", default="auto", choices=("auto", "portable", "sm90"),
+                    help="our backward with a bias: the planner's choice (auto), or forced")
     a = ap.parse_args(argv)
     res = {"bias": [], "varlen": []}
     skip = set(a.skip.split(",")) - {""}
@@ -188,7 +192,8 @@ def main(argv=None):
         for s in (int(x) for x in a.seqlens.split(",")):
             b = TOKENS // s
             fl = 4.0 * b * H * s * s * D
-            of, ob, oextra, name, bname = bench_bias_ours(s, a.warmup, a.reps)
+            of, ob, oextra, name, bname = bench_bias_ours(
+                s, a.warmup, a.reps, None if a.bwd_kernel == "auto" else a.bwd_kernel)
             sd = bench_bias_sdpa(s, a.warmup, a.reps)
             sf, sb, sextra = sd if sd else (math.nan, math.nan, math.nan)
             dbias_mib = H * s * s * 2 / 2**20

@@ -17,7 +17,9 @@ num_n_blocks = ceil(s_k / BN) in deterministic mode (see docs/backward.md).
 
 ``backward(dout, q, k, v, out, lse, dq, dk, dv, opts, dbias=None) -> str`` is the launcher the
 API calls; with a bias or mask it runs the GENERAL variant (``flash_bwd<..., true, true, true>``)
-and writes dbias (``dbias_plan`` says how dS is reduced to the bias's shape).
+and writes dbias (``dbias_plan`` says how dS is reduced to the bias's shape), except that on
+compute capability 9.0 a bias without a mask runs the Hopper main kernel's BIAS variant
+(_gpu_bwd_sm90) where it covers the call.
 ``backward_varlen`` runs packed sequences in one launch set (``plan_backward_varlen``).
 """
 from __future__ import annotations
@@ -236,6 +238,32 @@ class DbiasPlan(NamedTuple):
 
 
 DBIAS_ROWS, DBIAS_ATOMIC, DBIAS_SLAB_B, DBIAS_SLAB_H = 1, 2, 4, 8
+DBIAS_STORE = 16   # Hopper backward only: each element has one writer, plain stores
+DBIAS_SCHED_B = 32  # Hopper backward only: work tiles batch-fastest (dbias summed over batch)
+HOPPER_SCHED_B = True   # use DBIAS_SCHED_B (a switch for A/B measurements)
+
+
+def hopper_dbias_mode(dplan: "DbiasPlan", b: int, h: int, s_q: int) -> int:
+    """Params.dbias_mode for the Hopper backward: dbias_plan's bits, plus DBIAS_STORE where each
+    element has one writer (single_writer) and DBIAS_SCHED_B where dbias sums over a batch > 1
+    (the blocks adding into the same dbias tile then run at the same time: L2 hits, not a
+    read of the float32 accumulator from DRAM per batch entry)."""
+    mode = dplan.mode
+    if single_writer(dplan.shape, b, h, s_q):
+        mode |= DBIAS_STORE
+    if HOPPER_SCHED_B and dplan.shape[0] == 1 and b > 1 and dplan.shape[2] > 1:
+        mode |= DBIAS_SCHED_B
+    return mode
+
+
+def single_writer(bias_shape, b: int, h: int, s_q: int) -> bool:
+    """Each dbias element receives dS from exactly one (batch, head, query) (so the Hopper
+    backward stores it, DBIAS_STORE): no broadcast dimension of the bias is summed over (a size-1
+    dimension of the bias counts as summed unless the problem's extent there is 1 too), and the
+    query dimension is not broadcast (DBIAS_ROWS sums a step's rows)."""
+    shape = tuple(int(n) for n in bias_shape)
+    return (shape[2] > 1 and (shape[0] > 1 or b == 1) and (shape[1] > 1 or h == 1)
+            and shape[3] > 1)
 
 
 def dbias_plan(bias_shape, b: int, h_k: int, deterministic: bool) -> DbiasPlan:
@@ -431,10 +459,12 @@ def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
 
 
 def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, forced,
-                     varlen=None):
+                     varlen=None, bias_operand=None):
     """``hopper(prm)`` for _fill_and_launch when the Hopper main kernel covers the call (None
     otherwise); ``forced`` (kernel="sm90") turns every refusal into a ValueError. ``varlen``:
-    (sequences, max_seqlen_k) of a packed call (the VARLEN variant)."""
+    (sequences, max_seqlen_k) of a packed call (the VARLEN variant). ``bias_operand``: (array,
+    bias_f32) from _gpu.bias_operand for a call with a bias (no mask): the BIAS variant then runs
+    where the bias layout allows it (_gpu_bwd_sm90.bias_unsupported)."""
     from . import _gpu
     from . import _gpu_bwd_sm90 as h90
 
@@ -445,15 +475,22 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, for
         deterministic=bool(opts.deterministic), cc=cc, smem_optin=smem,
         tensors=[(a.shape, _gpu._elem_strides(a, t))
                  for a, t in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"))])
+    bias_kind = 0
+    if why is None and opts.mask is not None:
+        why = "a boolean mask (not in the Hopper backward)"
+    if why is None and bias_operand is not None:
+        b_arr, f32 = bias_operand
+        why = h90.bias_unsupported(_gpu.broadcast_strides(b_arr), k.shape[1],
+                                   b_arr.data.ptr, b_arr.itemsize)
+        bias_kind = 2 if f32 else 1
     if why is not None:
         if forced:
             raise ValueError(f"kernel='sm90': the Hopper backward cannot run this call: {why}")
         return None
-    if varlen is None:
-        variant = h90.variant_for(plan.variant.elem, q.shape[3], plan.variant.window)
-    else:   # the GENERAL plan always has window set: the Hopper variant only where a side is bounded
-        window = int(opts.window_left) >= 0 or int(opts.window_right) >= 0
-        variant = h90.variant_for(plan.variant.elem, q.shape[3], window, varlen=True)
+    # (a GENERAL plan always has window set: the Hopper variant only where a side is bounded)
+    window = int(opts.window_left) >= 0 or int(opts.window_right) >= 0
+    variant = h90.variant_for(plan.variant.elem, q.shape[3], window, bias_kind,
+                              varlen=varlen is not None)
 
     def hopper(prm):
         ran = h90.launch(variant, prm, plan.pre_grid, q, k, v, dout, dev_id, num_sms, varlen)
@@ -474,9 +511,11 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
     planner: the Hopper main kernel, _gpu_bwd_sm90, on compute capability 9.0 where it covers
     the call, else the portable one), "portable", "sm90" (ValueError where it cannot run), or a
     BwdVariant to force (tuning, benchmarks).
-    With ``opts.bias`` / ``opts.mask`` the GENERAL variant runs; ``dbias`` (a CuPy array of
-    opts.bias's 4-D shape, any float dtype) then receives dS summed over the bias's broadcast
-    dimensions (float32 accumulation; ``dbias_plan`` says how). Raises NotImplementedError for
+    With ``opts.bias`` / ``opts.mask`` the GENERAL variant runs (a bias without a mask: the Hopper
+    kernel's BIAS variant on compute capability 9.0 where it covers the call); ``dbias`` (a CuPy
+    array of opts.bias's 4-D shape, any float dtype) then receives dS summed over the bias's
+    broadcast dimensions (float32 accumulation; ``dbias_plan`` says how, plus
+    ``hopper_dbias_mode`` on the Hopper kernel). Raises NotImplementedError for
     head dims > 256, other dtypes, pre-sm_80 GPUs.
     """
     import cupy
@@ -504,10 +543,17 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
         deterministic=bool(opts.deterministic), smem_optin=smem, num_sms=num_sms,
         variant=kernel if isinstance(kernel, BwdVariant) else None, has_bias=bias is not None,
         has_mask=opts.mask is not None)
+    if kernel == "sm90" and plan.variant.general and bias is None:   # a mask alone
+        raise ValueError("kernel='sm90': the Hopper backward cannot run this call: a boolean "
+                         "mask (not in the Hopper backward)")
     hopper = None
-    if (kernel is None or kernel == "sm90") and not plan.variant.general:
+    operand = None   # _gpu.bias_operand(bias, q.dtype), once made
+    if (kernel is None or kernel == "sm90") and (not plan.variant.general or bias is not None):
+        if bias is not None:
+            from . import _gpu
+            operand = _gpu.bias_operand(bias, q.dtype)
         hopper = _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms,
-                                  forced=kernel == "sm90")
+                                  forced=kernel == "sm90", bias_operand=operand)
     extra = None
     dplan = accum = None
     if plan.variant.general:
@@ -515,10 +561,12 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
 
         if bias is not None:
             dplan = dbias_plan(bias.shape, b, h_k, bool(opts.deterministic))
+            hopper_mode = hopper_dbias_mode(dplan, b, h, s_q)
             if dplan.mode >= 0:
                 n = dplan.slabs * int(np.prod(dplan.shape))
                 direct = (dplan.slabs == 1 and dbias.dtype == np.float32
-                          and dbias.flags.c_contiguous and dbias.shape == dplan.shape)
+                          and dbias.flags.c_contiguous and dbias.shape == dplan.shape
+                          and dbias.data.ptr % 8 == 0)   # Hopper: 8-byte pairs
                 if direct:   # the float32 output is its own accumulator
                     accum = dbias.reshape(-1)
                     accum.fill(0)
@@ -526,10 +574,10 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
                     accum = cupy.zeros(n, np.float32)
 
         def extra(prm):
-            keep = _gpu.set_bias_mask(prm, opts, q.dtype)
+            keep = _gpu.set_bias_mask(prm, opts, q.dtype, operand)
             if accum is not None:
                 prm["dbias_accum"] = accum.data.ptr
-                prm["dbias_mode"] = dplan.mode
+                prm["dbias_mode"] = hopper_mode if hopper is not None else dplan.mode
                 prm["dbias_slab"] = int(np.prod(dplan.shape))
                 for a, st in zip("bhqk", dplan.strides):
                     prm[f"dbias_stride_{a}"] = st

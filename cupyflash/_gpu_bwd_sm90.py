@@ -1,12 +1,14 @@
 """Hopper (sm_90a) backward main kernel: coverage, variants, compilation and launch.
 
-``flash_bwd_sm90<E, D, WINDOW, DQ_BULK, KVBUF, VARLEN>`` in kernels_cu/bwd_sm90.cu replaces the portable
+``flash_bwd_sm90<E, D, WINDOW, DQ_BULK, KVBUF, VARLEN, BIAS>`` in kernels_cu/bwd_sm90.cu replaces the portable
 main kernel (flash_bwd in bwd.cu) on compute capability 9.0 wherever it covers the call; the helper
 kernels before it (``flash_bwd_pre_sm90``: D = rowsum(dO ∘ O) with the zeroed dQ accumulator; bwd.cu's
 ``flash_bwd_pre`` when O's rows are not 16-byte aligned) and after it (``flash_bwd_dq_sm90``: the dQ
 conversion) are compiled into the same module. Coverage (``unsupported`` says why not):
 float16 / bfloat16, d = d_v in {64, 128}, no softcap / ALiBi, scale > 0, atomic (not
-deterministic) dQ, strides TMA accepts (16-byte multiples) for q, k, v and dout.
+deterministic) dQ, strides TMA accepts (16-byte multiples) for q, k, v and dout; an additive
+bias (BIAS = 1: q's 16-bit type, 2: float32) with dbias where ``bias_unsupported`` accepts its
+layout (no mask: the launcher keeps masks on the portable GENERAL kernel).
 
 Persistent grid (at most one block per SM) over work tiles (key tile of 128 keys, kv head, batch),
 drawn from the per-stream counter the forward uses (``_gpu._sched_counter``): a producer warpgroup
@@ -50,6 +52,7 @@ class Sm90BwdVariant(NamedTuple):
     dq_bulk: bool = True   # dQ tile via shared memory + one bulk reduce-add (else red.global)
     kvbuf: int = 1         # K / V buffers: 2 loads the next work tile's K, V during this one's steps
     varlen: bool = False   # packed sequences (cu_seqlens), backward_varlen
+    bias: int = 0          # additive bias (+ dbias): 0 none, 1 in the inputs' 16-bit type, 2 float32
 
     file = "bwd_sm90.cu"
     arch_options = ("-arch=sm_90a",)
@@ -61,7 +64,7 @@ class Sm90BwdVariant(NamedTuple):
     def name_expression(self) -> str:
         tf = {True: "true", False: "false"}
         return (f"flash_bwd_sm90<{self.elem}, {self.d}, {tf[self.window]}, {tf[self.dq_bulk]}, "
-                f"{self.kvbuf}, {tf[self.varlen]}>")
+                f"{self.kvbuf}, {tf[self.varlen]}, {self.bias}>")
 
     @property
     def pre_expression(self) -> str:
@@ -83,7 +86,7 @@ class Sm90BwdVariant(NamedTuple):
     def name(self) -> str:
         return (f"bwd90_{self.elem[:-2]}_d{self.d}_{BM}x{BN}" + ("_window" if self.window else "")
                 + ("" if self.dq_bulk else "_red") + (f"_kv{self.kvbuf}" if self.kvbuf != 1 else "")
-                + ("_varlen" if self.varlen else ""))
+                + ("_varlen" if self.varlen else "") + ("", "_bias16", "_bias32")[self.bias])
 
     @property
     def smem_bytes(self) -> int:
@@ -100,16 +103,20 @@ def smem_bytes(d: int, kvbuf: int = None) -> int:
             + NBUF * 2 * BM * 4 + 16 + 16 + 8 * (2 * kvbuf + 2 * NBUF + 2 + 2 * TILE_RING) + 1024)
 
 
-def variant_for(elem: str, d: int, window: bool, varlen: bool = False) -> "Sm90BwdVariant":
-    """The variant the launcher runs for this element type, head dim, mask kind and layout
-    (``varlen``: packed sequences)."""
-    return Sm90BwdVariant(elem, d, window, True, kv_buffers(d), varlen)
+def variant_for(elem: str, d: int, window: bool, bias: int = 0,
+                varlen: bool = False) -> "Sm90BwdVariant":
+    """The variant the launcher runs for this element type, head dim, mask kind, bias kind (0
+    none, 1 bias in the 16-bit input type, 2 float32 bias) and layout (``varlen``: packed
+    sequences; never with a bias)."""
+    assert not (varlen and bias), "the varlen backward takes no bias"
+    return Sm90BwdVariant(elem, d, window, True, kv_buffers(d), varlen, bias)
 
 
 def variants():
-    """Every Sm90BwdVariant (compiled by the harness for sm_90a): dense and varlen."""
-    return [variant_for(e, d, w, vl) for e in ("f16_t", "bf16_t") for d in HEAD_DIMS
-            for w in (False, True) for vl in (False, True)]
+    """Every Sm90BwdVariant (compiled by the harness for sm_90a): dense without and with a bias
+    (16-bit, float32), and varlen."""
+    return [variant_for(e, d, w, bias, vl) for e in ("f16_t", "bf16_t") for d in HEAD_DIMS
+            for w in (False, True) for bias, vl in ((0, False), (1, False), (2, False), (0, True))]
 
 
 def varlen_work_tiles(cu_seqlens_q, cu_seqlens_k, h: int, h_k: int, window_left: int,
@@ -153,6 +160,21 @@ def unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: flo
     return _plan.sm90_common_unsupported(dtype_name, d, d_v, HEAD_DIMS, cc=cc,
                                          smem_need=smem_bytes(d), smem_optin=smem_optin,
                                          tensors=tensors)
+
+
+def bias_unsupported(strides, s_k: int, ptr: int, itemsize: int) -> Optional[str]:
+    """Why the BIAS variant cannot read this bias operand (None when it can): ``strides`` are
+    its element strides over (b, h, s_q, s_k), 0 where broadcast (_gpu.broadcast_strides). It
+    needs the layout of the forward's pair loads (_gpu.bias_pair_ok): a unit key stride (the
+    warp's loads of 8 consecutive keys coalesce), even s_k and even strides (dbias is written as
+    8-byte pairs of keys into an accumulator with the bias's shape), an aligned pair."""
+    if strides[3] != 1:
+        return "bias layout: key stride %d (the Hopper backward needs 1)" % strides[3]
+    if s_k % 2:
+        return f"bias with odd seqlen_k {s_k} (the Hopper backward writes dbias in key pairs)"
+    if any(x % 2 for x in strides[:3]) or ptr % (2 * itemsize):
+        return f"bias layout: strides {tuple(strides)} / address not in aligned pairs"
+    return None
 
 
 def program(variants_):
@@ -216,5 +238,5 @@ def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
 
 
 __all__ = ["Sm90BwdVariant", "variants", "variant_for", "kv_buffers", "unsupported",
-           "varlen_work_tiles",
+           "varlen_work_tiles", "bias_unsupported",
            "smem_bytes", "program", "get_functions", "launch"]

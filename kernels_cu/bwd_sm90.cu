@@ -116,6 +116,9 @@ __device__ __forceinline__ void query_tile_range(const Params& p, int s_q, int s
 // packed sequence z (p.b sequences: rows cu_seqlens[z] .. cu_seqlens[z + 1] of the [1, total, h, d]
 // tensors; p.s_q / p.s_k are the totals, num_n = p.num_n_blocks covers the longest sequence's keys,
 // so tiles whose keys start past their sequence's s_k have no keys: the producer skips them).
+// With a bias whose dbias sums over the batch (DBIAS_SCHED_B), w = batch + b · (n_block + num_n ·
+// kv_head): the blocks adding into one dbias tile run together, so its float32 lines stay in L2
+// between their additions
 struct WorkTile {
     int n0, kv_head, batch;   // keys n0 .. n0 + BN (of the sequence) of kv head kv_head in batch `batch`
     int s_q, s_k, diag;       // this sequence's lengths; diag(i) = i + diag
@@ -125,13 +128,19 @@ struct WorkTile {
     int steps;                // m_count x the query heads of the group
     bool keys;                // the tile has keys (varlen: n0 < this sequence's s_k)
 };
-template <bool WINDOW, bool VARLEN>
+template <bool WINDOW, bool VARLEN, int BIAS>
 __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
     const int num_n = VARLEN ? p.num_n_blocks : (p.s_k + BN - 1) / BN;
     WorkTile wt;
-    wt.n0 = (w % num_n) * BN;
-    wt.kv_head = (w / num_n) % p.h_k;
-    wt.batch = w / num_n / p.h_k;
+    if (BIAS && (p.dbias_mode & DBIAS_SCHED_B)) {
+        wt.batch = w % p.b;
+        wt.n0 = ((w / p.b) % num_n) * BN;
+        wt.kv_head = w / p.b / num_n;
+    } else {
+        wt.n0 = (w % num_n) * BN;
+        wt.kv_head = (w / num_n) % p.h_k;
+        wt.batch = w / num_n / p.h_k;
+    }
     if constexpr (VARLEN) {
         wt.q_row = p.cu_seqlens_q[wt.batch];
         wt.k_row = p.cu_seqlens_k[wt.batch];
@@ -146,7 +155,7 @@ __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
         wt.diag = p.diag_offset;
         wt.tma_b = wt.batch;
     }
-    wt.keys = wt.n0 < wt.s_k;
+    wt.keys = !VARLEN || wt.n0 < wt.s_k;   // dense tiles always have keys
     query_tile_range<WINDOW>(p, wt.s_q, wt.s_k, wt.diag, wt.n0, &wt.m_first, &wt.m_count);
     wt.steps = wt.keys ? wt.m_count * p.h_per_hk : 0;
     return wt;
@@ -214,7 +223,10 @@ __device__ __forceinline__ void red_add_v2(float* addr, float x, float y) {
 
 }  // namespace sm90b
 
-template <typename E, int D, bool WINDOW, bool DQ_BULK, int KVBUF, bool VARLEN>
+// VARLEN: packed sequences (see the header). BIAS: 0 none, 1 bias elements in E's storage, 2
+// float32 bias elements (unit key stride: the launcher checks); dbias (Params dbias_accum /
+// dbias_mode / dbias_stride_*) then receives dS. The varlen API passes no bias: never both.
+template <typename E, int D, bool WINDOW, bool DQ_BULK, int KVBUF, bool VARLEN, int BIAS>
 __global__ void __launch_bounds__(sm90b::THREADS, 1)
 flash_bwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90b;
@@ -222,6 +234,9 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     typedef typename Elem<E>::storage S;
     static_assert(Elem<E>::is16 && (D == 64 || D == 128), "float16 / bfloat16, head dim 64 or 128");
     static_assert(KVBUF == 1 || KVBUF == 2, "one or two K / V buffers");
+    static_assert(BIAS >= 0 && BIAS <= 2, "bias: none, E, float32");
+    static_assert(!(VARLEN && BIAS), "varlen takes no bias");
+    constexpr int BIAS_BYTES = BIAS == 2 ? 4 : 2;   // bytes per bias element
     constexpr int NS = BM / 2;       // Sᵀ / dPᵀ accumulator registers per lane: [64, BM]
     constexpr int NKV = D / 2;       // dK / dV accumulator registers per lane: [64, D]
     constexpr int NQ = PANEL_COLS / 2;   // dQ slice accumulator registers per lane: [BM, 64]
@@ -292,7 +307,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                        // so the readers (consumers, ROWS_WARP) never see them
                     w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
                     ++drawn;
-                    if (w < num_work) wt = work_tile<WINDOW, VARLEN>(p, w);
+                    if (w < num_work) wt = work_tile<WINDOW, VARLEN, BIAS>(p, w);
                 } while (VARLEN && w < num_work && !wt.keys);
                 tile_smem[ts] = w < num_work ? w : -1;
                 mbar_arrive(tile_full + 8 * ts);     // publishes tile_smem[ts] (release)
@@ -347,7 +362,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 __syncwarp();                                 // every lane has read the slot
                 if (lane == 0) mbar_arrive(tile_empty + 8 * ts);
                 if (w < 0) break;
-                const WorkTile wt = work_tile<WINDOW, VARLEN>(p, w);
+                const WorkTile wt = work_tile<WINDOW, VARLEN, BIAS>(p, w);
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
                     const int head = step_head(p, wt, st), m0 = step_m0(wt, st);
                     const int s = q_it % NBUF;
@@ -391,6 +406,29 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     const bool dq_cols = cw * PANEL_COLS < D;              // this consumer computes a dQ slice
 
     float dk_acc[NKV], dv_acc[NKV];   // dK, dV [64 keys, D], fp32
+
+    // Bias plane [s_q, s_k] (unit key stride) of (batch, query head), as bytes; the dbias plane
+    // of the float32 accumulator (null: no dbias wanted)
+    auto bias_plane = [&](int batch, int head) -> const char* {
+        return (const char*)p.bias + (batch * p.bias_stride_b + head * p.bias_stride_h) * BIAS_BYTES;
+    };
+    // This consumer's bias block [BM queries, 64 keys] of a step into L1 or L2 (ahead of its loads):
+    // thread t takes query row t / 2, half t % 2 of the row's bytes (first and last byte: the
+    // block need not be line-aligned)
+    auto fetch_bias = [&](int batch, int head, int m0, int n0, bool L1) {
+        const char* plane = bias_plane(batch, head);
+        const int r = min(m0 + t / 2, p.s_q - 1);
+        const int k_lo = min(n0 + cw * 64 + (t % 2) * 32, p.s_k - 1);
+        const int k_hi = min(n0 + cw * 64 + (t % 2) * 32 + 31, p.s_k - 1);
+        const char* row = plane + (i64)r * p.bias_stride_q * BIAS_BYTES;
+        if (L1) {
+            asm volatile("prefetch.global.L1 [%0];" :: "l"(row + (i64)k_lo * BIAS_BYTES));
+            asm volatile("prefetch.global.L1 [%0];" :: "l"(row + (i64)k_hi * BIAS_BYTES));
+        } else {
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(row + (i64)k_lo * BIAS_BYTES));
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(row + (i64)k_hi * BIAS_BYTES));
+        }
+    };
     int q_it = 0, kv_it = 0;          // Q/dO steps and K/V tiles consumed so far (ring positions)
     for (int tile_i = 0;; ++tile_i) {
         const int ts = tile_i % TILE_RING;
@@ -399,7 +437,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
         __syncwarp();                                      // every lane of the warp has read the slot
         if (t % 32 == 0) mbar_arrive(tile_empty + 8 * ts);
         if (w < 0) break;
-        const WorkTile wt = work_tile<WINDOW, VARLEN>(p, w);
+        const WorkTile wt = work_tile<WINDOW, VARLEN, BIAS>(p, w);
         const int n0 = wt.n0;
         const int key0 = n0 + cw * 64 + row_in_wg;         // this lane's keys: key0, key0 + 8
         // VARLEN's mask values, kept in shared memory (hd 128 has no registers to spare): nk =
@@ -424,6 +462,12 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             const u32 q_tile = q_smem + s * L::Q_TILE, do_tile = do_smem + s * L::Q_TILE;
             const float* lse_smem = rows_smem + s * 2 * BM;   // [BM] lse·log2 e of the step
             const float* dsum_smem = lse_smem + BM;           // [BM] D of the step
+            const int head = step_head(p, wt, st);
+            if constexpr (BIAS != 0) {   // bias blocks: this step's into L1 (loaded after Sᵀ),
+                                         // the next step's into L2
+                fetch_bias(wt.batch, head, m0, n0, true);
+                if (st + 1 < wt.steps) fetch_bias(wt.batch, step_head(p, wt, st + 1), step_m0(wt, st + 1), n0, false);
+            }
 
             // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ  [64 keys, BM], fp32: two groups, so Pᵀ can start
             //      as soon as Sᵀ is done
@@ -437,17 +481,29 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                                 smem_desc(q_tile + (kk / 4) * L::Q_PANEL + off, 16, 1024), kk > 0);
             }
             wgmma_commit();
+            // dPᵀ = V dOᵀ: issued right behind Sᵀ (Pᵀ overlaps it), or after Pᵀ (BIAS at d = 128:
+            // the bias loads need the registers dPᵀ would hold in flight)
+            constexpr bool DP_EARLY = BIAS == 0 || D == 64;
+            auto issue_dp = [&]() {
+                if (!DP_EARLY || BIAS != 0) wgmma_fence();   // (no bias: in the same fence as Sᵀ)
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const u32 off = (kk % 4) * 32;
-                wgmma_ss<E, BM>(dp_acc, smem_desc(v_wg + (kk / 4) * L::KV_PANEL + off, 16, 1024),
-                                smem_desc(do_tile + (kk / 4) * L::Q_PANEL + off, 16, 1024), kk > 0);
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    const u32 off = (kk % 4) * 32;
+                    wgmma_ss<E, BM>(dp_acc, smem_desc(v_wg + (kk / 4) * L::KV_PANEL + off, 16, 1024),
+                                    smem_desc(do_tile + (kk / 4) * L::Q_PANEL + off, 16, 1024), kk > 0);
+                }
+                wgmma_commit();
+            };
+            if constexpr (DP_EARLY) {
+                issue_dp();
+                wgmma_wait<1>();                  // Sᵀ done (dPᵀ may still run)
+            } else {
+                wgmma_wait<0>();                  // Sᵀ done
             }
-            wgmma_commit();
-            wgmma_wait<1>();                      // Sᵀ done (dPᵀ may still run)
             fence_regs<NS>(s_acc);
 
-            // ---- Pᵀ = exp2(Sᵀ·scale·log2 e − lse·log2 e), masked, in place in s_acc (fp32)
+            // ---- Pᵀ = exp2(Sᵀ·scale·log2 e (+ bias·log2 e) − lse·log2 e), masked, in place in
+            //      s_acc (fp32)
             // VARLEN in two per-tile values: nk = s_k − n0 (keys of the tile in the sequence; the
             // next sequence's are masked too) and nrel = n0 − diag (key − diag(row) = nrel +
             // (key − n0) − row)
@@ -457,27 +513,80 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 need_mask |= VARLEN ? nrel + BN - 1 > m0 + p.window_right || nrel < m0 + BM - 1 - p.window_left
                                     : n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
                                       n0 < m0 + BM - 1 + p.diag_offset - p.window_left;
+            if constexpr (BIAS == 0) {
 #pragma unroll
-            for (int i = 0; i < NS; ++i) {
-                const int col = (i / 4) * 8 + col_in_8 + (i % 2);   // query row m0 + col
-                const int key = key0 + ((i % 4) >= 2 ? 8 : 0);
-                float pe = fast_exp2(s_acc[i] * p.scale_log2 - lse_smem[col]);
-                if (need_mask) {
-                    bool keep;
-                    if constexpr (VARLEN) {
-                        const int kt = key - n0, rel = nrel + kt - m0 - col;   // key − diag(row)
-                        keep = kt < nk;
-                        if (WINDOW) keep = keep && rel <= p.window_right && rel >= -p.window_left;
-                    } else {
-                        const int diag = m0 + col + p.diag_offset;
-                        keep = key < p.s_k;
-                        if (WINDOW) keep = keep && key <= diag + p.window_right && key >= diag - p.window_left;
+                for (int i = 0; i < NS; ++i) {
+                    const int col = (i / 4) * 8 + col_in_8 + (i % 2);   // query row m0 + col
+                    const int key = key0 + ((i % 4) >= 2 ? 8 : 0);
+                    float pe = fast_exp2(s_acc[i] * p.scale_log2 - lse_smem[col]);
+                    if (need_mask) {
+                        bool keep;
+                        if constexpr (VARLEN) {
+                            const int kt = key - n0, rel = nrel + kt - m0 - col;   // key − diag(row)
+                            keep = kt < nk;
+                            if (WINDOW) keep = keep && rel <= p.window_right && rel >= -p.window_left;
+                        } else {
+                            const int diag = m0 + col + p.diag_offset;
+                            keep = key < p.s_k;
+                            if (WINDOW) keep = keep && key <= diag + p.window_right && key >= diag - p.window_left;
+                        }
+                        if (!keep) pe = 0.f;
                     }
-                    if (!keep) pe = 0.f;
+                    s_acc[i] = pe;
                 }
-                s_acc[i] = pe;
+            } else {
+                // BIAS: the bias [query m0 + col, key] read per pair of queries (clamped into the
+                // plane: those P are masked or 0)
+                // bias rows m0 + col_in_8 (+ 8 per i / 4, + 1 per i % 2) at keys key0, key0 + 8 (keys
+                // clamped into the row; rows past s_q not read: their P is 0 anyway, lse = +inf)
+                const char* brow = nullptr;
+                i64 b_sq = 0;            // bytes between bias rows
+                int b_k8 = 0;            // bytes from key key0 to key0 + 8 (clamped)
+                {
+                    const int k_a = min(key0, p.s_k - 1), k_b = min(key0 + 8, p.s_k - 1);
+                    b_sq = p.bias_stride_q * BIAS_BYTES;
+                    b_k8 = (k_b - k_a) * BIAS_BYTES;
+                    brow = bias_plane(wt.batch, head) + (i64)(m0 + col_in_8) * b_sq + (i64)k_a * BIAS_BYTES;
+                }
+#pragma unroll
+                for (int i = 0; i < NS; i += 2) {
+                    const int col = (i / 4) * 8 + col_in_8;             // query rows m0 + col, + 1
+                    const int key = key0 + ((i % 4) >= 2 ? 8 : 0);
+                    const float2 l2 = *(const float2*)(lse_smem + col);
+                    float x0 = s_acc[i] * p.scale_log2, x1 = s_acc[i + 1] * p.scale_log2;
+                    if constexpr (BIAS != 0) {
+                        const char* r0 = brow + ((i % 4) >= 2 ? b_k8 : 0);
+                        const char* r1 = r0 + b_sq;
+                        float b0 = 0.f, b1 = 0.f;
+                        if (m0 + col < p.s_q) {
+                            if constexpr (BIAS == 1) b0 = to_float<E>(*(const S*)r0);
+                            else b0 = *(const float*)r0;
+                        }
+                        if (m0 + col + 1 < p.s_q) {
+                            if constexpr (BIAS == 1) b1 = to_float<E>(*(const S*)r1);
+                            else b1 = *(const float*)r1;
+                        }
+                        x0 = fmaf(b0, CF_LOG2E, x0);
+                        x1 = fmaf(b1, CF_LOG2E, x1);
+                        if (i % 4 == 2) brow += 8 * b_sq;                // next 8 query rows
+                    }
+                    float pe0 = fast_exp2(x0 - l2.x), pe1 = fast_exp2(x1 - l2.y);
+                    if (need_mask) {
+                        const int diag = m0 + col + p.diag_offset;
+                        bool keep0 = key < p.s_k, keep1 = keep0;
+                        if (WINDOW) {
+                            keep0 = keep0 && key <= diag + p.window_right && key >= diag - p.window_left;
+                            keep1 = keep1 && key <= diag + 1 + p.window_right && key >= diag + 1 - p.window_left;
+                        }
+                        if (!keep0) pe0 = 0.f;
+                        if (!keep1) pe1 = 0.f;
+                    }
+                    s_acc[i] = pe0;
+                    s_acc[i + 1] = pe1;
+                }
             }
 
+            if constexpr (!DP_EARLY) issue_dp();
             // ---- dSᵀ = Pᵀ ∘ (dPᵀ − D) · scale; Pᵀ, dSᵀ packed to 16-bit pairs (wgmma A fragments)
             wgmma_wait<0>();                      // dPᵀ done
             fence_regs<NS>(dp_acc);
@@ -486,8 +595,14 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             for (int i = 0; i < NS; i += 2) {
                 const int col = (i / 4) * 8 + col_in_8;
                 p_frag[i / 2] = pack2<E>(s_acc[i], s_acc[i + 1]);
-                ds_frag[i / 2] = pack2<E>(s_acc[i] * (dp_acc[i] - dsum_smem[col]) * p.scale,
-                                          s_acc[i + 1] * (dp_acc[i + 1] - dsum_smem[col + 1]) * p.scale);
+                if constexpr (BIAS != 0) {   // dp_acc keeps dSᵀ without the scale: dbias
+                    dp_acc[i] = s_acc[i] * (dp_acc[i] - dsum_smem[col]);
+                    dp_acc[i + 1] = s_acc[i + 1] * (dp_acc[i + 1] - dsum_smem[col + 1]);
+                    ds_frag[i / 2] = pack2<E>(dp_acc[i] * p.scale, dp_acc[i + 1] * p.scale);
+                } else {
+                    ds_frag[i / 2] = pack2<E>(s_acc[i] * (dp_acc[i] - dsum_smem[col]) * p.scale,
+                                              s_acc[i + 1] * (dp_acc[i + 1] - dsum_smem[col + 1]) * p.scale);
+                }
             }
 
             // ---- dSᵀ rows of this consumer -> dsT_smem [BN keys, BM queries] (128-byte swizzle:
@@ -520,6 +635,48 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             fence_regs<NKV>(dk_acc);
             if (t == 0) mbar_arrive(qdo_empty + 8 * s);   // Q, dO, lse, D of stage s no longer needed here
 
+            // ---- dbias (+)= dSᵀ transposed to [query, key] (after dV, dK: registers)
+            if constexpr (BIAS != 0) {
+                if (p.dbias_accum) {
+                    float* db = p.dbias_accum + wt.batch * p.dbias_stride_b + head * p.dbias_stride_h;
+                    if (p.dbias_mode & DBIAS_ROWS) {
+                        // bias broadcast over queries: one sum per key over the step's queries
+                        // (0 past s_q: P = 0), the quad's 4 lanes hold the key's other queries
+                        float sk[2] = {0.f, 0.f};
+#pragma unroll
+                        for (int i = 0; i < NS; ++i) sk[(i % 4) / 2] += dp_acc[i];
+#pragma unroll
+                        for (int r = 0; r < 2; ++r) {
+                            const float v = quad_sum(sk[r]);
+                            if (t % 4 == 0 && key0 + 8 * r < p.s_k) red_add_f32(db + key0 + 8 * r, v);
+                        }
+                    } else {
+                        // keys in pairs (key, key + 1) from lanes t, t ^ 4 (one shuffle per pair):
+                        // the lane of an even key writes query col, the odd one query col + 1;
+                        // s_k and the accumulator's row stride are even (launcher), so the pair
+                        // is 8-byte aligned and both keys are in range or neither
+                        const int odd = (row_in_wg & 1);
+                        const bool store = p.dbias_mode & DBIAS_STORE;
+#pragma unroll
+                        for (int i = 0; i < NS; i += 2) {
+                            const float a = dp_acc[i], b = dp_acc[i + 1];   // queries col, col + 1
+                            const float got = __shfl_xor_sync(0xffffffffu, odd ? a : b, 4);
+                            const int q = m0 + (i / 4) * 8 + col_in_8 + odd;
+                            const int k = key0 + ((i % 4) >= 2 ? 8 : 0) - odd;
+                            if (q < p.s_q && k < p.s_k) {
+                                float* dst = db + (i64)q * p.dbias_stride_q + k;
+                                const float x = odd ? got : a, y = odd ? b : got;
+                                if (store)
+                                    asm volatile("st.global.v2.f32 [%0], {%1, %2};" :: "l"(dst), "f"(x), "f"(y) : "memory");
+                                else
+                                    red_add_v2(dst, x, y);
+                            }
+                        }
+                    }
+                }
+            }
+
+
             // ---- dQ[BM, 64 columns from 64·cw] = dS K over the tile's 128 keys; both operands
             //      MN-major: dsT_smem (LBO unused: BM = one panel), K (LBO = bytes between panels)
             float dq_acc[NQ];
@@ -535,7 +692,6 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             }
 
             // ---- dQ slice (rows row_in_wg, +8; chunk-swizzled columns) -> the accumulator
-            const int head = step_head(p, wt, st);
             // The sequence's accumulator rows [s_q, D] (dq_rows); their chunk swizzle is by the row's
             // index in the (batch, head) slab: varlen rows start at q_row, so the tile's rows are
             // offset by sw = q_row mod 8.

@@ -101,6 +101,9 @@ static_assert(sizeof(Params) == CUPYFLASH_PARAMS_NBYTES,
 #define DBIAS_ATOMIC 2    // other blocks add to the same element: red.global.add.f32
 #define DBIAS_SLAB_B 4    // deterministic: one slab per batch entry (bias broadcast over batch)
 #define DBIAS_SLAB_H 8    // deterministic: one slab per kv head (bias broadcast over heads)
+#define DBIAS_STORE 16    // Hopper backward: each element has one writer over the launch: plain
+                          // stores (the portable kernel ignores this bit: it adds, also right)
+#define DBIAS_SCHED_B 32  // Hopper backward: work tiles batch-fastest (dbias summed over the batch)
 
 // ---------------------------------------------------------------------------------------------
 // Element types. f16_t / bf16_t are stored as 16-bit patterns; the two float32 tags differ only

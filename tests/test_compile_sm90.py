@@ -70,5 +70,29 @@ def test_backward_variants_compile_without_spills():
     for v in vs:
         print(f"  {v.name:45s} {res[v.name_expression][0]:4d} regs {res[v.name_expression][1]:6d} B spill")
     assert {v.name_expression for v in vs} <= set(res)
-    bad = [f"{v.name}: {res[v.name_expression]}" for v in vs if res[v.name_expression][1] > 0]
+    bad = [f"{v.name}: {res[v.name_expression]}" for v in vs
+           if res[v.name_expression][1] > _bwd_spill_budget(v)]
     assert not bad, "\n".join(bad)
+
+
+#: Backward spill bytes allowed: none, except the hd 128 BIAS variants (dK, dV, Sᵀ and dPᵀ
+#: take 192 of the consumers' 232 registers; the bias addresses and the dbias pairs spill
+#: 8-64 B under NVRTC 12.9 even with dPᵀ issued after Pᵀ (8-48 B before the varlen merge); docs/hopper.md).
+def _bwd_spill_budget(v):
+    return 64 if v.bias and v.d == 128 else 0
+
+
+def test_backward_bias_variants_no_ptxas_warnings():
+    """No wgmma serialization (or other) ptxas warning in the BIAS backward variants."""
+    for v in [x for x in _gpu_bwd_sm90.variants() if x.bias and x.elem == "bf16_t"]:
+        src, opts, names = _gpu_bwd_sm90.program([v])
+        prog = nvrtc.createProgram(src, "bwd_sm90.cu", [], [])
+        try:
+            nvrtc.addNameExpression(prog, names[0])
+            nvrtc.compileProgram(prog, [o for o in opts if not o.startswith("-arch")]
+                                 + ["-arch=sm_90a", "--ptxas-options=-v"])
+            log = nvrtc.getProgramLog(prog).replace("\0", "")
+        finally:
+            nvrtc.destroyProgram(prog)
+        warnings = [ln for ln in log.splitlines() if "warning" in ln.lower()]
+        assert not warnings, v.name + ": " + "\n".join(warnings)

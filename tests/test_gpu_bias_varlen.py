@@ -62,6 +62,8 @@ def bias_shape(kind, b, h, sq, sk):
             "1hqk": (1, h, sq, sk),        # relative-position bias shared over the batch
             "b11k": (b, 1, 1, sk),         # key padding
             "b1qk": (b, 1, sq, sk),
+            "bh1k": (b, h, 1, sk),         # per-head key bias, broadcast over rows
+            "11qk": (1, 1, sq, sk),
             "bhq1": (b, h, sq, 1),         # constant along keys: dbias is exactly 0
             "qk": (sq, sk),
             "k": (sk,),
@@ -220,9 +222,11 @@ def check_grad(dtype_name, w, got, ref, naive=None):
 def run_dense(rng, dtype_name, b, sq, sk, h, hk, d, *, bias=None, bias_dtype=None,
               bias_layout="contig", mask=None, causal=False, window=None, softcap=0.0,
               alibi=False, backward=True, deterministic=False, repeats=1, kernel="portable",
-              expect_fwd="_gen"):
-    """Forward (``kernel``; its variant name must end with ``expect_fwd``) and backward against
-    the reference; returns the backward's variant name (the forward's without backward)."""
+              expect_fwd="_gen", bwd_kernel=None, expect_bwd=("_gen",)):
+    """Forward (``kernel``; its variant name must end with ``expect_fwd``) and backward
+    (``bwd_kernel``: None = the planner's choice; its name must contain each of ``expect_bwd``)
+    against the reference; returns the backward's variant name (the forward's without
+    backward)."""
     from cupyflash import _gpu, _gpu_bwd
     dtype = DTYPES[dtype_name]
     bias_dtype = dtype if bias_dtype is None else np.dtype(bias_dtype)
@@ -271,10 +275,11 @@ def run_dense(rng, dtype_name, b, sq, sk, h, hk, d, *, bias=None, bias_dtype=Non
     for _ in range(repeats):
         grads = [_nan_like(x.shape, dtype) for x in (q, k, v)]
         dbias = None if bias_d is None else _nan_like(opts.bias.shape, bias_dtype)
-        bname = _gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts, dbias=dbias)
+        bname = _gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts, dbias=dbias,
+                                  kernel=bwd_kernel)
         cp.cuda.get_current_stream().synchronize()
         results.append([_h(x) for x in grads] + ([] if dbias is None else [_h(dbias)]))
-    assert bname.endswith("_gen"), bname
+    assert all(e in bname for e in expect_bwd), (bname, expect_bwd)
     for other in results[1:]:
         for w, x, y in zip(("dq", "dk", "dv", "dbias"), results[0], other):
             assert np.array_equal(x, y, equal_nan=True), f"{bname}: {w} differs between runs"
@@ -342,9 +347,9 @@ def test_bias_awkward_lengths(rng, sq, sk):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_bias_hopper(rng, dtype, d, kind):
     """The Hopper kernel's BIAS variant (forced) on each broadcast pattern with a unit key
-    stride; the (portable) backward runs on its out / lse."""
+    stride; the portable backward runs on its out / lse (kernel="portable")."""
     bname = run_dense(rng, dtype, 2, 257, 200, 4, 2, d, bias=kind, kernel="sm90",
-                      expect_fwd="_bias")
+                      expect_fwd="_bias", bwd_kernel="portable")
     assert bname.endswith("_gen"), bname
 
 
@@ -362,8 +367,93 @@ def test_bias_hopper_options(rng, opt):
         sq, sk = 1, 130
     expect = "_bias32" if opt in ("f32_bias", "f16_bias") else "_bias"
     bname = run_dense(rng, "bfloat16", b, sq, sk, h, hk, 128, bias="bhqk", kernel="sm90",
-                      expect_fwd=expect, **kw)
+                      expect_fwd=expect, bwd_kernel="portable", **kw)
     assert bname.endswith("_gen"), bname
+
+
+# ---- the Hopper backward's BIAS variant (dbias on the Hopper kernel) -------------------------
+@hopper
+@pytest.mark.parametrize("kind", ["bhqk", "1hqk", "b11k", "b1qk", "bh1k", "11qk", "qk", "k"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_bias_hopper_backward(rng, dtype, d, kind):
+    """Each broadcast pattern (dbias stored, summed over rows, atomically over batch / heads),
+    GQA 4 / 2, s_q prime, s_k even, a partial last key tile; the bias in q's dtype."""
+    run_dense(rng, dtype, 2, 257, 200, 4, 2, d, bias=kind, kernel="sm90", expect_fwd="_bias",
+              bwd_kernel="sm90", expect_bwd=("bwd90_", "_bias16"))
+
+
+@hopper
+@pytest.mark.parametrize("opt", ["f32_bias", "f16_bias_cast", "causal", "causal_f32",
+                                 "window", "mqa", "batch1_store", "batch1_1hqk", "sq1",
+                                 "sq_lt_sk", "sq_gt_sk", "row_padded", "auto"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_bias_hopper_backward_options(rng, d, opt):
+    """float32 bias (and a float16 one, taken as a float32 copy), causal / window (skipped and
+    partially masked tiles), MQA (one work tile sums the group's heads into the same dbias
+    element), batch 1 (plain stores), one query row, s_q != s_k both ways, padded bias rows, and
+    the planner's default choice (kernel=None) on this device."""
+    b, sq, sk, h, hk, kind = 2, 257, 200, 4, 2, "bhqk"
+    kw, bias32 = {}, False
+    if opt == "f32_bias":
+        kw, bias32, kind = dict(bias_dtype="float32"), True, "1hqk"
+    elif opt == "f16_bias_cast":
+        kw, bias32 = dict(bias_dtype="float16"), True
+    elif opt == "causal":
+        kw, kind = dict(causal=True), "1hqk"
+    elif opt == "causal_f32":
+        kw, bias32, kind = dict(causal=True, bias_dtype="float32"), True, "b11k"
+    elif opt == "window":
+        kw, kind = dict(window=(50, 9)), "b1qk"
+    elif opt == "mqa":
+        h, hk, kind = 6, 1, "b1qk"
+    elif opt == "batch1_store":
+        b = 1
+    elif opt == "batch1_1hqk":
+        b, kind = 1, "1hqk"
+    elif opt == "sq1":
+        sq, sk = 1, 130
+    elif opt == "sq_lt_sk":
+        sq, sk, kw = 61, 386, dict(causal=True)
+    elif opt == "sq_gt_sk":
+        sq, sk, kw = 389, 66, dict(causal=True)
+    elif opt == "row_padded":
+        kw = dict(bias_layout="row_padded")
+    dtype = "float16" if opt in ("mqa", "sq_gt_sk") else "bfloat16"
+    expect = "_bias32" if bias32 else "_bias16"
+    run_dense(rng, dtype, b, sq, sk, h, hk, d, bias=kind, kernel="sm90",
+              expect_fwd="_bias32" if bias32 else "_bias",
+              bwd_kernel=None if opt == "auto" else "sm90", expect_bwd=("bwd90_", expect), **kw)
+
+
+@hopper
+def test_bias_hopper_backward_falls_back_where_it_cannot(rng):
+    """Odd s_k (dbias key pairs), a mask, deterministic mode and a key-broadcast bias run the
+    portable backward under kernel=None; kernel="sm90" says why it cannot."""
+    from cupyflash import _gpu, _gpu_bwd
+    q, k, v, do = (cp.asarray(_draw(rng, (1, 64, 2, 64), BF16)) for _ in range(4))
+
+    def call(kv_len, kernel, **kw):
+        kk, vv = k[:, :kv_len], v[:, :kv_len]
+        opts = _checks.make_options(_checks.check_qkv(q, kk, vv), cp, **kw)
+        out, lse = cp.empty_like(q), cp.empty((1, 2, 64), cp.float32)
+        _gpu.forward(q, kk, vv, out, lse, opts)
+        grads = [cp.empty_like(x) for x in (q, kk, vv)]
+        dbias = None if opts.bias is None else cp.empty(opts.bias.shape, opts.bias.dtype)
+        return _gpu_bwd.backward(do, q, kk, vv, out, lse, *grads, opts, dbias=dbias,
+                                 kernel=kernel)
+
+    odd = dict(bias=cp.asarray(_draw(rng, (1, 2, 64, 63), BF16)))
+    masked = dict(bias=cp.asarray(_draw(rng, (1, 2, 64, 64), BF16)),
+                  mask=cp.asarray(rng.random((64, 64)) > 0.3))
+    det = dict(bias=cp.asarray(_draw(rng, (1, 2, 64, 64), BF16)), deterministic=True)
+    keyb = dict(bias=cp.asarray(_draw(rng, (1, 2, 64, 1), BF16)))
+    mask_only = dict(mask=cp.asarray(rng.random((64, 64)) > 0.3))
+    for kv_len, kw, why in ((63, odd, "odd seqlen_k"), (64, masked, "mask"), (64, mask_only, "mask"),
+                            (64, det, "deterministic"), (64, keyb, "key stride 0")):
+        assert call(kv_len, None, **kw).endswith("_gen")
+        with pytest.raises(ValueError, match=why):
+            call(kv_len, "sm90", **kw)
 
 
 @hopper

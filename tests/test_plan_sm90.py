@@ -164,8 +164,8 @@ def test_backward_coverage(kw, why):
 def test_backward_variants_fit_and_layout_mirror():
     from cupyflash import _gpu_bwd_sm90 as h90
     vs = h90.variants()
-    assert len(vs) == 16 and len({v.name for v in vs}) == 16
-    assert {v.varlen for v in vs} == {False, True}
+    assert len(vs) == 32 and len({v.name for v in vs}) == 32
+    assert {(v.varlen, v.bias) for v in vs} == {(False, 0), (False, 1), (False, 2), (True, 0)}
     assert all(v.smem_bytes <= H200_SMEM for v in vs)
     assert {(v.d, v.kvbuf) for v in vs} == {(64, 2), (128, 1)}
     src = (ROOT / "kernels_cu" / "bwd_sm90.cu").read_text()
@@ -181,6 +181,38 @@ def test_backward_variants_fit_and_layout_mirror():
                                   + 64 * 64 * 4 + 1024 + 32 + 8 * 14 + 1024)
     # a second K / V buffer does not fit at d = 128
     assert h90.smem_bytes(128, 2) > H200_SMEM
+
+
+def test_backward_bias_variant_names():
+    from cupyflash import _gpu_bwd_sm90 as h90
+    v = h90.variant_for("bf16_t", 128, False, 1)
+    assert v.name == "bwd90_bf16_d128_64x128_bias16"
+    assert v.name_expression == "flash_bwd_sm90<bf16_t, 128, false, true, 1, false, 1>"
+    v = h90.variant_for("f16_t", 64, True, 2)
+    assert v.name == "bwd90_f16_d64_64x128_window_kv2_bias32"
+    assert v.name_expression == "flash_bwd_sm90<f16_t, 64, true, true, 2, false, 2>"
+    assert h90.variant_for("f16_t", 64, True).name_expression.endswith(", 2, false, 0>")
+    # the bias reads / dbias writes take no shared memory
+    assert v.smem_bytes == h90.smem_bytes(64)
+
+
+@pytest.mark.parametrize("strides,s_k,ptr,itemsize,why", [
+    ((0, 1024, 32, 1), 32, 256, 2, None),            # (1, h, s, s)
+    ((32, 0, 0, 1), 32, 256, 4, None),               # (b, 1, 1, s_k) float32
+    ((0, 0, 0, 0), 32, 256, 2, "key stride 0"),      # (1, 1, 1, 1): constant along keys
+    ((0, 0, 1, 32), 32, 256, 2, "key stride 32"),    # a transposed view
+    ((0, 0, 31, 1), 31, 256, 2, "odd seqlen_k 31"),
+    ((0, 0, 33, 1), 32, 256, 2, "aligned pairs"),    # odd row stride
+    ((0, 0, 32, 1), 32, 258, 4, "aligned pairs"),    # float32 pair not 8-byte aligned
+], ids=["h_s_s", "b_1_1_s_f32", "key_broadcast", "transposed", "odd_sk", "odd_stride",
+        "misaligned"])
+def test_backward_bias_layout(strides, s_k, ptr, itemsize, why):
+    from cupyflash import _gpu_bwd_sm90 as h90
+    got = h90.bias_unsupported(strides, s_k, ptr, itemsize)
+    if why is None:
+        assert got is None
+    else:
+        assert got is not None and why in got, got
 
 
 @pytest.mark.parametrize("s_q,window,softcap,nc", [
@@ -230,12 +262,12 @@ def test_backward_varlen_variant_names():
     dense = h90.variant_for("bf16_t", 128, True)
     vl = h90.variant_for("bf16_t", 128, True, varlen=True)
     assert dense.name == "bwd90_bf16_d128_64x128_window" and not dense.varlen
-    assert dense.name_expression == "flash_bwd_sm90<bf16_t, 128, true, true, 1, false>"
+    assert dense.name_expression == "flash_bwd_sm90<bf16_t, 128, true, true, 1, false, 0>"
     assert vl.name == "bwd90_bf16_d128_64x128_window_varlen"
-    assert vl.name_expression == "flash_bwd_sm90<bf16_t, 128, true, true, 1, true>"
+    assert vl.name_expression == "flash_bwd_sm90<bf16_t, 128, true, true, 1, true, 0>"
     v64 = h90.variant_for("f16_t", 64, False, varlen=True)
     assert v64.name == "bwd90_f16_d64_64x128_kv2_varlen" and v64.kvbuf == 2
-    assert v64.name_expression == "flash_bwd_sm90<f16_t, 64, false, true, 2, true>"
+    assert v64.name_expression == "flash_bwd_sm90<f16_t, 64, false, true, 2, true, 0>"
     assert vl.smem_bytes == dense.smem_bytes
     assert {v.name for v in h90.variants() if v.varlen} == {
         f"bwd90_{e}_d{d}_64x128{w}{kv}_varlen" for e in ("f16", "bf16") for d in (64, 128)
