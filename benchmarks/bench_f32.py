@@ -4,8 +4,9 @@ on float32 (when torch imports), FlashAttention's shapes (16k tokens, hidden 204
 
     python benchmarks/bench_f32.py                    # hd 64 / 128, s 1k / 4k / 16k, causal or not
     python benchmarks/bench_f32.py --tf32             # also the one-pass TF32 variant (allow_tf32)
-    python benchmarks/bench_f32.py --variant fwd90_f32x3_d128_64x32s2 ...   # tuning: any
-        Sm90F32Variant by name, or NAME=d,bn,stages,nc (e.g. --variant 128,64,1,1)
+    python benchmarks/bench_f32.py --head-dims 128 --variant 128,32,2,1,0   # tuning: an
+        Sm90F32Variant d,bn,stages,nc,qreg (window instantiation: serves causal and not) or a
+        planned variant's name
 
 TFLOP/s = 4·b·h·s²·d (halved for causal) / median time (CUDA events, after warm-up). Each cell
 also prints the Hopper kernel's norm-wise relative difference to the portable kernel (both are
@@ -57,8 +58,8 @@ def _variant(spec, d):
         return "sm90"
     if spec.startswith("fwd90_"):
         return spec
-    dd, bn, st, nc = (int(x) for x in spec.split(","))
-    return None if dd != d else _plan.Sm90F32Variant("f32x3_t", d, bn, st, nc, True)
+    dd, bn, st, nc, qreg = (int(x) for x in spec.split(","))
+    return "sm90" if dd != d else _plan.Sm90F32Variant("f32x3_t", d, bn, st, nc, True, bool(qreg))
 
 
 def main(argv=None) -> int:

@@ -174,8 +174,11 @@ def _elem_strides(a, what):
     return tuple(s // isz for s in st)
 
 
+_SM90_VARIANTS = (_plan.Sm90Variant, _plan.Sm90F32Variant)
+
+
 def _want_sm90(kernel) -> bool:
-    return kernel in ("auto", "sm90") or isinstance(kernel, _plan.Sm90Variant) or (
+    return kernel in ("auto", "sm90") or isinstance(kernel, _SM90_VARIANTS) or (
         isinstance(kernel, str) and kernel.startswith("fwd90_"))
 
 
@@ -249,7 +252,7 @@ def _build_sm90(q, k, v, opts, kernel, dev_id, dtype_name, elem_strides, portabl
     b, s_q, h, d = q.shape
     _, s_k, h_k, _ = k.shape
     forced = None
-    if isinstance(kernel, _plan.Sm90Variant):
+    if isinstance(kernel, _SM90_VARIANTS):
         forced = kernel
     elif isinstance(kernel, str) and kernel.startswith("fwd90_"):
         forced = _sm90_variant_by_name(kernel)

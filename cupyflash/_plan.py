@@ -362,12 +362,14 @@ def sm90_smem_bytes(d: int, bn: int, stages: int, nc: int = 2) -> int:
 # kernels_cu/fwd_sm90_f32.cu (3xTF32 on wgmma; E = f32x3_t, or tf32_t with allow_tf32).
 # ------------------------------------------------------------------------------------------
 SM90_F32_HEAD_DIMS = (64, 128)
-#: (BN, STAGES, NC) per head dim, chosen by the shared-memory budget (not measured yet): a stage
-#: holds K big / small, Vᵀ big / small and the raw V tile (5·BN·d floats), Q big / small take
-#: 2·64·NC·d floats. hd 64: 128 x 64 tiles, two stages (225 KB); hd 128: 64 x 32, two stages
-#: (225 KB); the alternatives that fit (hd 128: 64 x 64 one stage, 128 x 32 one stage) can be
-#: forced by name for tuning (Sm90F32Variant).
-SM90_F32_TILES = {64: (64, 2, 2), 128: (32, 2, 1)}
+#: (BN, STAGES, NC, QREG) per head dim, chosen by the shared-memory budget (not measured yet): a
+#: stage holds K big / small, Vᵀ big / small and the raw V tile (5·BN·d floats); Q big takes
+#: 64·NC·d floats, and as much again for Q small unless QREG (the consumers keep Q small in
+#: registers). hd 64: 128 x 64 tiles, two stages (193 KB); hd 128: 128 x 32, two stages
+#: (225 KB). Alternatives that fit can be forced for tuning (an Sm90F32Variant as ``kernel``,
+#: benchmarks/bench_f32.py --variant): without QREG hd 64 128 x 64 x 2 (225 KB), hd 128 64 x 32 x 2
+#: (one consumer, 225 KB) or 64 x 64 x 1.
+SM90_F32_TILES = {64: (64, 2, 2, True), 128: (32, 2, 2, True)}
 #: kernel="auto" runs float32 on the Hopper kernel only when this is True. False until the kernel
 #: is validated and measured on the device (kernel="sm90" forces it meanwhile).
 SM90_FLOAT32_AUTO = False
@@ -383,6 +385,7 @@ class Sm90F32Variant(NamedTuple):
     stages: int
     nc: int
     window: bool
+    qreg: bool = True       # Q small in the consumers' registers (no q_small tile)
 
     file = "fwd_sm90_f32.cu"
     arch_options = ("-arch=sm_90a",)
@@ -400,31 +403,32 @@ class Sm90F32Variant(NamedTuple):
 
     @property
     def name_expression(self) -> str:
-        b = "true" if self.window else "false"
+        b = lambda x: "true" if x else "false"  # noqa: E731
         return (f"flash_fwd_sm90_f32<{self.elem}, {self.d}, {self.bn}, {self.stages}, "
-                f"{self.nc}, {b}>")
+                f"{self.nc}, {b(self.window)}, {b(self.qreg)}>")
 
     @property
     def name(self) -> str:
         return (f"fwd90_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}s{self.stages}"
-                + ("_window" if self.window else ""))
+                + ("_qr" if self.qreg else "") + ("_window" if self.window else ""))
 
     @property
     def smem_bytes(self) -> int:
-        return sm90_f32_smem_bytes(self.d, self.bn, self.stages, self.nc)
+        return sm90_f32_smem_bytes(self.d, self.bn, self.stages, self.nc, self.qreg)
 
 
-def sm90_f32_smem_bytes(d: int, bn: int, stages: int, nc: int) -> int:
-    """Mirrors sm90f32::Layout in fwd_sm90_f32.cu: Q big / small [64·nc, d], per stage K big /
-    small, Vᵀ big / small and raw V [bn, d] (float32), 3 + 7·stages mbarriers, the work-tile
-    index, and 1024 bytes of slack to align the swizzled panels."""
-    return 4 * d * (2 * 64 * nc + 5 * stages * bn) + 8 * (3 + 7 * stages) + 8 + 1024
+def sm90_f32_smem_bytes(d: int, bn: int, stages: int, nc: int, qreg: bool = True) -> int:
+    """Mirrors sm90f32::Layout in fwd_sm90_f32.cu: Q big (and small unless qreg) [64·nc, d], per
+    stage K big / small, Vᵀ big / small and raw V [bn, d] (float32), 3 + 7·stages mbarriers, the
+    work-tile index, and 1024 bytes of slack to align the swizzled panels."""
+    q_tiles = 1 if qreg else 2
+    return 4 * d * (q_tiles * 64 * nc + 5 * stages * bn) + 8 * (3 + 7 * stages) + 8 + 1024
 
 
 def sm90_f32_variant(elem: str, d: int, window: bool) -> Sm90F32Variant:
     """The planner's float32 Hopper instantiation (SM90_F32_TILES)."""
-    bn, stages, nc = SM90_F32_TILES[d]
-    return Sm90F32Variant(elem, d, bn, stages, nc, window)
+    bn, stages, nc, qreg = SM90_F32_TILES[d]
+    return Sm90F32Variant(elem, d, bn, stages, nc, window, qreg)
 
 
 def sm90_f32_variants():

@@ -19,11 +19,13 @@
 //   warpgroup 0, producer:
 //     thread 0 (TMA): draws work tiles from the global counter, loads each Q tile [BM, D] and its
 //       key tiles' K [BN, D] and V [BN, D] (raw float32) into a STAGES-deep ring;
-//     warps 1..3 (96 converter threads): split Q in place (big) + q_small, split K in place
-//       (big) + k_small, and transpose V into Vᵀ big / small [D, BN] (keys contiguous: the
-//       K-major B operand of O += P V), then hand each tile to the consumers;
-//   warpgroups 1..NC, consumers (64 query rows each): S = Q Kᵀ (3 wgmma per k-step, both operands
-//     in shared memory), masks, online softmax in registers, P split into TF32 big / small
+//     warps 1..3 (96 converter threads): split K in place (big) + k_small, transpose V into
+//       Vᵀ big / small [D, BN] (keys contiguous: the K-major B operand of O += P V), and (unless
+//       QREG) split Q in place + q_small, then hand each tile to the consumers;
+//   warpgroups 1..NC, consumers (64 query rows each): (QREG) split their Q rows in place, Q small
+//     kept in registers; S = Q Kᵀ (3 wgmma per k-step: q_big·k_big and q_big·k_small from shared
+//     memory, q_small·k_big from registers (QREG) or shared memory), masks, online softmax in
+//     registers, P split into TF32 big / small
 //     register fragments, O += P V (3 wgmma per k-step, P from registers). With NC = 2 the
 //     consumers take turns on the tensor cores as in fwd_sm90.cu (pingpong); every consumer
 //     issues S of key tile j + 1 with O += P V of key tile j and runs the softmax of j + 1 while
@@ -54,8 +56,9 @@ template <int NC> struct Regs;
 template <> struct Regs<2> { static constexpr int PRODUCER = 56, CONSUMER = 224; };
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
-// cupyflash/_plan.py: sm90_f32_smem_bytes.
-template <int D, int BN, int STAGES, int NC>
+// cupyflash/_plan.py: sm90_f32_smem_bytes. QREG: no q_small tile (the consumers keep it in
+// registers).
+template <int D, int BN, int STAGES, int NC, bool QREG>
 struct Layout {
     static constexpr int BM = 64 * NC;                       // query rows per work tile
     static constexpr int Q_PANEL = BM * 128;                 // bytes of one Q panel [BM, 32]
@@ -64,8 +67,8 @@ struct Layout {
     static constexpr int QT = BM * D * 4;                    // bytes of one Q tile
     static constexpr int KVT = BN * D * 4;                   // bytes of one K / V / Vᵀ tile
     static constexpr int Q = 0;                              // q_smem [D/32][BM][32]: raw, then big
-    static constexpr int QS = Q + QT;                        // q_small [D/32][BM][32]
-    static constexpr int KB = QS + QT;                       // k_big [STAGES][D/32][BN][32] (TMA, then big)
+    static constexpr int QS = Q + QT;                        // q_small [D/32][BM][32] (!QREG)
+    static constexpr int KB = QS + (QREG ? 0 : QT);          // k_big [STAGES][D/32][BN][32] (TMA, then big)
     static constexpr int KS = KB + STAGES * KVT;             // k_small [STAGES][D/32][BN][32]
     static constexpr int VTB = KS + STAGES * KVT;            // vt_big [STAGES][BN/32][D][32]
     static constexpr int VTS = VTB + STAGES * KVT;           // vt_small [STAGES][BN/32][D][32]
@@ -96,12 +99,15 @@ __device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
 
 }  // namespace sm90f32
 
-template <typename E, int D, int BN, int STAGES, int NC, bool WINDOW>
+// QREG: the consumers split their own 64 Q rows (big in place, small kept in registers as the A
+// fragments of q_small·k_big, a register-shared product): no q_small tile in shared memory, which
+// leaves room for two 64-row consumers at hd 128. Otherwise the converters split Q like K.
+template <typename E, int D, int BN, int STAGES, int NC, bool WINDOW, bool QREG>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     using namespace sm90;
     using namespace sm90f32;   // (Regs and Layout exist in both: named with their namespace)
-    using L = sm90f32::Layout<D, BN, STAGES, NC>;
+    using L = sm90f32::Layout<D, BN, STAGES, NC, QREG>;
     constexpr int BM = L::BM;
     constexpr bool SPLIT = Elem<E>::split;   // 3xTF32 (f32x3_t) or one TF32 product (tf32_t)
     static_assert(!Elem<E>::is16, "the float32 Hopper kernel takes f32x3_t / tf32_t");
@@ -121,8 +127,9 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     const u32 k_big = smem + L::KB, k_small = smem + L::KS;
     const u32 vt_big = smem + L::VTB, vt_small = smem + L::VTS, v_raw = smem + L::VRAW;
     const u32 q_raw = smem + L::BARS;                  // Q tile (and its work-tile index) landed
-    const u32 q_full = q_raw + 8;                      // Q split: consumers may read the tile
+    const u32 q_full = q_raw + 8;                      // Q split: consumers may read the tile (!QREG)
     const u32 q_empty = q_full + 8;                    // every consumer is done with the Q tile
+                                                       // (QREG: and the converters with its index)
     const u32 k_raw = q_empty + 8;                     // [STAGES]: K tile landed (TMA)
     const u32 v_rawb = k_raw + 8 * STAGES;             // [STAGES]: V tile landed (TMA)
     const u32 k_full = v_rawb + 8 * STAGES;            // [STAGES]: K split: S may read it
@@ -139,7 +146,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     if (threadIdx.x == 0) {
         mbar_init(q_raw, 1);                   // the TMA thread's expect_tx arrival (+ bytes)
         mbar_init(q_full, 1);                  // the converters' leader
-        mbar_init(q_empty, NC);                // one arrival per consumer warpgroup
+        mbar_init(q_empty, NC + QREG);         // one arrival per consumer warpgroup (+ converters)
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_raw + 8 * s, 1);
             mbar_init(v_rawb + 8 * s, 1);
@@ -283,16 +290,21 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                 // every converter has read the index before the leader lets it be replaced
                 named_bar_sync(CONV_BAR, CONV_THREADS);
                 if (w < 0) {                                  // no work left: tell the consumers
-                    if (cu == 0) mbar_arrive(q_full);
+                    if (!QREG && cu == 0) mbar_arrive(q_full);
                     break;
                 }
+                // QREG: the consumers read Q and the index after q_raw themselves; the converters'
+                // arrival on q_empty says they are done with the index
+                if (QREG && cu == 0) mbar_arrive(q_empty);
                 const WorkTile wt = work_tile<WINDOW, false, BM, BN>(p, w);
                 if (wt.n_tiles == 0) {                        // nothing loaded: pass the index on
-                    if (cu == 0) mbar_arrive(q_full);
+                    if (!QREG && cu == 0) mbar_arrive(q_full);
                     continue;
                 }
-                split_tile(q_smem, q_small, BM * D / 4);
-                release(q_full);
+                if constexpr (!QREG) {
+                    split_tile(q_smem, q_small, BM * D / 4);
+                    release(q_full);
+                }
                 for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
                     const int s = kv_it % STAGES;
                     const u32 ph = (kv_it / STAGES) & 1;
@@ -329,16 +341,47 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     float s_acc[NS];           // S [64, BN] of the current key tile, then P in place
     u32 p_big[NS];             // P of the current key tile, TF32 A fragments (big part)
     u32 p_small[SPLIT ? NS : 1];   // and small part
+    u32 qs_frag[QREG && SPLIT ? D / 2 : 1];   // QREG: small part of this warpgroup's Q rows, TF32
+                                              // A fragments (4 per 8-column k-step)
+
+    // QREG: split this warpgroup's 64 rows of the landed Q tile: big written back in place (the
+    // shared operand of q_big·k_big, q_big·k_small), small kept in qs_frag. Per k-step kk the A
+    // fragment is Q(r, 8kk + c), Q(r + 8, 8kk + c), Q(r, 8kk + c + 4), Q(r + 8, 8kk + c + 4)
+    // (r = row_in_wg, c = t % 4); in the swizzled panel, column x of row y sits at
+    // (x / 32)·Q_PANEL + y·128 + 16·((x % 32 / 4) XOR y % 8) + 4·(x % 4): 8 rows x 4 columns of a
+    // warp hit 32 distinct banks.
+    auto split_q = [&]() {
+        const u32 q_wg = q_smem + cw * WG_ROWS * 128;
+#pragma unroll
+        for (int kk = 0; kk < D / 8; ++kk) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = row_in_wg + 8 * (e % 2), x = 8 * kk + t % 4 + 4 * (e / 2);
+                const u32 a = q_wg + (x / 32) * L::Q_PANEL + r * 128 + 16 * (((x % 32) / 4) ^ (r % 8)) + 4 * (x % 4);
+                float q;
+                asm volatile("ld.shared.f32 %0, [%1];" : "=f"(q) : "r"(a) : "memory");
+                u32 big;
+                if constexpr (SPLIT) split_tf32(q, big, qs_frag[4 * kk + e]);
+                else big = to_tf32(q);
+                asm volatile("st.shared.b32 [%0], %1;" :: "r"(a), "r"(big) : "memory");
+            }
+        }
+        fence_proxy_async();                   // the big part is read by wgmma (async proxy)
+        named_bar_sync(WG_BAR + cw, 128);      // every warp of the warpgroup has written its rows
+    };
 
     // Wait for work tile tile_i (index published, Q split). Tiles whose rows see no key are
     // finished right here (out = 0, lse = -inf). False when no work is left.
     auto fetch_tile = [&]() -> bool {
         for (;; ++tile_i) {
-            mbar_wait(q_full, tile_i & 1);
+            mbar_wait(QREG ? q_raw : q_full, tile_i & 1);
             const int w = *tile_smem;
             if (w < 0) return false;
             wt = work_tile<WINDOW, false, BM, BN>(p, w);
-            if (wt.n_tiles > 0) return true;
+            if (wt.n_tiles > 0) {
+                if constexpr (QREG) split_q();
+                return true;
+            }
             float* o_bh = out_rows<float>(p, wt);           // [s_q, d_v]
             const int r0 = wt.m0 + cw * WG_ROWS;
             for (int i = t; i < WG_ROWS * D; i += 128)
@@ -352,7 +395,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
 
     // ---- S = Q Kᵀ  [64, BN], fp32, of the key tile in ring position kv: k-steps of 8 columns
     //      (32 bytes) through the D / 32 panels; per k-step q_small·k_big + q_big·k_small +
-    //      q_big·k_big (issued and committed)
+    //      q_big·k_big (QREG: q_big·k_big first, q_small from registers) (issued and committed)
     auto issue_s = [&](int kv) {
         const int s = kv % STAGES;
         const u32 qb = q_smem + cw * WG_ROWS * 128;        // this warpgroup's 64 rows of each Q panel
@@ -364,14 +407,24 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
         for (int kk = 0; kk < D / 8; ++kk) {
             const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
             const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
-            if constexpr (SPLIT) {
-                wgmma_ss_tf32<BN>(s_acc, smem_desc(qs + q_off, 16, 1024),
-                                  smem_desc(kb + k_off, 16, 1024), kk > 0);
+            if constexpr (QREG) {
                 wgmma_ss_tf32<BN>(s_acc, smem_desc(qb + q_off, 16, 1024),
-                                  smem_desc(ks + k_off, 16, 1024), 1);
+                                  smem_desc(kb + k_off, 16, 1024), kk > 0);
+                if constexpr (SPLIT) {
+                    wgmma_ss_tf32<BN>(s_acc, smem_desc(qb + q_off, 16, 1024),
+                                      smem_desc(ks + k_off, 16, 1024), 1);
+                    wgmma_rs_tf32<BN>(s_acc, qs_frag + 4 * kk, smem_desc(kb + k_off, 16, 1024));
+                }
+            } else {
+                if constexpr (SPLIT) {
+                    wgmma_ss_tf32<BN>(s_acc, smem_desc(qs + q_off, 16, 1024),
+                                      smem_desc(kb + k_off, 16, 1024), kk > 0);
+                    wgmma_ss_tf32<BN>(s_acc, smem_desc(qb + q_off, 16, 1024),
+                                      smem_desc(ks + k_off, 16, 1024), 1);
+                }
+                wgmma_ss_tf32<BN>(s_acc, smem_desc(qb + q_off, 16, 1024),
+                                  smem_desc(kb + k_off, 16, 1024), SPLIT || kk > 0);
             }
-            wgmma_ss_tf32<BN>(s_acc, smem_desc(qb + q_off, 16, 1024),
-                              smem_desc(kb + k_off, 16, 1024), SPLIT || kk > 0);
         }
         wgmma_commit();
     };
@@ -399,6 +452,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     // work tile's last S
     auto s_done = [&](int kv, bool last_s) {
         fence_regs<NS>(s_acc);
+        if constexpr (QREG && SPLIT) fence_regs<D / 2>(qs_frag);   // read by S until here
         if (t == 0) mbar_arrive(k_empty + 8 * (kv % STAGES));
         if (last_s && t == 0) mbar_arrive(q_empty);
     };

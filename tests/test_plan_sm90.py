@@ -248,10 +248,12 @@ def test_f32_smem_mirrors_the_kernel_layout():
     Q big / small, per stage K big / small, Vt big / small and raw V, 3 + 7·STAGES mbarriers."""
     src = (ROOT / "kernels_cu" / "fwd_sm90_f32.cu").read_text()
     assert "BARS + 8 * (3 + 7 * STAGES)" in src and "VRAW + STAGES * KVT" in src
-    for d, bn, st, nc in ((64, 64, 2, 2), (128, 32, 2, 1), (128, 64, 1, 1), (128, 32, 1, 2)):
-        qt, kvt = 64 * nc * d * 4, bn * d * 4
-        bars = 2 * qt + 5 * st * kvt
-        assert _plan.sm90_f32_smem_bytes(d, bn, st, nc) == bars + 8 * (3 + 7 * st) + 8 + 1024
+    assert "KB = QS + (QREG ? 0 : QT)" in src
+    for d, bn, st, nc in ((64, 64, 2, 2), (128, 32, 2, 1), (128, 64, 1, 1), (128, 32, 2, 2)):
+        for qreg in (False, True):
+            qt, kvt = 64 * nc * d * 4, bn * d * 4
+            bars = (1 if qreg else 2) * qt + 5 * st * kvt
+            assert _plan.sm90_f32_smem_bytes(d, bn, st, nc, qreg) == bars + 8 * (3 + 7 * st) + 8 + 1024
 
 
 def test_f32_plan():

@@ -184,3 +184,53 @@ def test_3xtf32_split_products():
     one = ab.astype(f64) @ bb.astype(f64)
     rel = lambda x: np.linalg.norm(x - ref) / np.linalg.norm(ref)   # noqa: E731
     assert rel(three) < 1e-6 < 1e-4 < rel(one)
+
+
+def split_q_addresses(D, BM, cw, kk, t):
+    """QREG: fwd_sm90_f32.cu's split_q, the byte offsets (from q_smem) of lane t's A fragment
+    a[e], e = 0..3, of k-step kk in consumer cw's 64 rows."""
+    Q_PANEL = BM * 128
+    row_in_wg = (t // 32) * 16 + (t % 32) // 4
+    out = []
+    for e in range(4):
+        r, x = row_in_wg + 8 * (e % 2), 8 * kk + t % 4 + 4 * (e // 2)
+        out.append(cw * 64 * 128 + (x // 32) * Q_PANEL + r * 128 + 16 * (((x % 32) // 4) ^ (r % 8))
+                   + 4 * (x % 4))
+    return out
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_split_q_fragments_and_s_product(D):
+    """QREG: the consumers' Q fragments read Q(r, 8kk + c) etc. from the TMA-swizzled tile, touch
+    each of their 64 rows' elements once (in place), without bank conflicts, and
+    q_small·k_big through them (A from registers, K-major K from shared memory) is Q Kᵀ."""
+    rng = np.random.default_rng(3)
+    BM, BN = 128, 32
+    Q = rng.standard_normal((BM, D))
+    K = rng.standard_normal((BN, D))
+    qs = np.zeros(BM * D)
+    ks = np.zeros(BN * D)
+    tma_store(qs, 0, Q)
+    tma_store(ks, 0, K)
+    for cw in range(BM // 64):
+        touched = np.zeros(BM * D, int)
+        S = np.zeros((64, BN))
+        for kk in range(D // 8):
+            A = np.full((64, 8), np.nan)
+            addrs = [split_q_addresses(D, BM, cw, kk, t) for t in range(128)]
+            for t in range(128):
+                for v, a in enumerate(addrs[t]):
+                    touched[a // 4] += 1
+                    A[a_frag_pos(t, v)] = qs[a // 4]
+            for w in range(4):   # one warp's 32 lanes per (kk, e): 32 distinct banks
+                for v in range(4):
+                    assert len({(addrs[t][v] // 4) % 32 for t in range(32 * w, 32 * w + 32)}) == 32
+            ka = (kk // 4) * BN * 128 + (kk % 4) * 32
+            B = np.array([[ks[swz(ka + n * 128 + 4 * k) // 4] for n in range(BN)] for k in range(8)])
+            S += A @ B
+        np.testing.assert_allclose(S, Q[64 * cw:64 * cw + 64] @ K.T, rtol=1e-12, atol=1e-12)
+        rows = np.zeros(BM * D, int)
+        for r in range(64 * cw, 64 * cw + 64):
+            for c in range(D):
+                rows[swz((c // 32) * BM * 128 + r * 128 + (c % 32) * 4) // 4] = 1
+        np.testing.assert_array_equal(touched, rows)
