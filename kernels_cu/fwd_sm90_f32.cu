@@ -353,17 +353,21 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     auto split_q = [&]() {
         const u32 q_wg = q_smem + cw * WG_ROWS * 128;
 #pragma unroll
-        for (int kk = 0; kk < D / 8; ++kk) {
+        for (int kk = 0; kk < D / 8; kk += 2) {   // two k-steps at a time: 8 loads in flight
+            u32 a[8];
+            float q[8];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = row_in_wg + 8 * (e % 2), x = 8 * kk + t % 4 + 4 * (e / 2);
-                const u32 a = q_wg + (x / 32) * L::Q_PANEL + r * 128 + 16 * (((x % 32) / 4) ^ (r % 8)) + 4 * (x % 4);
-                float q;
-                asm volatile("ld.shared.f32 %0, [%1];" : "=f"(q) : "r"(a) : "memory");
+            for (int e = 0; e < 8; ++e) {
+                const int r = row_in_wg + 8 * (e % 2), x = 8 * (kk + e / 4) + t % 4 + 4 * ((e / 2) % 2);
+                a[e] = q_wg + (x / 32) * L::Q_PANEL + r * 128 + 16 * (((x % 32) / 4) ^ (r % 8)) + 4 * (x % 4);
+                asm volatile("ld.shared.f32 %0, [%1];" : "=f"(q[e]) : "r"(a[e]) : "memory");
+            }
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
                 u32 big;
-                if constexpr (SPLIT) split_tf32(q, big, qs_frag[4 * kk + e]);
-                else big = to_tf32(q);
-                asm volatile("st.shared.b32 [%0], %1;" :: "r"(a), "r"(big) : "memory");
+                if constexpr (SPLIT) split_tf32(q[e], big, qs_frag[4 * kk + e]);
+                else big = to_tf32(q[e]);
+                asm volatile("st.shared.b32 [%0], %1;" :: "r"(a[e]), "r"(big) : "memory");
             }
         }
         fence_proxy_async();                   // the big part is read by wgmma (async proxy)
