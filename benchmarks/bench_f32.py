@@ -1,6 +1,7 @@
 """float32 attention forward on the H200: the Hopper 3xTF32 kernel (fwd_sm90_f32.cu, forced with
 kernel="sm90"), the portable mma.sync 3xTF32 kernel, and PyTorch SDPA's memory-efficient backend
-on float32 (when torch imports), FlashAttention's shapes (16k tokens, hidden 2048).
+on float32 (when torch imports), FlashAttention's shapes (16k tokens, hidden 2048), tensors
+stored bhsd (SDPA's layout; cupyflash takes the bshd views of them) unless --layout bshd.
 
     python benchmarks/bench_f32.py                    # hd 64 / 128, s 1k / 4k / 16k, causal or not
     python benchmarks/bench_f32.py --tf32             # also the one-pass TF32 variant (allow_tf32)
@@ -71,11 +72,13 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", default=None, help="force a float32 Hopper variant (tuning)")
     ap.add_argument("--no-peers", action="store_true", help="skip PyTorch SDPA memeff")
     ap.add_argument("--budget", type=float, default=55.0, help="seconds before stopping")
+    ap.add_argument("--layout", choices=["bhsd", "bshd"], default="bhsd",
+                    help="storage of q, k, v, out: bhsd (SDPA's own, default) or bshd")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
     dev = cp.cuda.Device()
-    print(f"# {_bench.device_line()}  cc {dev.compute_capability}")
+    print(f"# {_bench.device_line()}  cc {dev.compute_capability}, float32, layout {args.layout}")
     hdr = f"{'hd':>3} {'seqlen':>6} {'causal':>6} | {'sm90':>7} {'portable':>8} {'memeff':>7}"
     hdr += f" {'sm90tf32':>8}" if args.tf32 else ""
     print(hdr + f" | {'sm90/memeff':>11} {'sm90/port':>9} {'rel diff':>9}  kernel")
@@ -86,13 +89,16 @@ def main(argv=None) -> int:
                     print("# time budget spent: stopping")
                     return 0
                 b, h = _bench.TOKENS // s, _bench.HIDDEN // d
-                q, k, v = (cp.random.standard_normal((b, s, h, d), dtype=cp.float32)
+                shape = (b, h, s, d) if args.layout == "bhsd" else (b, s, h, d)
+                bshd = (lambda x: x.transpose(0, 2, 1, 3)) if args.layout == "bhsd" else (  # noqa: E731
+                    lambda x: x)
+                q, k, v = (bshd(cp.random.standard_normal(shape, dtype=cp.float32))
                            for _ in range(3))
                 lse = cp.empty((b, h, s), cp.float32)
                 opts = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1)
                 opts32 = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1,
                                  allow_tf32=True)
-                o_h, o_p, o_t = (cp.empty_like(q) for _ in range(3))
+                o_h, o_p, o_t = (bshd(cp.empty(shape, cp.float32)) for _ in range(3))
                 fl = _bench.flops(b, h, s, s, d, causal, "fwd")
                 tf = lambda ms: fl / ms / 1e9 if ms else float("nan")   # noqa: E731
                 kern = _variant(args.variant, d)
