@@ -5,7 +5,7 @@
 #   2. one small forced case (a hang or a wrong layout shows here in seconds)
 #   3. tests/test_gpu_forward_sm90_f32.py (float64 reference, rel. error <= 1e-5)
 #   4. benchmarks/bench_f32.py: TFLOP/s of the Hopper kernel, the portable one, SDPA memeff
-# Logs under $OUT (default ./device-out).
+# Logs under $OUT (default ./device-out). TUNE=1 adds the tile alternatives (up to 75 s more).
 set -u
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
@@ -39,3 +39,11 @@ tail -5 "$OUT/f32_tests.log"
 say "bench (float32 forward: sm90 / portable / SDPA memeff)"
 timeout 40 python benchmarks/bench_f32.py --budget 30 > "$OUT/f32_bench.log" 2>&1
 cat "$OUT/f32_bench.log"
+
+if [ "${TUNE:-0}" = 1 ]; then   # optional (up to 75 s more): the tile alternatives at s = 4k
+    say "tune: alternatives (d,bn,stages,nc,qreg) at s = 4096"
+    for v in 64,64,2,2,0 128,32,2,1,0 128,64,1,1,0; do
+        timeout 25 python benchmarks/bench_f32.py --head-dims ${v%%,*} --seqlens 4096 --no-peers \
+            --variant $v --budget 15 2>&1 | tail -3 | sed "s/^/$v  /" | tee -a "$OUT/f32_bench.log"
+    done
+fi

@@ -227,18 +227,26 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             };
             // [rows, D] tile at `big` (raw in, big out, in place) and its small part at `small`:
             // elementwise, so the swizzled layout is kept as it is (16-byte chunks)
+            // (two chunks per pass: both loads are in flight before the first store)
             auto split_tile = [&](u32 big, u32 small, int chunks) {
-                for (int i = cu; i < chunks; i += CONV_THREADS) {
-                    float x[4];
-                    u32 b[4], sm[4];
+                for (int i = cu; i < chunks; i += 2 * CONV_THREADS) {
+                    const int j = i + CONV_THREADS;           // the pass's second chunk
+                    const bool two = j < chunks;
+                    float x[8] = {};
+                    u32 b[8], sm[8];
                     lds128(big + 16 * i, x);
+                    if (two) lds128(big + 16 * j, x + 4);
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
+                    for (int e = 0; e < 8; ++e) {
                         if (SPLIT) split_tf32(x[e], b[e], sm[e]);
                         else b[e] = to_tf32(x[e]);
                     }
                     sts128(big + 16 * i, b);
                     if (SPLIT) sts128(small + 16 * i, sm);
+                    if (two) {
+                        sts128(big + 16 * j, b + 4);
+                        if (SPLIT) sts128(small + 16 * j, sm + 4);
+                    }
                 }
             };
             // Vᵀ of stage s: v_raw [D/32][BN][32] (row = key, swizzled) -> vt_big / vt_small
