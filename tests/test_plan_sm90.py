@@ -271,9 +271,14 @@ def test_f32_plan():
         _plan.plan_forward_sm90("float32", 1, 64, 64, 2, 2, 64, 64, scale=0.1, softcap=5.0)
 
 
-def test_f32_not_auto_until_validated():
-    """float32 stays on the portable kernel under kernel="auto" until the device run flips it."""
-    assert _plan.SM90_FLOAT32_AUTO is False
+def test_f32_auto_flag_is_reported():
+    """SM90_FLOAT32_AUTO (False until the device validation flips it) decides float32's kernel
+    under kernel="auto"; `python -m cupyflash info` says which."""
+    from cupyflash.__main__ import _forward_kernels
+    assert isinstance(_plan.SM90_FLOAT32_AUTO, bool)
+    text = _forward_kernels(90)
+    assert ("fwd_sm90_f32.cu (3xTF32" in text) == _plan.SM90_FLOAT32_AUTO
+    assert "fwd_sm90_f32.cu" in text
 
 
 def test_tma_tensor_float32_box():
