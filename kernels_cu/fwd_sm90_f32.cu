@@ -25,8 +25,8 @@
 //   warpgroups 1..NC, consumers (64 query rows each): (QREG) split their Q rows in place, Q small
 //     kept in registers; S = Q Kᵀ (3 wgmma per k-step: q_big·k_big and q_big·k_small from shared
 //     memory, q_small·k_big from registers (QREG) or shared memory), masks, online softmax in
-//     registers, P split into TF32 big / small
-//     register fragments, O += P V (3 wgmma per k-step, P from registers). With NC = 2 the
+//     registers, P split into TF32 big / small register fragments, O += P V (3 wgmma per
+//     k-step, P from registers). With NC = 2 the
 //     consumers take turns on the tensor cores as in fwd_sm90.cu (pingpong); every consumer
 //     issues S of key tile j + 1 with O += P V of key tile j and runs the softmax of j + 1 while
 //     O += P V is still on the tensor cores.
@@ -45,7 +45,7 @@
 
 namespace sm90f32 {
 
-constexpr int F32_PANEL_COLS = 32;      // 32 floats = one 128-byte swizzle row
+constexpr int F32_PANEL_COLS = 32;   // 32 floats = one 128-byte swizzle row
 constexpr int CONV_THREADS = 96;     // producer warps 1..3: the converters
 constexpr int CONV_BAR = 8;          // named barrier of the 96 converter threads
 // (fwd_sm90.cu's named barriers 1 .. NC and 4 .. 3 + NC are the consumers')
