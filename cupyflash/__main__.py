@@ -75,9 +75,13 @@ def _forward_kernels(cc: int) -> str:
                                  cc=cc, smem_optin=227 * 1024)
     if why is not None:
         return "portable kernel (fwd.cu, mma.sync) for every call"
+    f32 = ("; float32 (dense, head dim "
+           f"{' / '.join(map(str, _plan.SM90_F32_HEAD_DIMS))}, no softcap): fwd_sm90_f32.cu "
+           "(3xTF32 on wgmma)" if _plan.SM90_FLOAT32_AUTO else
+           "; float32: the portable kernel (fwd_sm90_f32.cu only with kernel='sm90')")
     return ("Hopper kernel (fwd_sm90.cu: TMA + wgmma) for float16 / bfloat16, head dim "
             f"{' / '.join(map(str, _plan.SM90_HEAD_DIMS))} = head_dim_v, no ALiBi / bias / mask, "
-            "TMA-aligned strides (dense and varlen); the portable kernel (fwd.cu) otherwise")
+            "TMA-aligned strides (dense and varlen); the portable kernel (fwd.cu) otherwise" + f32)
 
 
 def _max_err_on_slice(out, q, k, v, rows: slice) -> float:
@@ -155,6 +159,8 @@ def precompile(args) -> int:
     hopper = int(cp.cuda.Device().compute_capability) == 90 and not args.general
     if hopper:
         fwd += [v for v in _plan.sm90_variants() if wanted(v)]
+        if _plan.SM90_FLOAT32_AUTO:
+            fwd += [v for v in _plan.sm90_f32_variants() if wanted(v)]
     fwd = _modules.precompile(fwd, args.workers)
     bwd = _gpu_bwd.precompile([v for v in _gpu_bwd.all_variants(smem) if wanted(v)], args.workers)
     if hopper:

@@ -174,13 +174,16 @@ def _elem_strides(a, what):
     return tuple(s // isz for s in st)
 
 
+_SM90_VARIANTS = (_plan.Sm90Variant, _plan.Sm90F32Variant)
+
+
 def _want_sm90(kernel) -> bool:
-    return kernel in ("auto", "sm90") or isinstance(kernel, _plan.Sm90Variant) or (
+    return kernel in ("auto", "sm90") or isinstance(kernel, _SM90_VARIANTS) or (
         isinstance(kernel, str) and kernel.startswith("fwd90_"))
 
 
 def _sm90_variant_by_name(name):
-    for v in _plan.sm90_variants():
+    for v in _plan.sm90_variants() + _plan.sm90_f32_variants():
         if v.name == name:
             return v
     raise ValueError(f"kernel={name!r}: no such Hopper variant (see _plan.sm90_variants())")
@@ -205,6 +208,8 @@ def _build(key, q, k, v, out, lse, opts, kernel, dev_id):
     has_alibi = opts.alibi_slopes is not None
     extra = ()
     elem_strides, sm90_reason = _sm90_check(q, k, v, out, opts, name, dev_id, smem)
+    if kernel == "auto" and name == "float32" and not _plan.SM90_FLOAT32_AUTO:
+        sm90_reason = "float32 runs the portable kernel under kernel='auto' (SM90_FLOAT32_AUTO)"
     if _want_sm90(kernel):
         if sm90_reason is not None and kernel != "auto":
             raise ValueError(f"kernel={kernel!r}: the Hopper kernel cannot run this call: "
@@ -247,7 +252,7 @@ def _build_sm90(q, k, v, opts, kernel, dev_id, dtype_name, elem_strides, portabl
     b, s_q, h, d = q.shape
     _, s_k, h_k, _ = k.shape
     forced = None
-    if isinstance(kernel, _plan.Sm90Variant):
+    if isinstance(kernel, _SM90_VARIANTS):
         forced = kernel
     elif isinstance(kernel, str) and kernel.startswith("fwd90_"):
         forced = _sm90_variant_by_name(kernel)
@@ -255,10 +260,10 @@ def _build_sm90(q, k, v, opts, kernel, dev_id, dtype_name, elem_strides, portabl
         dtype_name, b, s_q, s_k, h, h_k, d, v.shape[3], scale=float(opts.scale),
         window_left=int(opts.window_left), window_right=int(opts.window_right),
         bottom_right=bool(opts.bottom_right), softcap=float(opts.softcap or 0.0),
-        num_sms=_info(dev_id)[2], variant=forced)
+        num_sms=_info(dev_id)[2], variant=forced, allow_tf32=bool(opts.allow_tf32))
     _write_strides(plan.params, elem_strides)
     bn = plan.variant.bn
-    maps = tuple(_plan.tma_tensor(a.shape, st, 2, rows)
+    maps = tuple(_plan.tma_tensor(a.shape, st, q.dtype.itemsize, rows)
                  for a, st, rows in ((q, elem_strides[0], plan.variant.bm),
                                      (k, elem_strides[1], bn), (v, elem_strides[2], bn)))
     fn = _modules.get_function(plan.variant, dev_id)
@@ -461,6 +466,8 @@ def _forward_general(q, k, v, out, lse, opts, kernel="auto") -> str:
     operand = None   # bias_operand(opts.bias, q.dtype), once made
     if _want_sm90(kernel):
         elem_strides, reason = _sm90_check(q, k, v, out, opts, name, dev_id, smem)
+        if reason is None and name == "float32":
+            reason = "float32 with a bias (not in the float32 Hopper kernel)"
         if reason is None and opts.mask is not None:
             reason = "a boolean mask (not in the Hopper kernel yet)"
         if reason is None and d not in _plan.SM90_BIAS_HEAD_DIMS:
@@ -523,6 +530,8 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         elem_strides, reason = _sm90_check(q, k, v, out, opts, name, dev_id, smem)
         if reason is None and (opts.bias is not None or opts.mask is not None):
             reason = "a bias or mask with varlen (the GENERAL kernel's)"
+        if reason is None and name == "float32":
+            reason = "float32 varlen (not in the float32 Hopper kernel)"
         if reason is None and (q.data.ptr | k.data.ptr | v.data.ptr) % _plan.TMA_ALIGN == 0 \
                 and out.data.ptr % 4 == 0:
             return _forward_varlen_sm90(q, k, v, cq, ck, int(max_seqlen_q), int(max_seqlen_k),
@@ -566,7 +575,7 @@ def _launch_sm90(plan, prm, qkv, elem_strides, dtype_name, dev_id, keep) -> str:
     rows), the stream's work-tile counter; ``keep``: arrays alive until the launch is queued."""
     rows = (plan.variant.bm, plan.variant.bn, plan.variant.bn)
     for field, a, st, r in zip(_plan.PARAMS_TMA_FIELDS, qkv, elem_strides, rows):
-        dims, byte_strides, box = _plan.tma_tensor(a.shape, st, 2, r)
+        dims, byte_strides, box = _plan.tma_tensor(a.shape, st, a.dtype.itemsize, r)
         prm[field] = _tma.encode(dtype_name, a.data.ptr, dims, byte_strides, box)
     prm["sched"] = _sched_counter(dev_id, _current_stream().ptr)
     name = _launch(plan, prm, dev_id)

@@ -357,11 +357,96 @@ def sm90_smem_bytes(d: int, bn: int, stages: int, nc: int = 2) -> int:
     return 2 * d * (64 * nc + 2 * stages * bn) + 8 * (2 + 4 * stages + 1) + 1024
 
 
+# ------------------------------------------------------------------------------------------
+# Hopper float32 forward: flash_fwd_sm90_f32<E, D, BN, STAGES, NC, WINDOW> in
+# kernels_cu/fwd_sm90_f32.cu (3xTF32 on wgmma; E = f32x3_t, or tf32_t with allow_tf32).
+# ------------------------------------------------------------------------------------------
+SM90_F32_HEAD_DIMS = (64, 128)
+#: (BN, STAGES, NC, QREG) per head dim, chosen by the shared-memory budget (not measured yet): a
+#: stage holds K big / small, Vᵀ big / small and the raw V tile (5·BN·d floats); Q big takes
+#: 64·NC·d floats, and as much again for Q small unless QREG (the consumers keep Q small in
+#: registers). hd 64: 128 x 64 tiles, two stages (193 KB); hd 128: 128 x 32, two stages
+#: (225 KB). Alternatives that fit can be forced for tuning (an Sm90F32Variant as ``kernel``,
+#: benchmarks/bench_f32.py --variant): without QREG hd 64 128 x 64 x 2 (225 KB), hd 128 64 x 32 x 2
+#: (one consumer, 225 KB) or 64 x 64 x 1.
+SM90_F32_TILES = {64: (64, 2, 2, True), 128: (32, 2, 2, True)}
+#: kernel="auto" runs float32 on the Hopper kernel only when this is True. False until the kernel
+#: is validated and measured on the device (kernel="sm90" forces it meanwhile).
+SM90_FLOAT32_AUTO = False
+F32_ELEMS = ("f32x3_t", "tf32_t")
+
+
+class Sm90F32Variant(NamedTuple):
+    """One template instantiation of flash_fwd_sm90_f32 (float32, 3xTF32 or TF32)."""
+
+    elem: str               # f32x3_t (float32 accuracy) or tf32_t (allow_tf32: one product)
+    d: int
+    bn: int
+    stages: int
+    nc: int
+    window: bool
+    qreg: bool = True       # Q small in the consumers' registers (no q_small tile)
+
+    file = "fwd_sm90_f32.cu"
+    arch_options = ("-arch=sm_90a",)
+    softcap = False         # not in the float32 kernel (the planner's checks read these)
+    varlen = False
+    bias = 0
+
+    @property
+    def bm(self) -> int:
+        return 64 * self.nc
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.nc + 1)
+
+    @property
+    def name_expression(self) -> str:
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        return (f"flash_fwd_sm90_f32<{self.elem}, {self.d}, {self.bn}, {self.stages}, "
+                f"{self.nc}, {b(self.window)}, {b(self.qreg)}>")
+
+    @property
+    def name(self) -> str:
+        return (f"fwd90_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}s{self.stages}"
+                + ("_qr" if self.qreg else "") + ("_window" if self.window else ""))
+
+    @property
+    def smem_bytes(self) -> int:
+        return sm90_f32_smem_bytes(self.d, self.bn, self.stages, self.nc, self.qreg)
+
+
+def sm90_f32_smem_bytes(d: int, bn: int, stages: int, nc: int, qreg: bool = True) -> int:
+    """Mirrors sm90f32::Layout in fwd_sm90_f32.cu: Q big (and small unless qreg) [64·nc, d], per
+    stage K big / small, Vᵀ big / small and raw V [bn, d] (float32), 3 + 7·stages mbarriers, the
+    work-tile index, and 1024 bytes of slack to align the swizzled panels."""
+    q_tiles = 1 if qreg else 2
+    return 4 * d * (q_tiles * 64 * nc + 5 * stages * bn) + 8 * (3 + 7 * stages) + 8 + 1024
+
+
+def sm90_f32_variant(elem: str, d: int, window: bool) -> Sm90F32Variant:
+    """The planner's float32 Hopper instantiation (SM90_F32_TILES)."""
+    bn, stages, nc, qreg = SM90_F32_TILES[d]
+    return Sm90F32Variant(elem, d, bn, stages, nc, window, qreg)
+
+
+def sm90_f32_variants():
+    """Every Sm90F32Variant the planner can select (compiled by the harness for sm_90a)."""
+    return [sm90_f32_variant(e, d, w) for e in F32_ELEMS for d in SM90_F32_HEAD_DIMS
+            for w in (False, True)]
+
+
 def sm90_variant(elem: str, d: int, window: bool, softcap: bool,
-                 s_q: Optional[int] = None, varlen: bool = False, bias: int = 0) -> "Sm90Variant":
+                 s_q: Optional[int] = None, varlen: bool = False, bias: int = 0):
     """The planner's Hopper forward instantiation for these template flags and s_q queries (the
     longest sequence's, varlen) (SM90_TILES; SM90_TILES_NC2 for softcap, and for window calls of
-    at most SM90_SHORT_WINDOW_SQ queries)."""
+    at most SM90_SHORT_WINDOW_SQ queries). float32 tags: the Sm90F32Variant (no softcap, varlen,
+    bias there)."""
+    if elem in F32_ELEMS:
+        if softcap or varlen or bias:
+            raise ValueError("the float32 Hopper kernel has no softcap, varlen or bias")
+        return sm90_f32_variant(elem, d, window)
     short_window = window and s_q is not None and s_q <= SM90_SHORT_WINDOW_SQ
     nc2 = softcap or varlen or bias or short_window
     tiles = SM90_TILES_NC2.get(d, SM90_TILES[d]) if nc2 else SM90_TILES[d]
@@ -400,32 +485,34 @@ def tma_strides_ok(shape, strides, itemsize: int) -> bool:
 
 def tma_tensor(shape, strides, itemsize: int, box_rows: int):
     """(dims, byte strides, box) of the rank-4 tensor map over a bshd tensor: dims innermost
-    first (d, s, h, b); the box is 64 columns (128 bytes: the swizzle width) x box_rows rows of
-    one head of one batch. Strides of size-1 dimensions (never stepped over) are replaced by a
-    valid stand-in."""
+    first (d, s, h, b); the box is 128 bytes of columns (the swizzle width: 64 16-bit or 32
+    float32 columns) x box_rows rows of one head of one batch. Strides of size-1 dimensions
+    (never stepped over) are replaced by a valid stand-in."""
     b, s, h, d = shape
     sb, ss, sh = (st * itemsize for st in strides[:3])
     stand_in = -(-d * itemsize // TMA_ALIGN) * TMA_ALIGN
     dims = (d, s, h, b)
     byte_strides = tuple(st if n > 1 else stand_in for n, st in ((s, ss), (h, sh), (b, sb)))
-    return dims, byte_strides, (64, box_rows, 1, 1)
+    return dims, byte_strides, (128 // itemsize, box_rows, 1, 1)
 
 
 def sm90_common_unsupported(dtype_name: str, d: int, d_v: int, head_dims, *, cc: int,
-                            smem_need: int, smem_optin: int, tensors=()) -> Optional[str]:
+                            smem_need: int, smem_optin: int, tensors=(),
+                            dtypes=("float16", "bfloat16")) -> Optional[str]:
     """The checks every Hopper kernel (forward, backward) makes: compute capability 9.0,
-    float16 / bfloat16, d = d_v in ``head_dims``, shared memory, strides TMA accepts for each
+    a dtype in ``dtypes``, d = d_v in ``head_dims``, shared memory, strides TMA accepts for each
     (shape, element strides) in ``tensors``. None when they pass, else the reason."""
     if cc != 90:
         return f"compute capability {cc / 10:.1f} (the Hopper kernel needs 9.0)"
-    if dtype_name not in ("float16", "bfloat16"):
-        return f"dtype {dtype_name} (the Hopper kernel takes float16 / bfloat16)"
+    if dtype_name not in dtypes:
+        return f"dtype {dtype_name} (the Hopper kernel takes {' / '.join(dtypes)})"
     if d != d_v or d not in head_dims:
         return f"head dims {d} / {d_v} (the Hopper kernel takes d = d_v in {tuple(head_dims)})"
     if smem_need > smem_optin:
         return f"shared memory {smem_optin} bytes"
+    itemsize = 4 if dtype_name == "float32" else 2
     for shape, strides in tensors:
-        if not tma_strides_ok(shape, strides, 2):
+        if not tma_strides_ok(shape, strides, itemsize):
             return f"strides {tuple(strides)} of a {tuple(shape)} tensor (TMA needs 16-byte multiples)"
     return None
 
@@ -441,6 +528,14 @@ def sm90_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap
         return "alibi_slopes (not in the Hopper kernel yet)"
     if not (scale > 0 or softcap > 0):
         return f"scale {scale} <= 0 without softcap"
+    if dtype_name == "float32":   # fwd_sm90_f32.cu
+        if softcap > 0:
+            return "softcap with float32 (not in the float32 Hopper kernel)"
+        smem_need = max(sm90_f32_variant("f32x3_t", d, w).smem_bytes
+                        for w in (False, True)) if d in SM90_F32_TILES else 0
+        return sm90_common_unsupported(dtype_name, d, d_v, SM90_F32_HEAD_DIMS, cc=cc,
+                                       smem_need=smem_need, smem_optin=smem_optin,
+                                       tensors=tensors, dtypes=("float32",))
     smem_need = max(sm90_variant("f16_t", d, w, softcap > 0, s).smem_bytes
                     for w in (False, True) for s in (None, 1)) if d in SM90_TILES else 0
     return sm90_common_unsupported(dtype_name, d, d_v, SM90_HEAD_DIMS, cc=cc,
@@ -450,7 +545,7 @@ def sm90_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap
 def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, d: int,
                       d_v: int, *, scale: float, window_left: int = -1, window_right: int = -1,
                       bottom_right: bool = True, softcap: float = 0.0, num_sms: int = 132,
-                      variant: Optional[Sm90Variant] = None, varlen: bool = False) -> Plan:
+                      variant=None, varlen: bool = False, allow_tf32: bool = False) -> Plan:
     """Plan the Hopper kernel for a call that sm90_unsupported() accepted: a persistent grid of
     min(work tiles, num_sms) blocks walking ceil(s_q / BM) x h x b work tiles (``varlen``: see
     plan_forward_varlen_sm90, which calls this with the longest sequences as s_q, s_k)."""
@@ -458,7 +553,7 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
         raise ValueError(f"heads {h} is not a multiple of heads_k {h_k}")
     if min(b, s_q, s_k, h, h_k, d, d_v) < 1:
         raise ValueError("empty problem: the launcher handles zero sizes before planning")
-    elem = elem_tag(dtype_name, False)
+    elem = elem_tag(dtype_name, allow_tf32)   # float32: f32x3_t, or tf32_t (allow_tf32)
     window = window_left >= 0 or window_right >= 0
     if variant is None:
         variant = sm90_variant(elem, d, window, softcap > 0, s_q)
@@ -550,6 +645,7 @@ def flops(b: int, h: int, s_q: int, s_k: int, d: int, d_v: int, causal: bool = F
 
 __all__ = ["Variant", "Plan", "plan_forward", "plan_forward_varlen", "all_variants",
            "Sm90Variant", "sm90_variants", "sm90_unsupported", "plan_forward_sm90", "tma_tensor",
+           "Sm90F32Variant", "sm90_f32_variants", "SM90_FLOAT32_AUTO",
            "tma_strides_ok", "PARAMS_DTYPE", "PARAMS_FIELDS",
            "HEAD_DIM_BUCKETS", "head_dim_bucket", "elem_tag", "tiles", "smem_bytes", "vec_ok",
            "flops"]

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 # CUtensorMap enums (cuda.h)
-_DTYPE = {"float16": 6, "bfloat16": 9}   # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+_DTYPE = {"float16": 6, "bfloat16": 9, "float32": 7}   # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16 / _FLOAT32
 _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_128B = 2

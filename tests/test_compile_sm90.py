@@ -61,6 +61,33 @@ def test_no_ptxas_warnings():
     assert not warnings, "\n".join(warnings)
 
 
+def test_float32_variants_compile_without_spills():
+    """The float32 forward (fwd_sm90_f32.cu, _plan.sm90_f32_variants()): 0 spills, and no ptxas
+    warning in any of them (one program per element type)."""
+    vs = _plan.sm90_f32_variants()
+    jobs = [("sm_90a", _modules.program, [v for v in vs if v.elem == e], "fwd_sm90_f32.cu")
+            for e in _plan.F32_ELEMS]
+    res = _modules.nvrtc_reports(jobs)["sm_90a"]
+    print("\nsm_90a: registers / spill bytes per float32 Hopper variant")
+    for v in vs:
+        print(f"  {v.name:45s} {res[v.name_expression][0]:4d} regs {res[v.name_expression][1]:6d} B spill")
+    assert {v.name_expression for v in vs} <= set(res)
+    bad = [f"{v.name}: {res[v.name_expression]}" for v in vs if res[v.name_expression][1] > 0]
+    assert not bad, "\n".join(bad)
+    src, opts, names = _modules.program(vs)
+    prog = nvrtc.createProgram(src, "fwd_sm90_f32.cu", [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        nvrtc.compileProgram(prog, [o for o in opts if not o.startswith("-arch")]
+                             + ["-arch=sm_90a", "--ptxas-options=-v"])
+        log = nvrtc.getProgramLog(prog).replace("\0", "")
+    finally:
+        nvrtc.destroyProgram(prog)
+    warnings = [ln for ln in log.splitlines() if "warning" in ln.lower()]
+    assert not warnings, "\n".join(warnings)
+
+
 def test_backward_variants_compile_without_spills():
     vs = _gpu_bwd_sm90.variants()
     jobs = [("sm_90a", _gpu_bwd_sm90.program, [v for v in vs if v.elem == e], "bwd_sm90.cu")

@@ -15,6 +15,7 @@ import pytest
 from gpu_util import cp, hopper_only  # noqa: E402  (skips without CuPy)
 from test_gpu_forward import run_case  # noqa: E402  (pytest puts tests/ on sys.path)
 
+from cupyflash import _plan  # noqa: E402
 from cupyflash._options import Options  # noqa: E402
 
 
@@ -122,7 +123,8 @@ def _auto_name(dtype, d, d_v=None, *, offset=0, layout="bshd", scale=None, **opt
     (dict(dtype=np.float16, d=128, layout="bhsd"), "fwd90_f16_d128"),
     (dict(dtype=np.float16, d=96), "fwd_f16_d96"),                  # head dim not covered
     (dict(dtype=np.float16, d=128, d_v=64), "fwd_f16_d128"),         # d != d_v
-    (dict(dtype=np.float32, d=128), "fwd_f32x3_d128"),              # float32
+    (dict(dtype=np.float32, d=128),                                   # float32: the flag
+     "fwd90_f32x3_d128" if _plan.SM90_FLOAT32_AUTO else "fwd_f32x3_d128"),
     (dict(dtype=np.float16, d=64, offset=1), "fwd_f16_d64"),        # q not 16-byte aligned
     (dict(dtype=np.float16, d=64, scale=-0.5), "fwd_f16_d64"),      # scale <= 0, no softcap
 ], ids=["d64", "d128_window", "d256_softcap", "bhsd", "d96", "dv_differs", "fp32",

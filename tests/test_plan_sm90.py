@@ -47,14 +47,19 @@ def test_variants_fit_and_are_distinct():
     (dict(scale=-0.5, softcap=5.0), None),
     (dict(cc=80), "compute capability 8.0"),
     (dict(cc=120), "compute capability 12.0"),
-    (dict(dtype="float32"), "dtype float32"),
+    (dict(dtype="float32"), None),                       # fwd_sm90_f32.cu
+    (dict(dtype="float32", d=64), None),
+    (dict(dtype="float32", d=256), "head dims 256"),
+    (dict(dtype="float32", softcap=5.0), "softcap"),
+    (dict(dtype="float64"), "dtype float64"),
     (dict(d=96), "head dims 96"),
     (dict(d=128, d_v=64), "head dims 128 / 64"),
     (dict(has_alibi=True), "alibi"),
     (dict(scale=0.0), "scale 0.0"),
     (dict(smem=99 * 1024), "shared memory"),
 ], ids=["bf16_d128", "f16_d64", "d256_softcap", "negative_scale_softcap", "sm80", "sm120",
-        "float32", "d96", "dv_differs", "alibi", "zero_scale", "small_smem"])
+        "float32", "float32_d64", "float32_d256", "float32_softcap", "float64", "d96",
+        "dv_differs", "alibi", "zero_scale", "small_smem"])
 def test_coverage(kw, why):
     got = _unsupported(**kw)
     if why is None:
@@ -336,3 +341,66 @@ def test_backward_varlen_tiles_cover_the_band_once(lens, mode):
                 if (wl < 0 or j >= i + diag - wl) and (wr < 0 or j <= i + diag + wr):
                     want.update((z, hd, i, j) for hd in range(h))
     assert set(seen) == want
+
+
+# ---------------------------------------------------------------------------------------------
+# float32 Hopper forward (kernels_cu/fwd_sm90_f32.cu)
+# ---------------------------------------------------------------------------------------------
+def test_f32_variants_fit_and_are_distinct():
+    vs = _plan.sm90_f32_variants()
+    assert len(vs) == 2 * len(_plan.SM90_F32_HEAD_DIMS) * 2      # f32x3 / tf32 x head dims x window
+    assert len({v.name for v in vs}) == len(vs) == len({v.name_expression for v in vs})
+    for v in vs:
+        assert v.smem_bytes <= H200_SMEM, v
+        assert v.bn % 32 == 0 and v.d % 32 == 0 and v.nc in (1, 2) and v.stages >= 1
+        assert v.file == "fwd_sm90_f32.cu" and "-arch=sm_90a" in v.arch_options
+        assert v.name.startswith("fwd90_") and not v.softcap and not v.varlen and not v.bias
+    # the 16-bit list (the compile harness's fwd_sm90.cu chunks) does not take them in
+    assert not set(vs) & set(_plan.sm90_variants())
+
+
+def test_f32_smem_mirrors_the_kernel_layout():
+    """sm90_f32_smem_bytes against sm90f32::Layout, recomputed here from the kernel's own text:
+    Q big / small, per stage K big / small, Vt big / small and raw V, 3 + 7·STAGES mbarriers."""
+    src = (ROOT / "kernels_cu" / "fwd_sm90_f32.cu").read_text()
+    assert "BARS + 8 * (3 + 7 * STAGES)" in src and "VRAW + STAGES * KVT" in src
+    assert "KB = QS + (QREG ? 0 : QT)" in src
+    for d, bn, st, nc in ((64, 64, 2, 2), (128, 32, 2, 1), (128, 64, 1, 1), (128, 32, 2, 2)):
+        for qreg in (False, True):
+            qt, kvt = 64 * nc * d * 4, bn * d * 4
+            bars = (1 if qreg else 2) * qt + 5 * st * kvt
+            assert _plan.sm90_f32_smem_bytes(d, bn, st, nc, qreg) == bars + 8 * (3 + 7 * st) + 8 + 1024
+
+
+def test_f32_plan():
+    plan = _plan.plan_forward_sm90("float32", 2, 1000, 1000, 16, 4, 128, 128, scale=0.1,
+                                   window_right=0, num_sms=132)
+    v = plan.variant
+    assert isinstance(v, _plan.Sm90F32Variant) and v.elem == "f32x3_t" and v.window
+    assert plan.block == (v.threads, 1, 1) and plan.smem == v.smem_bytes
+    assert plan.grid == (min(132, -(-1000 // v.bm) * 16 * 2), 1, 1)
+    assert int(plan.params["num_m_blocks"]) == -(-1000 // v.bm)
+    tf = _plan.plan_forward_sm90("float32", 1, 64, 64, 2, 2, 64, 64, scale=0.1, allow_tf32=True)
+    assert tf.variant.elem == "tf32_t" and not tf.variant.window
+    assert tf.variant in _plan.sm90_f32_variants()
+    with pytest.raises(ValueError):
+        _plan.plan_forward_sm90("float32", 1, 64, 64, 2, 2, 64, 64, scale=0.1, softcap=5.0)
+
+
+def test_f32_auto_flag_is_reported():
+    """SM90_FLOAT32_AUTO (False until the device validation flips it) decides float32's kernel
+    under kernel="auto"; `python -m cupyflash info` says which."""
+    from cupyflash.__main__ import _forward_kernels
+    assert isinstance(_plan.SM90_FLOAT32_AUTO, bool)
+    text = _forward_kernels(90)
+    assert ("fwd_sm90_f32.cu (3xTF32" in text) == _plan.SM90_FLOAT32_AUTO
+    assert "fwd_sm90_f32.cu" in text
+
+
+def test_tma_tensor_float32_box():
+    dims, strides, box = _plan.tma_tensor((2, 100, 4, 128), (51200, 512, 128, 1), 4, 64)
+    assert dims == (128, 100, 4, 2) and strides == (2048, 512, 204800) and box == (32, 64, 1, 1)
+    assert _unsupported("float32", tensors=[((2, 100, 4, 128), (51200, 512, 128, 1))]) is None
+    # a row pitch of 130 floats (520 bytes) is not a 16-byte multiple; 132 floats is
+    assert "strides" in _unsupported("float32", tensors=[((1, 10, 1, 128), (1300, 130, 130, 1))])
+    assert _unsupported("float32", tensors=[((1, 10, 2, 128), (2640, 264, 132, 1))]) is None

@@ -1,0 +1,640 @@
+// cupyflash: Hopper (sm_90a) float32 attention forward: 3xTF32 on wgmma, TMA loads, warp
+// specialization.
+//
+//   O = softmax(scale · Q Kᵀ) V per (batch, head), float32 in and out, computed at float32
+//   accuracy: every operand x is split into two TF32 parts, big = rna_tf32(x) and
+//   small = rna_tf32(x − big), and each product A·B is summed as small_A·big_B + big_A·small_B +
+//   big_A·big_B in fp32 (the small·small term is below float32's rounding). E = tf32_t
+//   (allow_tf32) takes big·big alone.
+//
+// Why a file of its own (and not an element type of fwd_sm90.cu): the 16-bit kernel's operands are
+// used as TMA stores them; here every K, V and Q tile must be rewritten in shared memory before
+// wgmma can read it (TF32 parts; V transposed, because wgmma .tf32 takes no transposed operand),
+// which adds a converter role with its own barriers, a different shared-memory layout and three
+// products per k-step. The scheduler, the work tiles, the masks and the online softmax are
+// fwd_sm90.cu's (included below) and are reused as they are.
+//
+// Persistent blocks of 128·(NC + 1) threads (one per SM) walk the work tiles (BM = 64·NC query
+// rows of one head of one batch):
+//   warpgroup 0, producer:
+//     thread 0 (TMA): draws work tiles from the global counter, loads each Q tile [BM, D] and its
+//       key tiles' K [BN, D] and V [BN, D] (raw float32) into a STAGES-deep ring;
+//     warps 1..3 (96 converter threads): split K in place (big) + k_small, transpose V into
+//       Vᵀ big / small [D, BN] (keys contiguous: the K-major B operand of O += P V), and (unless
+//       QREG) split Q in place + q_small, then hand each tile to the consumers;
+//   warpgroups 1..NC, consumers (64 query rows each): (QREG) split their Q rows in place, Q small
+//     kept in registers; S = Q Kᵀ (3 wgmma per k-step: q_big·k_big and q_big·k_small from shared
+//     memory, q_small·k_big from registers (QREG) or shared memory), masks, online softmax in
+//     registers, P split into TF32 big / small register fragments, O += P V (3 wgmma per
+//     k-step, P from registers). With NC = 2 the
+//     consumers take turns on the tensor cores as in fwd_sm90.cu (pingpong); every consumer
+//     issues S of key tile j + 1 with O += P V of key tile j and runs the softmax of j + 1 while
+//     O += P V is still on the tensor cores.
+//
+// Shared memory: 128-byte swizzled panels of 32 float columns (128 bytes per row: the 16-bit
+// kernel's byte geometry; one TMA box per panel; 1024-byte aligned). A k-step of 8 TF32 values is
+// 32 bytes inside a panel row, so the wgmma descriptors are fwd_sm90.cu's (SBO = 1024 bytes).
+// The A fragment of O += P V is the S accumulator with the k index permuted: fragment slot c holds
+// key 2c and slot c + 4 key 2c + 1 of each 8-key step (so a lane's accumulator pairs feed it as
+// they stand), and the converters store Vᵀ with the same permutation along its keys.
+//
+// Covered (the planner routes the rest to fwd.cu): float32, d = d_v in {64, 128}, causal / sliding
+// window (either alignment), GQA / MQA, any s_q, s_k, scale > 0, strides TMA accepts (16-byte
+// multiples). Not covered: softcap, ALiBi, bias / mask, varlen.
+#include "fwd_sm90.cu"
+
+namespace sm90f32 {
+
+constexpr int F32_PANEL_COLS = 32;   // 32 floats = one 128-byte swizzle row
+constexpr int CONV_THREADS = 96;     // producer warps 1..3: the converters
+constexpr int CONV_BAR = 8;          // named barrier of the 96 converter threads
+// (fwd_sm90.cu's named barriers 1 .. NC and 4 .. 3 + NC are the consumers')
+
+// Registers per thread after setmaxnreg (NC = 2: 56·128 + 224·256 <= 64K; NC = 1 keeps the launch
+// allocation: 256 threads x 255 registers fit as they are).
+template <int NC> struct Regs;
+template <> struct Regs<2> { static constexpr int PRODUCER = 56, CONSUMER = 224; };
+
+// Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
+// cupyflash/_plan.py: sm90_f32_smem_bytes. QREG: no q_small tile (the consumers keep it in
+// registers).
+template <int D, int BN, int STAGES, int NC, bool QREG>
+struct Layout {
+    static constexpr int BM = 64 * NC;                       // query rows per work tile
+    static constexpr int Q_PANEL = BM * 128;                 // bytes of one Q panel [BM, 32]
+    static constexpr int KV_PANEL = BN * 128;                // one K / raw V panel [BN, 32]
+    static constexpr int VT_PANEL = D * 128;                 // one Vᵀ panel [D, 32 keys]
+    static constexpr int QT = BM * D * 4;                    // bytes of one Q tile
+    static constexpr int KVT = BN * D * 4;                   // bytes of one K / V / Vᵀ tile
+    static constexpr int Q = 0;                              // q_smem [D/32][BM][32]: raw, then big
+    static constexpr int QS = Q + QT;                        // q_small [D/32][BM][32] (!QREG)
+    static constexpr int KB = QS + (QREG ? 0 : QT);          // k_big [STAGES][D/32][BN][32] (TMA, then big)
+    static constexpr int KS = KB + STAGES * KVT;             // k_small [STAGES][D/32][BN][32]
+    static constexpr int VTB = KS + STAGES * KVT;            // vt_big [STAGES][BN/32][D][32]
+    static constexpr int VTS = VTB + STAGES * KVT;           // vt_small [STAGES][BN/32][D][32]
+    static constexpr int VRAW = VTS + STAGES * KVT;          // v_raw [STAGES][D/32][BN][32] (TMA)
+    static constexpr int BARS = VRAW + STAGES * KVT;         // 3 + 7·STAGES mbarriers
+    static constexpr int TILE = BARS + 8 * (3 + 7 * STAGES); // work-tile index, producer -> all
+    static constexpr int BYTES = TILE + 8;
+};
+
+// 16-byte shared-memory load / store (addresses in the shared window)
+__device__ __forceinline__ void lds128(u32 addr, float* x) {
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void sts128(u32 addr, const u32* x) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
+                 :: "r"(addr), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]) : "memory");
+}
+// This thread's shared-memory writes (generic proxy) become visible to wgmma / TMA (async proxy)
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// x = big + small: big = rna_tf32(x), small = rna_tf32(x − big) (x − big is exact in fp32)
+__device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
+    big = to_tf32(x);
+    small = to_tf32(x - __uint_as_float(big));
+}
+
+}  // namespace sm90f32
+
+// QREG: the consumers split their own 64 Q rows (big in place, small kept in registers as the A
+// fragments of q_small·k_big, a register-shared product): no q_small tile in shared memory, which
+// leaves room for two 64-row consumers at hd 128. Otherwise the converters split Q like K.
+template <typename E, int D, int BN, int STAGES, int NC, bool WINDOW, bool QREG>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
+flash_fwd_sm90_f32(const __grid_constant__ Params p) {
+    using namespace sm90;
+    using namespace sm90f32;   // (Regs and Layout exist in both: named with their namespace)
+    using L = sm90f32::Layout<D, BN, STAGES, NC, QREG>;
+    constexpr int BM = L::BM;
+    constexpr bool SPLIT = Elem<E>::split;   // 3xTF32 (f32x3_t) or one TF32 product (tf32_t)
+    static_assert(!Elem<E>::is16, "the float32 Hopper kernel takes f32x3_t / tf32_t");
+    static_assert(D % 32 == 0 && D <= 128 && BN % 32 == 0 && BN <= 128 && (NC == 1 || NC == 2),
+                  "tile shape");
+    constexpr int NS = BN / 2;       // S accumulator registers per lane: [64, BN] over 128 lanes
+    constexpr int NO = D / 2;        // O accumulator registers per lane: [64, D]
+
+    extern __shared__ unsigned char smem_raw[];
+    // The planner (_plan.sm90_f32_smem_bytes) sizes the launch: stop loudly if it disagrees
+    u32 smem_given;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_given));
+    if (smem_given < L::BYTES + 1024) __trap();
+    // 128-byte swizzled panels need 1024-byte alignment (the swizzle pattern repeats every 8 rows)
+    const u32 smem = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const u32 q_smem = smem + L::Q, q_small = smem + L::QS;
+    const u32 k_big = smem + L::KB, k_small = smem + L::KS;
+    const u32 vt_big = smem + L::VTB, vt_small = smem + L::VTS, v_raw = smem + L::VRAW;
+    const u32 q_raw = smem + L::BARS;                  // Q tile (and its work-tile index) landed
+    const u32 q_full = q_raw + 8;                      // Q split: consumers may read the tile (!QREG)
+    const u32 q_empty = q_full + 8;                    // every consumer is done with the Q tile
+                                                       // (QREG: and the converters with its index)
+    const u32 k_raw = q_empty + 8;                     // [STAGES]: K tile landed (TMA)
+    const u32 v_rawb = k_raw + 8 * STAGES;             // [STAGES]: V tile landed (TMA)
+    const u32 k_full = v_rawb + 8 * STAGES;            // [STAGES]: K split: S may read it
+    const u32 v_full = k_full + 8 * STAGES;            // [STAGES]: Vᵀ written: O += P V may read it
+    const u32 k_empty = v_full + 8 * STAGES;           // [STAGES]: every consumer's S is done with K
+    const u32 v_empty = k_empty + 8 * STAGES;          // [STAGES]: every consumer's P V is done with Vᵀ
+    const u32 vraw_empty = v_empty + 8 * STAGES;       // [STAGES]: the converters have read raw V
+    volatile int* tile_smem = (volatile int*)(smem_raw + (smem - smem_addr(smem_raw)) + L::TILE);
+    const int num_work = p.num_m_blocks * p.h * p.b;
+
+    const int wg = threadIdx.x / 128;      // 0 producer, 1 .. NC consumers
+    const int t = threadIdx.x % 128;       // lane within the warpgroup
+
+    if (threadIdx.x == 0) {
+        mbar_init(q_raw, 1);                   // the TMA thread's expect_tx arrival (+ bytes)
+        mbar_init(q_full, 1);                  // the converters' leader
+        mbar_init(q_empty, NC + QREG);         // one arrival per consumer warpgroup (+ converters)
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(k_raw + 8 * s, 1);
+            mbar_init(v_rawb + 8 * s, 1);
+            mbar_init(k_full + 8 * s, 1);
+            mbar_init(v_full + 8 * s, 1);
+            mbar_init(k_empty + 8 * s, NC);
+            mbar_init(v_empty + 8 * s, NC);
+            mbar_init(vraw_empty + 8 * s, 1);
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();   // barriers initialised before anyone waits on them
+
+    if (wg == 0) {
+        // ================================ producer ================================
+        if constexpr (NC > 1) regs_release<sm90f32::Regs<NC>::PRODUCER>();
+        if (t == 0) {
+            // ---- TMA thread: Q, K, V tiles (raw float32) in consumption order
+            tma_prefetch_desc(&p.tma_q);
+            tma_prefetch_desc(&p.tma_k);
+            tma_prefetch_desc(&p.tma_v);
+            int kv_it = 0;     // K/V tiles issued so far (ring position)
+            int drawn = 0;     // work-tile indices drawn so far (without a counter: i + k·grid)
+            for (int tile_i = 0;; ++tile_i) {
+                // the consumers are done with the previous tile's Q (big and small) and index
+                if (tile_i > 0) mbar_wait(q_empty, (tile_i - 1) & 1);
+                const int w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
+                ++drawn;
+                if (w >= num_work) {                  // no work left: tell everyone, stop
+                    *tile_smem = -1;
+                    mbar_arrive(q_raw);
+                    break;
+                }
+                const WorkTile wt = work_tile<WINDOW, false, BM, BN>(p, w);
+                *tile_smem = w;                       // published by the q_raw arrival (release)
+                if (wt.n_tiles == 0) {                // rows that see no key: nothing to load
+                    mbar_arrive(q_raw);
+                    continue;
+                }
+                // Q tile [BM, D]: D / 32 boxes of [BM, 32]
+                mbar_arrive_expect_tx(q_raw, BM * D * 4);
+#pragma unroll
+                for (int c = 0; c < D / F32_PANEL_COLS; ++c)
+                    tma_load_4d(q_smem + c * L::Q_PANEL, &p.tma_q, q_raw, c * F32_PANEL_COLS, wt.m0,
+                                wt.head, wt.batch);
+                // K, V tiles [BN, D], right to left through the band, STAGES buffers deep
+                for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
+                    const int n0 = (wt.t_first + wt.n_tiles - 1 - it) * BN;
+                    const int s = kv_it % STAGES;
+                    const u32 prev = ((kv_it / STAGES) - 1) & 1;   // phase of the stage's last use
+                    // K into k_big[s] once every consumer's S has read the stage's last K (and so
+                    // the converters are done with it: S waited for their k_full)
+                    if (kv_it >= STAGES) mbar_wait(k_empty + 8 * s, prev);
+                    mbar_arrive_expect_tx(k_raw + 8 * s, BN * D * 4);
+#pragma unroll
+                    for (int c = 0; c < D / F32_PANEL_COLS; ++c)
+                        tma_load_4d(k_big + s * L::KVT + c * L::KV_PANEL, &p.tma_k, k_raw + 8 * s,
+                                    c * F32_PANEL_COLS, n0, wt.kv_head, wt.batch);
+                    // V into v_raw[s] once the converters have transposed the stage's last V
+                    if (kv_it >= STAGES) mbar_wait(vraw_empty + 8 * s, prev);
+                    mbar_arrive_expect_tx(v_rawb + 8 * s, BN * D * 4);
+#pragma unroll
+                    for (int c = 0; c < D / F32_PANEL_COLS; ++c)
+                        tma_load_4d(v_raw + s * L::KVT + c * L::KV_PANEL, &p.tma_v, v_rawb + 8 * s,
+                                    c * F32_PANEL_COLS, n0, wt.kv_head, wt.batch);
+                }
+            }
+            if (p.sched) sched_finish(p.sched);   // this block has drawn its last work tile
+        } else if (t >= 32) {
+            // ---- converters (96 threads): TF32 parts of Q and K, Vᵀ parts, tile by tile
+            const int cu = t - 32;
+            // Hand a converted tile on: each thread's shared writes fenced for the async proxy,
+            // all 96 done (barrier), one arrival on `bar`
+            auto release = [&](u32 bar) {
+                fence_proxy_async();
+                named_bar_sync(CONV_BAR, CONV_THREADS);   // every converter's part is written
+                if (cu == 0) mbar_arrive(bar);
+            };
+            // [rows, D] tile at `big` (raw in, big out, in place) and its small part at `small`:
+            // elementwise, so the swizzled layout is kept as it is (16-byte chunks)
+            // (two chunks per pass: both loads are in flight before the first store)
+            auto split_tile = [&](u32 big, u32 small, int chunks) {
+                for (int i = cu; i < chunks; i += 2 * CONV_THREADS) {
+                    const int j = i + CONV_THREADS;           // the pass's second chunk
+                    const bool two = j < chunks;
+                    float x[8] = {};
+                    u32 b[8], sm[8];
+                    lds128(big + 16 * i, x);
+                    if (two) lds128(big + 16 * j, x + 4);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        if (SPLIT) split_tf32(x[e], b[e], sm[e]);
+                        else b[e] = to_tf32(x[e]);
+                    }
+                    sts128(big + 16 * i, b);
+                    if (SPLIT) sts128(small + 16 * i, sm);
+                    if (two) {
+                        sts128(big + 16 * j, b + 4);
+                        if (SPLIT) sts128(small + 16 * j, sm + 4);
+                    }
+                }
+            };
+            // Vᵀ of stage s: v_raw [D/32][BN][32] (row = key, swizzled) -> vt_big / vt_small
+            // [BN/32][D][32] (row = head-dim column d, keys permuted within each 8-key step:
+            // key 2c -> slot c, key 2c + 1 -> slot c + 4). One item = 4 keys x 4 columns: keys
+            // 8·kg + par + 2·ii (ii = 0..3, slots 4·par + ii: one 16-byte chunk of a Vᵀ row),
+            // columns 4·dc .. 4·dc + 3 (one 16-byte chunk of a V row). The 8 lanes of a shared
+            // memory phase (lane % 8 = par + 2·q4) take par, kg % 4 = q4 and
+            // dc % 8 = dc0 + 2·((q4 + rot) % 4): their loads hit 8 distinct chunk positions
+            // (chunk dc%8 XOR key%8) and so do their stores (chunk (2·q4 + par) XOR d%8, d%8 the
+            // same for all 8): no bank conflicts.
+            auto transpose_v = [&](int s) {
+                const u32 src = v_raw + s * L::KVT;
+                const u32 dst_b = vt_big + s * L::KVT, dst_s = vt_small + s * L::KVT;
+                constexpr int ITEMS = BN * D / 16;
+                for (int i = cu; i < ITEMS; i += CONV_THREADS) {
+                    const int b = i % 8, o = i / 8;
+                    const int rot = o % 4, dc0 = (o / 4) % 2, kgq = (o / 8) % (BN / 32);
+                    const int dcq = o / (8 * (BN / 32));
+                    const int par = b & 1, q4 = b >> 1;
+                    const int dc8 = dc0 + 2 * ((q4 + rot) & 3);      // dc % 8
+                    const int kg = 4 * kgq + q4;                    // 8-key step in the tile
+                    float v[4][4];                                   // v[ii][e] = V[key ii][4·dc + e]
+#pragma unroll
+                    for (int ii = 0; ii < 4; ++ii) {
+                        const int r = 8 * kg + par + 2 * ii;         // key row of the raw tile
+                        lds128(src + dcq * L::KV_PANEL + r * 128 + ((dc8 ^ (r % 8)) * 16), v[ii]);
+                    }
+                    const int pc = 2 * q4 + par;                     // 16-byte chunk in the Vᵀ row
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int d = 4 * (8 * dcq + dc8) + e;       // Vᵀ row
+                        const u32 off = kgq * L::VT_PANEL + d * 128 + ((pc ^ (d % 8)) * 16);
+                        u32 big[4], small[4];
+#pragma unroll
+                        for (int ii = 0; ii < 4; ++ii) {
+                            if (SPLIT) split_tf32(v[ii][e], big[ii], small[ii]);
+                            else big[ii] = to_tf32(v[ii][e]);
+                        }
+                        sts128(dst_b + off, big);
+                        if (SPLIT) sts128(dst_s + off, small);
+                    }
+                }
+            };
+            int kv_it = 0;
+            for (int tile_i = 0;; ++tile_i) {
+                mbar_wait(q_raw, tile_i & 1);                 // Q landed, tile index published
+                const int w = *tile_smem;
+                // every converter has read the index before the leader lets it be replaced
+                named_bar_sync(CONV_BAR, CONV_THREADS);
+                if (w < 0) {                                  // no work left: tell the consumers
+                    if (!QREG && cu == 0) mbar_arrive(q_full);
+                    break;
+                }
+                // QREG: the consumers read Q and the index after q_raw themselves; the converters'
+                // arrival on q_empty says they are done with the index
+                if (QREG && cu == 0) mbar_arrive(q_empty);
+                const WorkTile wt = work_tile<WINDOW, false, BM, BN>(p, w);
+                if (wt.n_tiles == 0) {                        // nothing loaded: pass the index on
+                    if (!QREG && cu == 0) mbar_arrive(q_full);
+                    continue;
+                }
+                if constexpr (!QREG) {
+                    split_tile(q_smem, q_small, BM * D / 4);
+                    release(q_full);
+                }
+                for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
+                    const int s = kv_it % STAGES;
+                    const u32 ph = (kv_it / STAGES) & 1;
+                    mbar_wait(k_raw + 8 * s, ph);             // K landed (k_small[s] is free:
+                                                              // the TMA thread saw k_empty)
+                    split_tile(k_big + s * L::KVT, k_small + s * L::KVT, BN * D / 4);
+                    release(k_full + 8 * s);
+                    mbar_wait(v_rawb + 8 * s, ph);            // V landed
+                    if (kv_it >= STAGES) mbar_wait(v_empty + 8 * s, ph ^ 1);   // Vᵀ[s] is free
+                    transpose_v(s);
+                    release(v_full + 8 * s);                  // (also: every converter has read
+                    if (cu == 0) mbar_arrive(vraw_empty + 8 * s);   // v_raw[s]: TMA may refill it)
+                }
+            }
+        }
+        return;
+    }
+
+    // ================================ consumers ================================
+    if constexpr (NC > 1) regs_acquire<sm90f32::Regs<NC>::CONSUMER>();
+    const int cw = wg - 1;                                 // consumer 0 .. NC-1: rows 64·cw .. of a tile
+    const int next_turn = TURN_BAR + (cw + 1) % NC;        // the consumer whose turn follows ours
+    const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8
+    const int col_in_8 = 2 * (t % 4);                      // accumulator columns col_in_8, +1 (of 8)
+    const float sl2 = p.scale_log2;                        // score -> base-2 exponent factor
+
+    int kv_it = 0;             // K/V ring position of the current key tile (runs on across tiles)
+    int tile_i = 0;            // work tiles taken so far (the Q barriers' phase)
+    WorkTile wt;               // the current work tile
+    float o_acc[NO];           // O [64, D] of this warpgroup, fp32
+    float m_run[2] = {-CF_INF, -CF_INF};   // running row max (raw scores)
+    float l_run[2] = {0.f, 0.f};           // running denominators (this lane's columns only)
+    float alpha[2];            // O rescale factors of the current key tile
+    float s_acc[NS];           // S [64, BN] of the current key tile, then P in place
+    u32 p_big[NS];             // P of the current key tile, TF32 A fragments (big part)
+    u32 p_small[SPLIT ? NS : 1];   // and small part
+    u32 qs_frag[QREG && SPLIT ? D / 2 : 1];   // QREG: small part of this warpgroup's Q rows, TF32
+                                              // A fragments (4 per 8-column k-step)
+
+    // QREG: split this warpgroup's 64 rows of the landed Q tile: big written back in place (the
+    // shared operand of q_big·k_big, q_big·k_small), small kept in qs_frag. Per k-step kk the A
+    // fragment is Q(r, 8kk + c), Q(r + 8, 8kk + c), Q(r, 8kk + c + 4), Q(r + 8, 8kk + c + 4)
+    // (r = row_in_wg, c = t % 4); in the swizzled panel, column x of row y sits at
+    // (x / 32)·Q_PANEL + y·128 + 16·((x % 32 / 4) XOR y % 8) + 4·(x % 4): 8 rows x 4 columns of a
+    // warp hit 32 distinct banks.
+    auto split_q = [&]() {
+        const u32 q_wg = q_smem + cw * WG_ROWS * 128;
+#pragma unroll
+        for (int kk = 0; kk < D / 8; kk += 2) {   // two k-steps at a time: 8 loads in flight
+            u32 a[8];
+            float q[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int r = row_in_wg + 8 * (e % 2), x = 8 * (kk + e / 4) + t % 4 + 4 * ((e / 2) % 2);
+                a[e] = q_wg + (x / 32) * L::Q_PANEL + r * 128 + 16 * (((x % 32) / 4) ^ (r % 8)) + 4 * (x % 4);
+                asm volatile("ld.shared.f32 %0, [%1];" : "=f"(q[e]) : "r"(a[e]) : "memory");
+            }
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                u32 big;
+                if constexpr (SPLIT) split_tf32(q[e], big, qs_frag[4 * kk + e]);
+                else big = to_tf32(q[e]);
+                asm volatile("st.shared.b32 [%0], %1;" :: "r"(a[e]), "r"(big) : "memory");
+            }
+        }
+        fence_proxy_async();                   // the big part is read by wgmma (async proxy)
+        named_bar_sync(WG_BAR + cw, 128);      // every warp of the warpgroup has written its rows
+    };
+
+    // Wait for work tile tile_i (index published, Q split). Tiles whose rows see no key are
+    // finished right here (out = 0, lse = -inf). False when no work is left.
+    auto fetch_tile = [&]() -> bool {
+        for (;; ++tile_i) {
+            mbar_wait(QREG ? q_raw : q_full, tile_i & 1);
+            const int w = *tile_smem;
+            if (w < 0) return false;
+            wt = work_tile<WINDOW, false, BM, BN>(p, w);
+            if (wt.n_tiles > 0) {
+                if constexpr (QREG) split_q();
+                return true;
+            }
+            float* o_bh = out_rows<float>(p, wt);           // [s_q, d_v]
+            const int r0 = wt.m0 + cw * WG_ROWS;
+            for (int i = t; i < WG_ROWS * D; i += 128)
+                if (r0 + i / D < wt.s_q) o_bh[(r0 + i / D) * p.o_stride_s + i % D] = 0.f;
+            if (t < WG_ROWS && r0 + t < wt.s_q) lse_rows<false>(p, wt)[r0 + t] = -CF_INF;
+            named_bar_sync(WG_BAR + cw, 128);   // the whole warpgroup has read the tile index
+            if (t == 0) mbar_arrive(q_empty);
+        }
+    };
+    auto key0 = [&](int it) { return (wt.t_first + wt.n_tiles - 1 - it) * BN; };   // right to left
+
+    // ---- S = Q Kᵀ  [64, BN], fp32, of the key tile in ring position kv: k-steps of 8 columns
+    //      (32 bytes) through the D / 32 panels; per k-step q_small·k_big + q_big·k_small +
+    //      q_big·k_big (QREG: q_big·k_big first, q_small from registers) (issued and committed)
+    auto issue_s = [&](int kv) {
+        const int s = kv % STAGES;
+        const u32 qb = q_smem + cw * WG_ROWS * 128;        // this warpgroup's 64 rows of each Q panel
+        const u32 qs = q_small + cw * WG_ROWS * 128;
+        const u32 kb = k_big + s * L::KVT, ks = k_small + s * L::KVT;
+        mbar_wait(k_full + 8 * s, (kv / STAGES) & 1);
+        wgmma_fence();   // a pipeline stage of its own: O's product may be waited for alone
+#pragma unroll
+        for (int kk = 0; kk < D / 8; ++kk) {
+            const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
+            const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
+            if constexpr (QREG) {
+                wgmma_ss_tf32<BN>(s_acc, smem_desc(qb + q_off, 16, 1024),
+                                  smem_desc(kb + k_off, 16, 1024), kk > 0);
+                if constexpr (SPLIT) {
+                    wgmma_ss_tf32<BN>(s_acc, smem_desc(qb + q_off, 16, 1024),
+                                      smem_desc(ks + k_off, 16, 1024), 1);
+                    wgmma_rs_tf32<BN>(s_acc, qs_frag + 4 * kk, smem_desc(kb + k_off, 16, 1024));
+                }
+            } else {
+                if constexpr (SPLIT) {
+                    wgmma_ss_tf32<BN>(s_acc, smem_desc(qs + q_off, 16, 1024),
+                                      smem_desc(kb + k_off, 16, 1024), kk > 0);
+                    wgmma_ss_tf32<BN>(s_acc, smem_desc(qb + q_off, 16, 1024),
+                                      smem_desc(ks + k_off, 16, 1024), 1);
+                }
+                wgmma_ss_tf32<BN>(s_acc, smem_desc(qb + q_off, 16, 1024),
+                                  smem_desc(kb + k_off, 16, 1024), SPLIT || kk > 0);
+            }
+        }
+        wgmma_commit();
+    };
+    // ---- O += P V  [64, D] of the key tile in ring position kv: B = Vᵀ [D, BN] K-major, 8 keys
+    //      (32 bytes) per k-step through the BN / 32 panels; per k-step p_small·vt_big +
+    //      p_big·vt_small + p_big·vt_big
+    auto issue_pv = [&](int kv) {
+        const int s = kv % STAGES;
+        const u32 vb = vt_big + s * L::KVT, vs = vt_small + s * L::KVT;
+        mbar_wait(v_full + 8 * s, (kv / STAGES) & 1);
+        fence_regs<NO>(o_acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 8; ++kk) {
+            const u32 off = (kk / 4) * L::VT_PANEL + (kk % 4) * 32;
+            if constexpr (SPLIT) {
+                wgmma_rs_tf32<D>(o_acc, p_small + 4 * kk, smem_desc(vb + off, 16, 1024));
+                wgmma_rs_tf32<D>(o_acc, p_big + 4 * kk, smem_desc(vs + off, 16, 1024));
+            }
+            wgmma_rs_tf32<D>(o_acc, p_big + 4 * kk, smem_desc(vb + off, 16, 1024));
+        }
+        wgmma_commit();
+    };
+    // S of ring position kv has completed: release its K stage, and the Q tile when it was the
+    // work tile's last S
+    auto s_done = [&](int kv, bool last_s) {
+        fence_regs<NS>(s_acc);
+        if constexpr (QREG && SPLIT) fence_regs<D / 2>(qs_frag);   // read by S until here
+        if (t == 0) mbar_arrive(k_empty + 8 * (kv % STAGES));
+        if (last_s && t == 0) mbar_arrive(q_empty);
+    };
+    // O += P V of ring position kv has completed: release its Vᵀ stage
+    auto pv_done = [&](int kv) {
+        fence_regs<NO>(o_acc);
+        fence_regs<NS>(p_big);           // P stayed untouched while the product read it
+        if constexpr (SPLIT) fence_regs<NS>(p_small);
+        if (t == 0) mbar_arrive(v_empty + 8 * (kv % STAGES));
+    };
+
+    // Online softmax on the scores of one key tile (keys n0 ..), in place in s_acc: masks,
+    // running max m, P = exp2(s·scale·log2e − shift), denominator l, and the factors alpha that
+    // rescale O (applied by pack_p, once the previous O += P V has completed).
+    auto softmax_scores = [&](int n0) {
+        const int row0 = wt.m0 + cw * WG_ROWS + row_in_wg;   // this lane's rows: row0, row0 + 8
+        // ---- masks (only tiles that cross the ragged end or a band edge): key j kept when
+        //      j < s_k and diag(i) - left <= j <= diag(i) + right
+        bool need_mask = n0 + BN > wt.s_k;
+        if (WINDOW)
+            need_mask |= n0 + BN - 1 > wt.m0 + wt.diag + p.window_right ||
+                         n0 < wt.m_last + wt.diag - p.window_left;
+        if (need_mask) {
+#pragma unroll
+            for (int i = 0; i < NS; ++i) {
+                const int j = n0 + (i / 4) * 8 + col_in_8 + (i % 2);
+                const int diag = row0 + ((i % 4) >= 2 ? 8 : 0) + wt.diag;
+                bool keep = j < wt.s_k;
+                if (WINDOW) keep = keep && j <= diag + p.window_right && j >= diag - p.window_left;
+                if (!keep) s_acc[i] = -CF_INF;
+            }
+        }
+        // ---- running max m (rows row0, row0 + 8: quad of 4 lanes per row)
+        float m_new[2] = {m_run[0], m_run[1]};
+#pragma unroll
+        for (int i = 0; i < NS; i += 4) {
+            m_new[0] = fmaxf(m_new[0], fmaxf(s_acc[i], s_acc[i + 1]));
+            m_new[1] = fmaxf(m_new[1], fmaxf(s_acc[i + 2], s_acc[i + 3]));
+        }
+        float shift[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            m_new[r] = quad_max(m_new[r]);
+            // exponent shift m·scale·log2e; 0 while the row has seen no key (no inf - inf)
+            shift[r] = m_new[r] == -CF_INF ? 0.f : m_new[r] * sl2;
+            alpha[r] = fast_exp2(m_run[r] * sl2 - shift[r]);   // O, l rescale; 0 on the first key
+            m_run[r] = m_new[r];
+            l_run[r] *= alpha[r];
+        }
+        // ---- P = exp2(s·scale·log2e − shift) in place, denominator l
+#pragma unroll
+        for (int i = 0; i < NS; i += 4) {
+            s_acc[i] = fast_exp2(s_acc[i] * sl2 - shift[0]);
+            s_acc[i + 1] = fast_exp2(s_acc[i + 1] * sl2 - shift[0]);
+            s_acc[i + 2] = fast_exp2(s_acc[i + 2] * sl2 - shift[1]);
+            s_acc[i + 3] = fast_exp2(s_acc[i + 3] * sl2 - shift[1]);
+            l_run[0] += s_acc[i] + s_acc[i + 1];
+            l_run[1] += s_acc[i + 2] + s_acc[i + 3];
+        }
+    };
+    // O rescale by alpha, and P split into the TF32 A fragments of the next O += P V (the
+    // previous product, which read O and the old P, has completed). Accumulator registers
+    // 4kk .. 4kk + 3 of key step kk hold P(r, 2c), P(r, 2c + 1), P(r + 8, 2c), P(r + 8, 2c + 1);
+    // fragment slots c and c + 4 of the step are keys 2c and 2c + 1 (Vᵀ is stored to match), so
+    // a = {P(r, 2c), P(r + 8, 2c), P(r, 2c + 1), P(r + 8, 2c + 1)}.
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int i = 0; i < NO; i += 4) {
+            o_acc[i] *= alpha[0];
+            o_acc[i + 1] *= alpha[0];
+            o_acc[i + 2] *= alpha[1];
+            o_acc[i + 3] *= alpha[1];
+        }
+#pragma unroll
+        for (int kk = 0; kk < BN / 8; ++kk) {
+            const float a[4] = {s_acc[4 * kk], s_acc[4 * kk + 2], s_acc[4 * kk + 1], s_acc[4 * kk + 3]};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if constexpr (SPLIT) split_tf32(a[e], p_big[4 * kk + e], p_small[4 * kk + e]);
+                else p_big[4 * kk + e] = to_tf32(a[e]);
+            }
+        }
+    };
+    // The first key tile of work tile wt, whose S has completed: fresh O, m, l, then its softmax
+    auto start_tile = [&]() {
+#pragma unroll
+        for (int i = 0; i < NO; ++i) o_acc[i] = 0.f;
+        m_run[0] = m_run[1] = -CF_INF;
+        l_run[0] = l_run[1] = 0.f;
+        softmax_scores(key0(0));
+        pack_p();
+    };
+    // ---- final O / l and lse = (m·scale·log2e + log2 l)·ln 2 of work tile wt; rows past s_q
+    //      are not stored
+    auto store_tile = [&]() {
+        float* lse_bh = lse_rows<false>(p, wt);         // [s_q]
+        float* o_bh = out_rows<float>(p, wt);           // [s_q, d_v]
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float l = quad_sum(l_run[r]);
+            const int row = wt.m0 + cw * WG_ROWS + row_in_wg + 8 * r;
+            const float inv_l = l > 0.f ? 1.f / l : 0.f;   // a row that saw no key: out = 0
+            if (row < wt.s_q) {
+                float* o_row = o_bh + row * p.o_stride_s;
+#pragma unroll
+                for (int i = 0; i < NO; i += 4) {
+                    const int col = (i / 4) * 8 + col_in_8;
+                    o_row[col] = o_acc[i + 2 * r] * inv_l;
+                    o_row[col + 1] = o_acc[i + 2 * r + 1] * inv_l;
+                }
+                if (t % 4 == 0)
+                    lse_bh[row] = l > 0.f ? (m_run[r] * sl2 + log2f(l)) * CF_LN2 : -CF_INF;
+            }
+        }
+    };
+    // Turn-taking on the tensor cores (NC = 2: named barrier TURN_BAR + c is consumer c's turn;
+    // one consumer alone needs none)
+    auto turn_begin = [&]() { if constexpr (NC > 1) named_bar_sync(TURN_BAR + cw, 256); };
+    auto turn_end = [&]() { if constexpr (NC > 1) named_bar_arrive(next_turn, 256); };
+    // A turn with the S of the current tile's first key tile alone (no O += P V in flight)
+    auto first_turn = [&]() {
+        turn_begin();
+        issue_s(kv_it);
+        turn_end();
+        wgmma_wait<0>();
+        s_done(kv_it, wt.n_tiles == 1);
+        start_tile();
+    };
+    // A turn with the last O += P V of the current tile alone
+    auto last_turn = [&]() {
+        turn_begin();
+        issue_pv(kv_it);
+        turn_end();
+        wgmma_wait<0>();
+        pv_done(kv_it);
+        ++kv_it;
+    };
+
+    // Pingpong (NC = 2), as fwd_sm90.cu: consumer 0 takes the very first turn (its own arrival
+    // here plus its first sync complete barrier TURN_BAR); every consumer walks the same work
+    // tiles and takes the same n_tiles + 1 turns per tile, so the order holds across tiles.
+    if constexpr (NC > 1) {
+        if (cw == 0) named_bar_arrive(TURN_BAR, 256);
+    }
+
+    if (fetch_tile()) {
+        first_turn();
+        for (;;) {
+            // ---- every key tile but the last: in our turn S of key tile it + 1, then O += P V
+            //      of key tile it; the softmax of S(it + 1) runs while O += P V is on the tensor
+            //      cores (unconditional waits, the last O += P V peeled off: fwd_sm90.cu)
+            const int last = wt.n_tiles - 1;
+            for (int it = 0; it < last; ++it, ++kv_it) {
+                turn_begin();
+                issue_s(kv_it + 1);
+                issue_pv(kv_it);
+                turn_end();
+                wgmma_wait<1>();                         // S done (O += P V may still run)
+                s_done(kv_it + 1, it + 1 == last);
+                softmax_scores(key0(it + 1));
+                wgmma_wait<0>();                         // O += P V done
+                pv_done(kv_it);
+                pack_p();
+            }
+            // ---- the tile's last key tile, the epilogue, then the next tile
+            last_turn();
+            store_tile();
+            ++tile_i;
+            if (!fetch_tile()) break;
+            first_turn();
+        }
+    }
+}
