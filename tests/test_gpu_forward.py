@@ -6,7 +6,9 @@ computation done in the input dtype (Q Kᵀ and P V as matmuls in the dtype, sof
 P rounded to the dtype, like PyTorch's naive attention), plus a floor: 1e-4 (float16) /
 1e-3 (bfloat16) for out, 1e-4 for lse -- about a quarter ulp of a value of 1 in each dtype,
 which only matters where the naive computation happens to be exact (e.g. one key).
-float32 (3xTF32 default): norm-wise relative error ||out - ref|| / ||ref|| <= 1e-5 (allow_tf32:
+float32 (3xTF32 default): norm-wise relative error ||out - ref|| / ||ref|| <= 1e-5 · max(1,
+s_k / 1024) for out (the tensor-core accumulation error grows with s_k; run_case) and 1e-5 for
+lse (allow_tf32:
 5e-3), for out and for lse. (Max-abs relative to max|ref| sits at the float32 accumulation noise
 floor for s_k ~ 1k, where out averages many keys: 1.01e-5 was seen once; see docs/kernels.md.)
 Outputs are poisoned with NaN first; inputs are fresh random normal draws.
@@ -118,9 +120,15 @@ def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False,
     err_out = np.abs(got_out - ref_out).max()
     err_lse = np.abs(got_lse[live] - ref_lse[live]).max() if live.any() else 0.0
     if dtype_name == "float32":
+        # 3xTF32: the tensor cores' float32 accumulation truncates, and over s_k keys the
+        # norm-wise error of out grows about linearly (measured on the H200, identical for the
+        # portable and Hopper kernels: 8e-6 at 1k keys, 3e-5 at 4k, 1.2e-4 at 16k;
+        # benchmarks/f32_error_growth.py), so the out bound is 1e-5 up to 1024 keys and grows
+        # with s_k beyond; lse (summed in registers) keeps 1e-5
         tol = 5e-3 if allow_tf32 else 1e-5
+        tol_out = tol * max(1.0, s_k / 1024) if not allow_tf32 else tol
         rel = np.linalg.norm(got_out - ref_out) / max(np.linalg.norm(ref_out), 1e-30)
-        assert rel <= tol, f"{name}: out relative error {rel:.3g} > {tol}"
+        assert rel <= tol_out, f"{name}: out relative error {rel:.3g} > {tol_out}"
         ref_l = ref_lse[live]
         lse_rel = np.linalg.norm(got_lse[live] - ref_l) / max(np.linalg.norm(ref_l), 1.0)
         assert lse_rel <= tol, f"{name}: lse relative error {lse_rel:.3g} > {tol}"
