@@ -80,8 +80,10 @@ def _forward_kernels(cc: int) -> str:
            "(3xTF32 on wgmma)" if _plan.SM90_FLOAT32_AUTO else
            "; float32: the portable kernel (fwd_sm90_f32.cu only with kernel='sm90')")
     return ("Hopper kernel (fwd_sm90.cu: TMA + wgmma) for float16 / bfloat16, head dim "
-            f"{' / '.join(map(str, _plan.SM90_HEAD_DIMS))} = head_dim_v, no ALiBi / bias / mask, "
-            "TMA-aligned strides (dense and varlen); the portable kernel (fwd.cu) otherwise" + f32)
+            f"{' / '.join(map(str, _plan.SM90_HEAD_DIMS))} = head_dim_v, no ALiBi / mask (a bias at "
+            f"head dim {' / '.join(map(str, _plan.SM90_BIAS_HEAD_DIMS))} in the layouts docs/hopper.md "
+            "lists), TMA-aligned strides (dense and varlen); the portable kernel (fwd.cu) "
+            "otherwise" + f32)
 
 
 def _max_err_on_slice(out, q, k, v, rows: slice) -> float:

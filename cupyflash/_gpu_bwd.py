@@ -478,6 +478,11 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, for
     bias_kind = 0
     if why is None and opts.mask is not None:
         why = "a boolean mask (not in the Hopper backward)"
+    if why is None and varlen is not None:   # the kernel's int work-tile count
+        nseq, max_k = varlen
+        if -(-int(max_k) // h90.BN) * k.shape[2] * int(nseq) > 2**31 - 1:
+            why = (f"{nseq} sequences x {k.shape[2]} kv heads x the longest sequence's key tiles "
+                   "exceed 2^31 - 1 work tiles")
     if why is None and bias_operand is not None:
         b_arr, f32 = bias_operand
         why = h90.bias_unsupported(_gpu.broadcast_strides(b_arr), k.shape[1],
@@ -507,10 +512,10 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
     dout, out [b, s_q, h, d_v]; q [b, s_q, h, d]; k [b, s_k, h_k, d]; v [b, s_k, h_k, d_v]:
     CuPy bshd views of one dtype with a contiguous last dimension; lse float32 [b, h, s_q]
     contiguous (natural log, -inf for rows that see no key); dq, dk, dv preallocated with
-    q, k, v's shapes and dtype (any strides). Current device and stream. ``kernel``: None (the
-    planner: the Hopper main kernel, _gpu_bwd_sm90, on compute capability 9.0 where it covers
-    the call, else the portable one), "portable", "sm90" (ValueError where it cannot run), or a
-    BwdVariant to force (tuning, benchmarks).
+    q, k, v's shapes and dtype (any strides). Current device and stream. ``kernel``: None or
+    "auto" (the planner: the Hopper main kernel, _gpu_bwd_sm90, on compute capability 9.0 where
+    it covers the call, else the portable one), "portable", "sm90" (ValueError where it cannot
+    run), or a BwdVariant to force (tuning, benchmarks); anything else is a ValueError.
     With ``opts.bias`` / ``opts.mask`` the GENERAL variant runs (a bias without a mask: the Hopper
     kernel's BIAS variant on compute capability 9.0 where it covers the call); ``dbias`` (a CuPy
     array of opts.bias's 4-D shape, any float dtype) then receives dS summed over the bias's
@@ -520,6 +525,11 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
     """
     import cupy
 
+    if kernel == "auto":
+        kernel = None
+    if not (kernel is None or kernel in ("portable", "sm90") or isinstance(kernel, BwdVariant)):
+        raise ValueError(f"kernel={kernel!r}: accepted None / 'auto', 'sm90', 'portable' or a "
+                         "BwdVariant")
     name = _checks(dout, q, k, v, out, lse, dq, dk, dv)
     bias = opts.bias
     if bias is not None and dbias is None:

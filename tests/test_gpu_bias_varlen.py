@@ -552,6 +552,8 @@ def run_varlen(rng, dtype_name, lens_q, lens_k, h, hk, d, *, causal=False, windo
                                              max(lens_k), *gr, opts, kernel=bwd_kernel)
             if expect_bwd is not None:
                 assert bname.startswith(expect_bwd), bname
+            # a Hopper backward of a packed call must be the VARLEN variant
+            assert not bname.startswith("bwd90_") or bname.endswith("_varlen"), bname
             cp.cuda.get_current_stream().synchronize()
             results.append([_h(x[0]) for x in gr])
         for other in results[1:]:

@@ -85,8 +85,9 @@ def test_allow_tf32(rng, d):
 
 
 def test_routing():
-    """float32 runs the portable kernel under kernel="auto" until SM90_FLOAT32_AUTO is flipped;
-    kernel="sm90" forces the Hopper kernel; uncovered float32 calls name the reason."""
+    """float32 runs the Hopper kernel under kernel="auto" while SM90_FLOAT32_AUTO is True (the
+    portable one otherwise); kernel="sm90" forces the Hopper kernel; uncovered float32 calls
+    name the reason."""
     from cupyflash import _gpu, _plan
     q = cp.random.standard_normal((1, 64, 2, 64), dtype=cp.float32)
     out, lse = cp.empty_like(q), cp.empty((1, 2, 64), cp.float32)

@@ -214,3 +214,55 @@ def test_sm90_backward_varlen_launch_records(monkeypatch):
         assert rec["b"] == 1 and rec["s_q"] == total_q
     assert main_rec["s_q"] == total_q and main_rec["s_k"] == total_k
     assert main_rec["varlen_bottom_right"] == 1 and main_rec["diag_offset"] == 0
+
+
+@pytest.mark.parametrize("nseq,max_k,refused", [(8, 650, False), (65535, 1 << 17, False), (65535, 1 << 18, True)])
+def test_sm90_backward_varlen_work_count_fits_an_int(monkeypatch, nseq, max_k, refused):
+    """The VARLEN kernel counts work tiles (longest sequence's key tiles x kv heads x sequences)
+    in an int: a call past 2^31 - 1 stays on the portable kernel, and kernel="sm90" names why."""
+    import ml_dtypes
+
+    from cupyflash import _gpu, _gpu_bwd
+    from cupyflash._options import Options
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    d, h, h_k = 128, 32, 32
+
+    class Arr:   # a packed [1, total, heads, d] stand-in for a CuPy array
+        def __init__(self, rows, heads):
+            self.shape, self.dtype = (1, rows, heads, d), bf16
+            self.strides = (rows * heads * d * 2, heads * d * 2, d * 2, 2)
+
+    q = k = v = dout = Arr(1 << 20, h)
+    monkeypatch.setattr(_gpu, "_info", lambda dev: (90, 227 * 1024, 132))
+    plan = _gpu_bwd.plan_backward_varlen("bfloat16", 8, 1 << 20, 1 << 20, 700, 650, h, h_k, d, d,
+                                         scale=0.1)
+    opts = Options(scale=0.1)
+    args = (plan, "bfloat16", dout, q, k, v, opts, 0, 227 * 1024, 132)
+    got = _gpu_bwd._hopper_launcher(*args, forced=False, varlen=(nseq, max_k))
+    assert (got is None) == refused
+    if refused:
+        with pytest.raises(ValueError, match=r"kernel='sm90'.*exceed 2\^31 - 1 work tiles"):
+            _gpu_bwd._hopper_launcher(*args, forced=True, varlen=(nseq, max_k))
+
+
+@pytest.mark.parametrize("kernel", ["sm80", "hopper", 3])
+def test_backward_names_a_bad_kernel_choice(kernel):
+    from cupyflash import _gpu_bwd
+    with pytest.raises(ValueError, match=r"accepted None / 'auto', 'sm90', 'portable'"):
+        _gpu_bwd.backward(*([None] * 9), None, kernel=kernel)
+
+
+def test_dbias_mode_bits_mirror_common_cuh():
+    """_gpu_bwd's DBIAS_* constants are the values kernels_cu/common.cuh defines."""
+    import pathlib
+    import re
+
+    from cupyflash import _gpu_bwd
+
+    src = (pathlib.Path(__file__).parents[1] / "kernels_cu" / "common.cuh").read_text()
+    defined = {m[0]: int(m[1]) for m in re.findall(r"#define (DBIAS_\w+) (\d+)", src)}
+    assert set(defined) == {"DBIAS_ROWS", "DBIAS_ATOMIC", "DBIAS_SLAB_B", "DBIAS_SLAB_H",
+                            "DBIAS_STORE", "DBIAS_SCHED_B"}
+    for name, value in defined.items():
+        assert getattr(_gpu_bwd, name) == value, name

@@ -387,14 +387,16 @@ def test_f32_plan():
         _plan.plan_forward_sm90("float32", 1, 64, 64, 2, 2, 64, 64, scale=0.1, softcap=5.0)
 
 
-def test_f32_auto_flag_is_reported():
-    """SM90_FLOAT32_AUTO (False until the device validation flips it) decides float32's kernel
-    under kernel="auto"; `python -m cupyflash info` says which."""
+@pytest.mark.parametrize("auto", [True, False])
+def test_f32_auto_flag_is_reported(monkeypatch, auto):
+    """SM90_FLOAT32_AUTO (True since the H200 run) decides float32's kernel under kernel="auto";
+    `python -m cupyflash info` says which, for either value."""
     from cupyflash.__main__ import _forward_kernels
     assert isinstance(_plan.SM90_FLOAT32_AUTO, bool)
+    monkeypatch.setattr(_plan, "SM90_FLOAT32_AUTO", auto)
     text = _forward_kernels(90)
-    assert ("fwd_sm90_f32.cu (3xTF32" in text) == _plan.SM90_FLOAT32_AUTO
-    assert "fwd_sm90_f32.cu" in text
+    assert ("fwd_sm90_f32.cu (3xTF32" in text) == auto
+    assert ("float32: the portable kernel" in text) == (not auto)
 
 
 def test_tma_tensor_float32_box():
