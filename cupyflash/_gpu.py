@@ -186,7 +186,8 @@ def _sm90_variant_by_name(name):
     for v in _plan.sm90_variants() + _plan.sm90_f32_variants():
         if v.name == name:
             return v
-    raise ValueError(f"kernel={name!r}: no such Hopper variant (see _plan.sm90_variants())")
+    raise ValueError(f"kernel={name!r}: no such Hopper variant (see _plan.sm90_variants() and "
+                     "_plan.sm90_f32_variants())")
 
 
 def _sm90_check(q, k, v, out, opts, dtype_name, dev_id, smem):
@@ -302,9 +303,12 @@ def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
     ``kernel``: "auto" (the planner's choice: the Hopper kernel on compute capability 9.0 where
     it covers the call, else the portable one), "portable" (the planner's portable choice),
     "sm90" (the Hopper kernel; ValueError when it cannot run the call), a variant name from
-    _plan.all_variants() / _plan.sm90_variants(), or a _plan.Variant / _plan.Sm90Variant (any
-    instantiation, for tuning). Runs on the current device and stream.
-    A bias or mask runs the portable GENERAL variant (``_forward_general``: planned per call).
+    _plan.all_variants() / _plan.sm90_variants() / _plan.sm90_f32_variants(), or a
+    _plan.Variant / _plan.Sm90Variant / _plan.Sm90F32Variant (any instantiation, for tuning).
+    float32 takes the Hopper float32 kernel under "auto" where it covers the call
+    (_plan.SM90_FLOAT32_AUTO). Runs on the current device and stream.
+    A bias or mask goes to ``_forward_general`` (planned per call): the Hopper BIAS variant for a
+    bias it covers, else the portable GENERAL variant.
     Raises NotImplementedError for head dims > 256, other dtypes, pre-sm_80 GPUs.
     """
     if opts.bias is not None or opts.mask is not None:
@@ -467,7 +471,7 @@ def _forward_general(q, k, v, out, lse, opts, kernel="auto") -> str:
     if _want_sm90(kernel):
         elem_strides, reason = _sm90_check(q, k, v, out, opts, name, dev_id, smem)
         if reason is None and name == "float32":
-            reason = "float32 with a bias (not in the float32 Hopper kernel)"
+            reason = "float32 with a bias or mask (not in the float32 Hopper kernel)"
         if reason is None and opts.mask is not None:
             reason = "a boolean mask (not in the Hopper kernel yet)"
         if reason is None and d not in _plan.SM90_BIAS_HEAD_DIMS:

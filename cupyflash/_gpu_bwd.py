@@ -243,20 +243,20 @@ DBIAS_SCHED_B = 32  # Hopper backward only: work tiles batch-fastest (dbias summ
 HOPPER_SCHED_B = True   # use DBIAS_SCHED_B (a switch for A/B measurements)
 
 
-def hopper_dbias_mode(dplan: "DbiasPlan", b: int, h: int, s_q: int) -> int:
+def hopper_dbias_mode(dplan: "DbiasPlan", b: int, h: int) -> int:
     """Params.dbias_mode for the Hopper backward: dbias_plan's bits, plus DBIAS_STORE where each
     element has one writer (single_writer) and DBIAS_SCHED_B where dbias sums over a batch > 1
     (the blocks adding into the same dbias tile then run at the same time: L2 hits, not a
     read of the float32 accumulator from DRAM per batch entry)."""
     mode = dplan.mode
-    if single_writer(dplan.shape, b, h, s_q):
+    if single_writer(dplan.shape, b, h):
         mode |= DBIAS_STORE
     if HOPPER_SCHED_B and dplan.shape[0] == 1 and b > 1 and dplan.shape[2] > 1:
         mode |= DBIAS_SCHED_B
     return mode
 
 
-def single_writer(bias_shape, b: int, h: int, s_q: int) -> bool:
+def single_writer(bias_shape, b: int, h: int) -> bool:
     """Each dbias element receives dS from exactly one (batch, head, query) (so the Hopper
     backward stores it, DBIAS_STORE): no broadcast dimension of the bias is summed over (a size-1
     dimension of the bias counts as summed unless the problem's extent there is 1 too), and the
@@ -571,7 +571,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
 
         if bias is not None:
             dplan = dbias_plan(bias.shape, b, h_k, bool(opts.deterministic))
-            hopper_mode = hopper_dbias_mode(dplan, b, h, s_q)
+            hopper_mode = hopper_dbias_mode(dplan, b, h)
             if dplan.mode >= 0:
                 n = dplan.slabs * int(np.prod(dplan.shape))
                 direct = (dplan.slabs == 1 and dbias.dtype == np.float32

@@ -47,7 +47,9 @@
 // keys start past their sequence's end before handing them on: the readers never see them.
 // Covered (the launcher routes the rest to bwd.cu): float16 / bfloat16, d = d_v in {64, 128},
 // causal / window (either alignment), GQA / MQA, any s_q, s_k, scale > 0, no softcap / ALiBi,
-// atomic (non-deterministic) dQ, TMA-compatible strides; dense or (VARLEN) packed sequences.
+// atomic (non-deterministic) dQ, TMA-compatible strides; dense or (VARLEN) packed sequences;
+// (BIAS) an additive bias with dbias, in the layouts _gpu_bwd_sm90.bias_unsupported accepts. A
+// boolean mask, deterministic dbias and other bias layouts run bwd.cu.
 #include "bwd.cu"
 #include "sm90.cuh"
 #include "wgmma.cuh"
@@ -638,6 +640,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             // ---- dbias (+)= dSᵀ transposed to [query, key] (after dV, dK: registers)
             if constexpr (BIAS != 0) {
                 if (p.dbias_accum) {
+                    // [s_q', s_k'] float32 plane of (batch, head) (0-stride dimensions summed)
                     float* db = p.dbias_accum + wt.batch * p.dbias_stride_b + head * p.dbias_stride_h;
                     if (p.dbias_mode & DBIAS_ROWS) {
                         // bias broadcast over queries: one sum per key over the step's queries

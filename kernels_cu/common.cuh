@@ -45,8 +45,8 @@ struct Params {
     float softcap_pre;      // scale / softcap (0 when off)
     float softcap_post;     // softcap * log2(e)
     float pad0;
-    // ---- bias / mask / varlen: read only by the GENERAL instantiations (flash_fwd, flash_bwd);
-    //      a null pointer turns its feature off ----
+    // ---- bias / mask / varlen: read by the GENERAL instantiations (flash_fwd, flash_bwd) and by
+    //      the Hopper kernels' BIAS / VARLEN variants; a null pointer turns its feature off ----
     const void* bias;       // [b', h', s_q', s_k'] broadcast to [b, h, s_q, s_k] (stride 0 where 1);
                             // elements: E's storage, or float32 when bias_f32
     const unsigned char* mask;   // [b', h', s_q', s_k'] likewise, 1 = attend
@@ -73,7 +73,7 @@ struct Params {
     i64 dk_stride_b, dk_stride_s, dk_stride_h;
     i64 dv_stride_b, dv_stride_s, dv_stride_h;
     i64 dq_accum_slab;      // elements of one dQ slab: b * h * s_q * d
-    int num_n_blocks;       // ceil(s_k / bn)
+    int num_n_blocks;       // ceil(s_k / bn); Hopper varlen backward: the longest sequence's key tiles
     int bn;                 // key rows per block of flash_bwd
     int deterministic;      // 1: each key tile stores its dQ part in its own slab; 0: float atomics
     float scale;            // scale in natural units (the dS multiplier)
@@ -81,10 +81,10 @@ struct Params {
     unsigned int* sched;    // [2] Hopper fwd / bwd work-tile counter, blocks finished: zero before and after
     // TMA descriptors built by the host (cupyflash/_tma.py); each is a 128-byte CUtensorMap over
     // a rank-4 view (d, s, heads, b) of q / k / v, read through the kernel parameter
-    // (__grid_constant__)
-    TmaDesc tma_q;          // q [b, s_q, h, d]: box [64 columns, BM rows]
-    TmaDesc tma_k;          // k [b, s_k, h_k, d]: box [64 columns, BN rows]
-    TmaDesc tma_v;          // v [b, s_k, h_k, d_v]: box [64 columns, BN rows]
+    // (__grid_constant__); a box row is 128 bytes: 64 columns of 16-bit elements, 32 of float32
+    TmaDesc tma_q;          // q [b, s_q, h, d]: box [64 (float32: 32) columns, BM rows]
+    TmaDesc tma_k;          // k [b, s_k, h_k, d]: box [64 (32) columns, BN rows]
+    TmaDesc tma_v;          // v [b, s_k, h_k, d_v]: box [64 (32) columns, BN rows]
     TmaDesc tma_do;         // dout [b, s_q, h, d_v] (backward): box [64 columns, BM rows]
 };
 #ifdef CUPYFLASH_PARAMS_NBYTES   // passed by cupyflash/_modules.py from the Python mirror

@@ -123,32 +123,31 @@ def test_dbias_plan(shape, b, h_k, det, mode, slabs):
         assert pl.strides == tuple(0 if n == 1 else s // 4 for n, s in zip(shape, want))
 
 
-@pytest.mark.parametrize("shape,b,h,s_q,want", [
-    ((2, 4, 10, 20), 2, 4, 10, True),       # full shape: one writer per element
-    ((1, 4, 10, 20), 1, 4, 10, True),       # batch 1: nothing summed
-    ((1, 4, 10, 20), 2, 4, 10, False),      # summed over batch
-    ((2, 1, 10, 20), 2, 4, 10, False),      # summed over heads (MQA / GQA or not)
-    ((2, 1, 10, 20), 2, 1, 10, True),       # one head
-    ((2, 4, 1, 20), 2, 4, 10, False),       # rows summed (DBIAS_ROWS)
-    ((2, 4, 1, 20), 2, 4, 1, False),        # one row: still the ROWS path (adds)
-    ((2, 4, 10, 1), 2, 4, 10, False),       # constant along keys: zero-filled
+@pytest.mark.parametrize("shape,b,h,want", [
+    ((2, 4, 10, 20), 2, 4, True),       # full shape: one writer per element
+    ((1, 4, 10, 20), 1, 4, True),       # batch 1: nothing summed
+    ((1, 4, 10, 20), 2, 4, False),      # summed over batch
+    ((2, 1, 10, 20), 2, 4, False),      # summed over heads (MQA / GQA or not)
+    ((2, 1, 10, 20), 2, 1, True),       # one head
+    ((2, 4, 1, 20), 2, 4, False),       # rows summed (DBIAS_ROWS)
+    ((2, 4, 10, 1), 2, 4, False),       # constant along keys: zero-filled
 ])
-def test_dbias_single_writer(shape, b, h, s_q, want):
+def test_dbias_single_writer(shape, b, h, want):
     """DBIAS_STORE (the Hopper backward stores instead of adding) only where no two (batch,
     head, query) share a dbias element."""
-    assert _gpu_bwd.single_writer(shape, b, h, s_q) is want
+    assert _gpu_bwd.single_writer(shape, b, h) is want
 
 
-@pytest.mark.parametrize("shape,b,h,s_q,want", [
-    ((1, 4, 10, 20), 3, 4, 10, 2 | 32),     # summed over batch: atomics, batch-fastest tiles
-    ((1, 4, 10, 20), 1, 4, 10, 16),         # batch 1: stores
-    ((2, 4, 10, 20), 2, 4, 10, 16),         # full shape: stores
-    ((1, 1, 1, 20), 3, 4, 10, 1 | 2),       # rows summed in the kernel: tiny dbias, no reorder
-    ((2, 1, 10, 20), 2, 4, 10, 2),          # summed over kv heads: atomics
+@pytest.mark.parametrize("shape,b,h,want", [
+    ((1, 4, 10, 20), 3, 4, 2 | 32),     # summed over batch: atomics, batch-fastest tiles
+    ((1, 4, 10, 20), 1, 4, 16),         # batch 1: stores
+    ((2, 4, 10, 20), 2, 4, 16),         # full shape: stores
+    ((1, 1, 1, 20), 3, 4, 1 | 2),       # rows summed in the kernel: tiny dbias, no reorder
+    ((2, 1, 10, 20), 2, 4, 2),          # summed over kv heads: atomics
 ])
-def test_hopper_dbias_mode(shape, b, h, s_q, want):
+def test_hopper_dbias_mode(shape, b, h, want):
     dplan = _gpu_bwd.dbias_plan(shape, b, 2, False)
-    assert _gpu_bwd.hopper_dbias_mode(dplan, b, h, s_q) == want
+    assert _gpu_bwd.hopper_dbias_mode(dplan, b, h) == want
 
 
 def test_varlen_backward_plan():
