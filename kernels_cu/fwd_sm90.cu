@@ -125,6 +125,118 @@ __device__ __forceinline__ float* lse_rows(const Params& p, const WorkTile& wt) 
     return p.lse + ((i64)wt.batch * p.h + wt.head) * p.s_q;                 // lse [b, h, s_q]
 }
 
+// ---- Per-row softmax state shared by the 16-bit and float32 Hopper forwards. A consumer lane
+//      holds rows row0 and row0 + 8 of its warpgroup's 64 (quad of 4 lanes per row) and, of each
+//      8 columns of the S [64, BN] and O [64, D] accumulators, columns col_in_8 and col_in_8 + 1:
+//      s_acc[i] / o_acc[i] is row row0 + 8·((i % 4) >= 2), column 8·(i / 4) + col_in_8 + (i % 2).
+
+// Online softmax of one key tile's scores (keys n0 .. n0 + BN), in place in s_acc [NS = BN / 2]:
+// masks (only tiles that cross the ragged end or a band edge: key j kept when j < s_k and
+// diag(i) − left <= j <= diag(i) + right), running max m, P = exp2(s·sl2 − shift), denominator l,
+// and alpha [2], the factors that rescale O and l (l here, O by rescale_o). sl2: score -> base-2
+// exponent factor (scale·log2 e; 1 where the scores are in base-2 units already).
+template <int NS, int BN, bool WINDOW>
+__device__ __forceinline__ void online_softmax(float* s_acc, float* m_run, float* l_run, float* alpha,
+                                               const Params& p, const WorkTile& wt, int n0, int row0,
+                                               int col_in_8, float sl2) {
+    // ---- masks
+    bool need_mask = n0 + BN > wt.s_k;
+    if (WINDOW)
+        need_mask |= n0 + BN - 1 > wt.m0 + wt.diag + p.window_right ||
+                     n0 < wt.m_last + wt.diag - p.window_left;
+    if (need_mask) {
+#pragma unroll
+        for (int i = 0; i < NS; ++i) {
+            const int j = n0 + (i / 4) * 8 + col_in_8 + (i % 2);
+            const int diag = row0 + ((i % 4) >= 2 ? 8 : 0) + wt.diag;
+            bool keep = j < wt.s_k;
+            if (WINDOW) keep = keep && j <= diag + p.window_right && j >= diag - p.window_left;
+            if (!keep) s_acc[i] = -CF_INF;
+        }
+    }
+    // ---- running max m (rows row0, row0 + 8: quad of 4 lanes per row)
+    float m_new[2] = {m_run[0], m_run[1]};
+#pragma unroll
+    for (int i = 0; i < NS; i += 4) {
+        m_new[0] = fmaxf(m_new[0], fmaxf(s_acc[i], s_acc[i + 1]));
+        m_new[1] = fmaxf(m_new[1], fmaxf(s_acc[i + 2], s_acc[i + 3]));
+    }
+    float shift[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        m_new[r] = quad_max(m_new[r]);
+        // exponent shift m·scale·log2e; 0 while the row has seen no key (no inf - inf)
+        shift[r] = m_new[r] == -CF_INF ? 0.f : m_new[r] * sl2;
+        alpha[r] = fast_exp2(m_run[r] * sl2 - shift[r]);   // O, l rescale; 0 on the first key
+        m_run[r] = m_new[r];
+        l_run[r] *= alpha[r];
+    }
+    // ---- P = exp2(s·scale·log2e − shift) in place, denominator l
+#pragma unroll
+    for (int i = 0; i < NS; i += 4) {
+        s_acc[i] = fast_exp2(s_acc[i] * sl2 - shift[0]);
+        s_acc[i + 1] = fast_exp2(s_acc[i + 1] * sl2 - shift[0]);
+        s_acc[i + 2] = fast_exp2(s_acc[i + 2] * sl2 - shift[1]);
+        s_acc[i + 3] = fast_exp2(s_acc[i + 3] * sl2 - shift[1]);
+        l_run[0] += s_acc[i] + s_acc[i + 1];
+        l_run[1] += s_acc[i + 2] + s_acc[i + 3];
+    }
+}
+
+// O [64, D] rescale by alpha (rows row0, row0 + 8), once the previous O += P V has completed
+template <int NO>
+__device__ __forceinline__ void rescale_o(float* o_acc, const float* alpha) {
+#pragma unroll
+    for (int i = 0; i < NO; i += 4) {
+        o_acc[i] *= alpha[0];
+        o_acc[i + 1] *= alpha[0];
+        o_acc[i + 2] *= alpha[1];
+        o_acc[i + 3] *= alpha[1];
+    }
+}
+
+// A work tile's first key tile: fresh O, running max m and denominator l
+template <int NO>
+__device__ __forceinline__ void reset_rows(float* o_acc, float* m_run, float* l_run) {
+#pragma unroll
+    for (int i = 0; i < NO; ++i) o_acc[i] = 0.f;
+    m_run[0] = m_run[1] = -CF_INF;
+    l_run[0] = l_run[1] = 0.f;
+}
+
+// Final O / l and lse = (m·scale·log2e + log2 l)·ln 2 of the work tile's rows row0, row0 + 8
+// (rows past s_q are not stored; a row that saw no key: out = 0, lse = −inf); out in E's storage
+// (16-bit pairs, or float32)
+template <typename E, int NO, bool VARLEN>
+__device__ __forceinline__ void store_rows(const Params& p, const WorkTile& wt, const float* o_acc,
+                                           const float* m_run, const float* l_run, float sl2,
+                                           int row0, int col_in_8, bool lse_lane) {
+    typedef typename Elem<E>::storage S;
+    float* lse_bh = lse_rows<VARLEN>(p, wt);        // [s_q]
+    S* o_bh = out_rows<S>(p, wt);                   // [s_q, d_v]
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float l = quad_sum(l_run[r]);
+        const int row = row0 + 8 * r;
+        const float inv_l = l > 0.f ? 1.f / l : 0.f;
+        if (row < wt.s_q) {
+            S* o_row = o_bh + row * p.o_stride_s;
+#pragma unroll
+            for (int i = 0; i < NO; i += 4) {
+                const int col = (i / 4) * 8 + col_in_8;
+                if constexpr (Elem<E>::is16) {
+                    *(u32*)(o_row + col) = pack2<E>(o_acc[i + 2 * r] * inv_l, o_acc[i + 2 * r + 1] * inv_l);
+                } else {
+                    o_row[col] = o_acc[i + 2 * r] * inv_l;
+                    o_row[col + 1] = o_acc[i + 2 * r + 1] * inv_l;
+                }
+            }
+            if (lse_lane)
+                lse_bh[row] = l > 0.f ? (m_run[r] * sl2 + log2f(l)) * CF_LN2 : -CF_INF;
+        }
+    }
+}
+
 // Persistent kernel: gridDim.x blocks (at most one per SM) take work tiles from a global counter
 // (p.sched[0], in the order w = 0, 1, ...: blocks running at the same time work on neighbouring
 // tiles, which share K/V in L2, and a block that drew cheap causal tiles simply draws more); the
@@ -374,93 +486,26 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                 s_acc[i + 1] = q1 + b1 * CF_LOG2E;
             }
         }
-        // ---- masks (only tiles that cross the ragged end or a band edge): key j kept when
-        //      j < s_k and diag(i) - left <= j <= diag(i) + right
-        bool need_mask = n0 + BN > wt.s_k;
-        if (WINDOW)
-            need_mask |= n0 + BN - 1 > wt.m0 + wt.diag + p.window_right ||
-                         n0 < wt.m_last + wt.diag - p.window_left;
-        if (need_mask) {
-#pragma unroll
-            for (int i = 0; i < NS; ++i) {
-                const int j = n0 + (i / 4) * 8 + col_in_8 + (i % 2);
-                const int diag = row0 + ((i % 4) >= 2 ? 8 : 0) + wt.diag;
-                bool keep = j < wt.s_k;
-                if (WINDOW) keep = keep && j <= diag + p.window_right && j >= diag - p.window_left;
-                if (!keep) s_acc[i] = -CF_INF;
-            }
-        }
-        // ---- running max m (rows row0, row0 + 8: quad of 4 lanes per row)
-        float m_new[2] = {m_run[0], m_run[1]};
-#pragma unroll
-        for (int i = 0; i < NS; i += 4) {
-            m_new[0] = fmaxf(m_new[0], fmaxf(s_acc[i], s_acc[i + 1]));
-            m_new[1] = fmaxf(m_new[1], fmaxf(s_acc[i + 2], s_acc[i + 3]));
-        }
-        float shift[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            m_new[r] = quad_max(m_new[r]);
-            // exponent shift m·scale·log2e; 0 while the row has seen no key (no inf - inf)
-            shift[r] = m_new[r] == -CF_INF ? 0.f : m_new[r] * sl2;
-            alpha[r] = fast_exp2(m_run[r] * sl2 - shift[r]);   // O, l rescale; 0 on the first key
-            m_run[r] = m_new[r];
-            l_run[r] *= alpha[r];
-        }
-        // ---- P = exp2(s·scale·log2e − shift) in place, denominator l
-#pragma unroll
-        for (int i = 0; i < NS; i += 4) {
-            s_acc[i] = fast_exp2(s_acc[i] * sl2 - shift[0]);
-            s_acc[i + 1] = fast_exp2(s_acc[i + 1] * sl2 - shift[0]);
-            s_acc[i + 2] = fast_exp2(s_acc[i + 2] * sl2 - shift[1]);
-            s_acc[i + 3] = fast_exp2(s_acc[i + 3] * sl2 - shift[1]);
-            l_run[0] += s_acc[i] + s_acc[i + 1];
-            l_run[1] += s_acc[i + 2] + s_acc[i + 3];
-        }
+        // ---- masks, running max m, P = exp2(s·sl2 − shift), denominator l, alpha
+        online_softmax<NS, BN, WINDOW>(s_acc, m_run, l_run, alpha, p, wt, n0, row0, col_in_8, sl2);
     };
     // O rescale by alpha and P packed to the 16-bit A fragments of the next O += P V (the
     // previous product, which read O and the old P, has completed)
     auto pack_p = [&]() {
-#pragma unroll
-        for (int i = 0; i < NO; i += 4) {
-            o_acc[i] *= alpha[0];
-            o_acc[i + 1] *= alpha[0];
-            o_acc[i + 2] *= alpha[1];
-            o_acc[i + 3] *= alpha[1];
-        }
+        rescale_o<NO>(o_acc, alpha);
 #pragma unroll
         for (int i = 0; i < NS; i += 2) p_frag[i / 2] = pack2<E>(s_acc[i], s_acc[i + 1]);
     };
     // The first key tile of work tile wt, whose S has completed: fresh O, m, l, then its softmax
     auto start_tile = [&]() {
-#pragma unroll
-        for (int i = 0; i < NO; ++i) o_acc[i] = 0.f;
-        m_run[0] = m_run[1] = -CF_INF;
-        l_run[0] = l_run[1] = 0.f;
+        reset_rows<NO>(o_acc, m_run, l_run);
         softmax_scores(key0(0));
         pack_p();
     };
-    // ---- final O / l and lse = (m·scale·log2e + log2 l)·ln 2 of work tile wt; rows past s_q
-    //      are not stored
+    // ---- final O / l and lse of work tile wt (rows past s_q are not stored)
     auto store_tile = [&]() {
-        float* lse_bh = lse_rows<VARLEN>(p, wt);        // [s_q]
-        S* o_bh = out_rows<S>(p, wt);                   // [s_q, d_v]
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float l = quad_sum(l_run[r]);
-            const int row = wt.m0 + cw * WG_ROWS + row_in_wg + 8 * r;
-            const float inv_l = l > 0.f ? 1.f / l : 0.f;   // a row that saw no key: out = 0
-            if (row < wt.s_q) {
-                S* o_row = o_bh + row * p.o_stride_s;
-#pragma unroll
-                for (int i = 0; i < NO; i += 4) {
-                    const int col = (i / 4) * 8 + col_in_8;
-                    *(u32*)(o_row + col) = pack2<E>(o_acc[i + 2 * r] * inv_l, o_acc[i + 2 * r + 1] * inv_l);
-                }
-                if (t % 4 == 0)
-                    lse_bh[row] = l > 0.f ? (m_run[r] * sl2 + log2f(l)) * CF_LN2 : -CF_INF;
-            }
-        }
+        store_rows<E, NO, VARLEN>(p, wt, o_acc, m_run, l_run, sl2, wt.m0 + cw * WG_ROWS + row_in_wg,
+                                  col_in_8, t % 4 == 0);
     };
     // A turn with the S of the current tile's first key tile alone (no O += P V in flight)
     auto first_turn = [&]() {

@@ -11,8 +11,10 @@
 // used as TMA stores them; here every K, V and Q tile must be rewritten in shared memory before
 // wgmma can read it (TF32 parts; V transposed, because wgmma .tf32 takes no transposed operand),
 // which adds a converter role with its own barriers, a different shared-memory layout and three
-// products per k-step. The scheduler, the work tiles, the masks and the online softmax are
-// fwd_sm90.cu's (included below) and are reused as they are.
+// products per k-step. The scheduler, the work tiles and the per-row softmax state (masks and
+// online softmax: online_softmax; O rescale, reset, final O / l and lse: rescale_o, reset_rows,
+// store_rows) are fwd_sm90.cu's (included below). The consumers' turn-taking loop (first_turn,
+// last_turn, the pingpong loop) is written out again here: its products and hand-offs differ.
 //
 // Persistent blocks of 128·(NC + 1) threads (one per SM) walk the work tiles (BM = 64·NC query
 // rows of one head of one batch):
@@ -478,52 +480,10 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
 
     // Online softmax on the scores of one key tile (keys n0 ..), in place in s_acc: masks,
     // running max m, P = exp2(s·scale·log2e − shift), denominator l, and the factors alpha that
-    // rescale O (applied by pack_p, once the previous O += P V has completed).
+    // rescale O (applied by pack_p, once the previous O += P V has completed): fwd_sm90.cu's
     auto softmax_scores = [&](int n0) {
-        const int row0 = wt.m0 + cw * WG_ROWS + row_in_wg;   // this lane's rows: row0, row0 + 8
-        // ---- masks (only tiles that cross the ragged end or a band edge): key j kept when
-        //      j < s_k and diag(i) - left <= j <= diag(i) + right
-        bool need_mask = n0 + BN > wt.s_k;
-        if (WINDOW)
-            need_mask |= n0 + BN - 1 > wt.m0 + wt.diag + p.window_right ||
-                         n0 < wt.m_last + wt.diag - p.window_left;
-        if (need_mask) {
-#pragma unroll
-            for (int i = 0; i < NS; ++i) {
-                const int j = n0 + (i / 4) * 8 + col_in_8 + (i % 2);
-                const int diag = row0 + ((i % 4) >= 2 ? 8 : 0) + wt.diag;
-                bool keep = j < wt.s_k;
-                if (WINDOW) keep = keep && j <= diag + p.window_right && j >= diag - p.window_left;
-                if (!keep) s_acc[i] = -CF_INF;
-            }
-        }
-        // ---- running max m (rows row0, row0 + 8: quad of 4 lanes per row)
-        float m_new[2] = {m_run[0], m_run[1]};
-#pragma unroll
-        for (int i = 0; i < NS; i += 4) {
-            m_new[0] = fmaxf(m_new[0], fmaxf(s_acc[i], s_acc[i + 1]));
-            m_new[1] = fmaxf(m_new[1], fmaxf(s_acc[i + 2], s_acc[i + 3]));
-        }
-        float shift[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            m_new[r] = quad_max(m_new[r]);
-            // exponent shift m·scale·log2e; 0 while the row has seen no key (no inf - inf)
-            shift[r] = m_new[r] == -CF_INF ? 0.f : m_new[r] * sl2;
-            alpha[r] = fast_exp2(m_run[r] * sl2 - shift[r]);   // O, l rescale; 0 on the first key
-            m_run[r] = m_new[r];
-            l_run[r] *= alpha[r];
-        }
-        // ---- P = exp2(s·scale·log2e − shift) in place, denominator l
-#pragma unroll
-        for (int i = 0; i < NS; i += 4) {
-            s_acc[i] = fast_exp2(s_acc[i] * sl2 - shift[0]);
-            s_acc[i + 1] = fast_exp2(s_acc[i + 1] * sl2 - shift[0]);
-            s_acc[i + 2] = fast_exp2(s_acc[i + 2] * sl2 - shift[1]);
-            s_acc[i + 3] = fast_exp2(s_acc[i + 3] * sl2 - shift[1]);
-            l_run[0] += s_acc[i] + s_acc[i + 1];
-            l_run[1] += s_acc[i + 2] + s_acc[i + 3];
-        }
+        online_softmax<NS, BN, WINDOW>(s_acc, m_run, l_run, alpha, p, wt, n0,
+                                       wt.m0 + cw * WG_ROWS + row_in_wg, col_in_8, sl2);
     };
     // O rescale by alpha, and P split into the TF32 A fragments of the next O += P V (the
     // previous product, which read O and the old P, has completed). Accumulator registers
@@ -531,13 +491,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     // fragment slots c and c + 4 of the step are keys 2c and 2c + 1 (Vᵀ is stored to match), so
     // a = {P(r, 2c), P(r + 8, 2c), P(r, 2c + 1), P(r + 8, 2c + 1)}.
     auto pack_p = [&]() {
-#pragma unroll
-        for (int i = 0; i < NO; i += 4) {
-            o_acc[i] *= alpha[0];
-            o_acc[i + 1] *= alpha[0];
-            o_acc[i + 2] *= alpha[1];
-            o_acc[i + 3] *= alpha[1];
-        }
+        rescale_o<NO>(o_acc, alpha);
 #pragma unroll
         for (int kk = 0; kk < BN / 8; ++kk) {
             const float a[4] = {s_acc[4 * kk], s_acc[4 * kk + 2], s_acc[4 * kk + 1], s_acc[4 * kk + 3]};
@@ -550,35 +504,14 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     };
     // The first key tile of work tile wt, whose S has completed: fresh O, m, l, then its softmax
     auto start_tile = [&]() {
-#pragma unroll
-        for (int i = 0; i < NO; ++i) o_acc[i] = 0.f;
-        m_run[0] = m_run[1] = -CF_INF;
-        l_run[0] = l_run[1] = 0.f;
+        reset_rows<NO>(o_acc, m_run, l_run);
         softmax_scores(key0(0));
         pack_p();
     };
-    // ---- final O / l and lse = (m·scale·log2e + log2 l)·ln 2 of work tile wt; rows past s_q
-    //      are not stored
+    // ---- final O / l and lse of work tile wt (rows past s_q are not stored): float32 out
     auto store_tile = [&]() {
-        float* lse_bh = lse_rows<false>(p, wt);         // [s_q]
-        float* o_bh = out_rows<float>(p, wt);           // [s_q, d_v]
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float l = quad_sum(l_run[r]);
-            const int row = wt.m0 + cw * WG_ROWS + row_in_wg + 8 * r;
-            const float inv_l = l > 0.f ? 1.f / l : 0.f;   // a row that saw no key: out = 0
-            if (row < wt.s_q) {
-                float* o_row = o_bh + row * p.o_stride_s;
-#pragma unroll
-                for (int i = 0; i < NO; i += 4) {
-                    const int col = (i / 4) * 8 + col_in_8;
-                    o_row[col] = o_acc[i + 2 * r] * inv_l;
-                    o_row[col + 1] = o_acc[i + 2 * r + 1] * inv_l;
-                }
-                if (t % 4 == 0)
-                    lse_bh[row] = l > 0.f ? (m_run[r] * sl2 + log2f(l)) * CF_LN2 : -CF_INF;
-            }
-        }
+        store_rows<E, NO, false>(p, wt, o_acc, m_run, l_run, sl2, wt.m0 + cw * WG_ROWS + row_in_wg,
+                                 col_in_8, t % 4 == 0);
     };
     // Turn-taking on the tensor cores (NC = 2: named barrier TURN_BAR + c is consumer c's turn;
     // one consumer alone needs none)
