@@ -143,20 +143,7 @@ __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
         wt.kv_head = (w / num_n) % p.h_k;
         wt.batch = w / num_n / p.h_k;
     }
-    if constexpr (VARLEN) {
-        wt.q_row = p.cu_seqlens_q[wt.batch];
-        wt.k_row = p.cu_seqlens_k[wt.batch];
-        wt.s_q = p.cu_seqlens_q[wt.batch + 1] - wt.q_row;
-        wt.s_k = p.cu_seqlens_k[wt.batch + 1] - wt.k_row;
-        wt.diag = p.varlen_bottom_right ? wt.s_k - wt.s_q : 0;
-        wt.tma_b = 0;
-    } else {
-        wt.q_row = wt.k_row = 0;
-        wt.s_q = p.s_q;
-        wt.s_k = p.s_k;
-        wt.diag = p.diag_offset;
-        wt.tma_b = wt.batch;
-    }
+    set_sequence<VARLEN>(p, wt);
     wt.keys = !VARLEN || wt.n0 < wt.s_k;   // dense tiles always have keys
     query_tile_range<WINDOW>(p, wt.s_q, wt.s_k, wt.diag, wt.n0, &wt.m_first, &wt.m_count);
     wt.steps = wt.keys ? wt.m_count * p.h_per_hk : 0;

@@ -86,20 +86,7 @@ __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
     wt.head = (w / p.num_m_blocks) % p.h;
     wt.batch = w / (p.num_m_blocks * p.h);
     wt.kv_head = wt.head / p.h_per_hk;                       // GQA / MQA
-    if constexpr (VARLEN) {
-        wt.q_row = p.cu_seqlens_q[wt.batch];
-        wt.k_row = p.cu_seqlens_k[wt.batch];
-        wt.s_q = p.cu_seqlens_q[wt.batch + 1] - wt.q_row;
-        wt.s_k = p.cu_seqlens_k[wt.batch + 1] - wt.k_row;
-        wt.diag = p.varlen_bottom_right ? wt.s_k - wt.s_q : 0;
-        wt.tma_b = 0;
-    } else {
-        wt.q_row = wt.k_row = 0;
-        wt.s_q = p.s_q;
-        wt.s_k = p.s_k;
-        wt.diag = p.diag_offset;
-        wt.tma_b = wt.batch;
-    }
+    set_sequence<VARLEN>(p, wt);
     wt.m0 = m_block * BM;
     wt.rows = wt.m0 < wt.s_q;
     wt.m_last = min(wt.m0 + BM, wt.s_q) - 1;

@@ -115,3 +115,26 @@ template <int R> __device__ __forceinline__ void regs_acquire() {
 __device__ __forceinline__ float tanh_fast(float x) {
     return 1.f - __fdividef(2.f, fast_exp2(x * (2.f * CF_LOG2E)) + 1.f);
 }
+
+// The sequence a work tile of the forward or backward reads (both WorkTile types name these
+// fields alike): lengths s_q, s_k, diagonal offset diag (row i's diagonal key is i + diag), first
+// packed rows q_row / k_row and the tensor maps' batch coordinate tma_b. Dense: the batch entry
+// wt.batch of [b, s, h, d] tensors. VARLEN: packed sequence z = wt.batch, rows cu_seqlens[z] ..
+// cu_seqlens[z + 1] of the [1, total, h, d] tensors, causal / window aligned per sequence.
+template <bool VARLEN, typename WT>
+__device__ __forceinline__ void set_sequence(const Params& p, WT& wt) {
+    if constexpr (VARLEN) {
+        wt.q_row = p.cu_seqlens_q[wt.batch];
+        wt.k_row = p.cu_seqlens_k[wt.batch];
+        wt.s_q = p.cu_seqlens_q[wt.batch + 1] - wt.q_row;
+        wt.s_k = p.cu_seqlens_k[wt.batch + 1] - wt.k_row;
+        wt.diag = p.varlen_bottom_right ? wt.s_k - wt.s_q : 0;
+        wt.tma_b = 0;
+    } else {
+        wt.q_row = wt.k_row = 0;
+        wt.s_q = p.s_q;
+        wt.s_k = p.s_k;
+        wt.diag = p.diag_offset;
+        wt.tma_b = wt.batch;
+    }
+}
