@@ -45,19 +45,25 @@ def test_every_variant_compiles_without_spills(reports):
     assert not bad, "\n".join(bad)
 
 
-def test_no_ptxas_warnings():
-    """ptxas warns when wgmma products get serialized or setmaxnreg is ignored: fail on any."""
-    v = _plan.Sm90Variant("bf16_t", 128, 128, 2, True, True)
-    src, opts, names = _modules.program([v])
-    prog = nvrtc.createProgram(src, "fwd_sm90.cu", [], [])
+def _ptxas_warnings(parts, filename):
+    """ptxas warning lines of one NVRTC program (source, options, name expressions) for sm_90a."""
+    src, opts, names = parts
+    prog = nvrtc.createProgram(src, filename, [], [])
     try:
-        nvrtc.addNameExpression(prog, names[0])
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
         nvrtc.compileProgram(prog, [o for o in opts if not o.startswith("-arch")]
                              + ["-arch=sm_90a", "--ptxas-options=-v"])
         log = nvrtc.getProgramLog(prog).replace("\0", "")
     finally:
         nvrtc.destroyProgram(prog)
-    warnings = [ln for ln in log.splitlines() if "warning" in ln.lower()]
+    return [ln for ln in log.splitlines() if "warning" in ln.lower()]
+
+
+def test_no_ptxas_warnings():
+    """ptxas warns when wgmma products get serialized or setmaxnreg is ignored: fail on any."""
+    v = _plan.Sm90Variant("bf16_t", 128, 128, 2, True, True)
+    warnings = _ptxas_warnings(_modules.program([v]), "fwd_sm90.cu")
     assert not warnings, "\n".join(warnings)
 
 
@@ -74,17 +80,7 @@ def test_float32_variants_compile_without_spills():
     assert {v.name_expression for v in vs} <= set(res)
     bad = [f"{v.name}: {res[v.name_expression]}" for v in vs if res[v.name_expression][1] > 0]
     assert not bad, "\n".join(bad)
-    src, opts, names = _modules.program(vs)
-    prog = nvrtc.createProgram(src, "fwd_sm90_f32.cu", [], [])
-    try:
-        for n in names:
-            nvrtc.addNameExpression(prog, n)
-        nvrtc.compileProgram(prog, [o for o in opts if not o.startswith("-arch")]
-                             + ["-arch=sm_90a", "--ptxas-options=-v"])
-        log = nvrtc.getProgramLog(prog).replace("\0", "")
-    finally:
-        nvrtc.destroyProgram(prog)
-    warnings = [ln for ln in log.splitlines() if "warning" in ln.lower()]
+    warnings = _ptxas_warnings(_modules.program(vs), "fwd_sm90_f32.cu")
     assert not warnings, "\n".join(warnings)
 
 
@@ -109,17 +105,8 @@ def _bwd_spill_budget(v):
     return 64 if v.bias and v.d == 128 else 0
 
 
-def test_backward_bias_variants_no_ptxas_warnings():
-    """No wgmma serialization (or other) ptxas warning in the BIAS backward variants."""
-    for v in [x for x in _gpu_bwd_sm90.variants() if x.bias and x.elem == "bf16_t"]:
-        src, opts, names = _gpu_bwd_sm90.program([v])
-        prog = nvrtc.createProgram(src, "bwd_sm90.cu", [], [])
-        try:
-            nvrtc.addNameExpression(prog, names[0])
-            nvrtc.compileProgram(prog, [o for o in opts if not o.startswith("-arch")]
-                                 + ["-arch=sm_90a", "--ptxas-options=-v"])
-            log = nvrtc.getProgramLog(prog).replace("\0", "")
-        finally:
-            nvrtc.destroyProgram(prog)
-        warnings = [ln for ln in log.splitlines() if "warning" in ln.lower()]
+def test_backward_bias_and_varlen_variants_no_ptxas_warnings():
+    """No wgmma serialization (or other) ptxas warning in the BIAS and VARLEN backward variants."""
+    for v in [x for x in _gpu_bwd_sm90.variants() if (x.bias or x.varlen) and x.elem == "bf16_t"]:
+        warnings = _ptxas_warnings(_gpu_bwd_sm90.program([v]), "bwd_sm90.cu")
         assert not warnings, v.name + ": " + "\n".join(warnings)
