@@ -332,6 +332,16 @@ def test_backward_varlen_tiles_cover_the_band_once(lens, mode):
                 key = (z, head, int(m0 + i), int(n0 + j))
                 seen[key] = seen.get(key, 0) + 1
     assert all(c == 1 for c in seen.values()), "a pair is visited twice"
+    # the model above is the kernel's own mask and tile expressions (kept in step with them)
+    src = (ROOT / "kernels_cu" / "bwd_sm90.cu").read_text()
+    for expr in ("bool need_mask = VARLEN ? nk < BN : n0 + BN > p.s_k;",
+                 "need_mask |= VARLEN ? nrel + BN - 1 > m0 + p.window_right || nrel < m0 + BM - 1 - p.window_left",
+                 "const int kt = key - n0, rel = nrel + kt - m0 - col;",
+                 "keep = kt < nk;",
+                 "if (WINDOW) keep = keep && rel <= p.window_right && rel >= -p.window_left;",
+                 "seq_smem[0] = wt.s_k - n0;", "seq_smem[1] = n0 - wt.diag;",
+                 "} while (VARLEN && w < num_work && !wt.keys);"):
+        assert expr in src, expr
     want = set()
     for z in range(len(lens_q)):
         s_q, s_k = lens_q[z], lens_k[z]
