@@ -10,7 +10,6 @@ CUDA events around each whole call, median of the repeats.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,21 +19,7 @@ import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_bias_varlen import D, H, _lengths, _rnd  # noqa: E402
-from cupyflash import _checks, _gpu, _gpu_bwd  # noqa: E402
-
-
-def _ms(fn, warmup, reps):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(a, b))
-    return statistics.median(ts)
+from cupyflash import _bench, _checks, _gpu, _gpu_bwd  # noqa: E402
 
 
 def varlen_ms(lens, causal, kernel, warmup, reps):
@@ -47,7 +32,7 @@ def varlen_ms(lens, causal, kernel, warmup, reps):
     g = [cp.empty_like(x) for x in (q, k, v)]
     fn = lambda: _gpu_bwd.backward_varlen(dout, q, k, v, out, lse, cu, cu, longest, longest,  # noqa: E731
                                           *g, opts, kernel=kernel)
-    return _ms(fn, warmup, reps), fn()
+    return _bench.time_ms(fn, warmup, reps), fn()
 
 
 def dense_ms(b, s, causal, warmup, reps):
@@ -57,7 +42,7 @@ def dense_ms(b, s, causal, warmup, reps):
     _gpu.forward(q, k, v, out, lse, opts)
     g = [cp.empty_like(x) for x in (q, k, v)]
     fn = lambda: _gpu_bwd.backward(dout, q, k, v, out, lse, *g, opts)  # noqa: E731
-    return _ms(fn, warmup, reps), fn()
+    return _bench.time_ms(fn, warmup, reps), fn()
 
 
 def main(argv=None):

@@ -9,7 +9,6 @@ then wrong; timing only): dbias_accum = 0 (no dbias writes: bias reads only), DB
     python benchmarks/probe_bias_bwd.py [--seqlens 1024,4096]
 """
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,22 +18,9 @@ import cupy as cp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cupyflash import _checks, _gpu, _gpu_bwd, _gpu_bwd_sm90 as h90  # noqa: E402
+from cupyflash import _bench, _checks, _gpu, _gpu_bwd, _gpu_bwd_sm90 as h90  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def _t(fn, reps=5):
-    fn()
-    ts = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(a, b))
-    return statistics.median(ts)
 
 
 def main():
@@ -58,7 +44,7 @@ def main():
             dbias = cp.empty(bias.shape, BF16) if kw else None
             call = lambda: _gpu_bwd.backward(do, q, k, v, out, lse, *g, opts, dbias=dbias)  # noqa: E731
             name = call()
-            res[tag] = (_t(call), name)
+            res[tag] = (_bench.time_ms(call, 1, 5), name)
             if not kw:
                 continue
             for ptag, fix in (("no_dbias_writes", lambda p: p.__setitem__("dbias_accum", 0)),
@@ -71,7 +57,7 @@ def main():
                     return orig(variant, prm, *args, **kws)
                 h90.launch = patched
                 try:
-                    res[ptag] = (_t(call), call())
+                    res[ptag] = (_bench.time_ms(call, 1, 5), call())
                 finally:
                     h90.launch = orig
         fl = 2.5 * 4.0 * b * H * s * s * D
