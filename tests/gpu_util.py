@@ -54,3 +54,66 @@ def keep_mask(s_q, s_k, wl, wr, bottom_right):
     if wr >= 0:
         keep &= j <= diag[:, None] + wr
     return keep, diag
+
+
+def naive_attention(q, k, v, do, dtype, scale, keep, bias=None, softcap=0.0, slopes=None, diag=None,
+                    bias_dtype=None):
+    """Attention and its gradients computed the naive way in ``dtype`` (design.md §4's
+    comparison), like PyTorch's same-dtype math: each matmul takes dtype operands, accumulates in
+    float32 and rounds its result to dtype (what cuBLAS does for float16 / bfloat16; CuPy's
+    batched matmul has no bfloat16 kernel, so the float32 matmul of the dtype values is rounded
+    here); softmax in float32; P and dS rounded to dtype before their products; GQA group sums
+    in float32.
+
+    q [b, s_q, h, d], k [b, s_k, h_k, d], v [b, s_k, h_k, d_v], do [b, s_q, h, d_v] (None:
+    forward only) CuPy float arrays; keep bool broadcastable to [b, h, s_q, s_k]; bias float32
+    4-D or None; slopes (ALiBi) [b or 1, h] with diag [s_q] (each row's diagonal key).
+    Returns (out, lse) without do, else (out, lse, dq, dk, dv, dbias); dbias in the bias's 4-D
+    shape and bias_dtype (None without a bias)."""
+    f32 = cp.float32
+    rnd = lambda x: x.astype(dtype).astype(f32)  # noqa: E731
+    mm = lambda a, b: rnd(cp.matmul(a, b))       # noqa: E731
+    h, h_k = q.shape[2], k.shape[2]
+    grp = h // h_k
+    idx = cp.asarray(np.arange(h) // grp)
+    qt = q.transpose(0, 2, 1, 3).astype(f32)
+    kt = k.transpose(0, 2, 1, 3)[:, idx].astype(f32)
+    vt = v.transpose(0, 2, 1, 3)[:, idx].astype(f32)
+    raw = mm(qt, kt.swapaxes(-1, -2)) * scale
+    s = softcap * cp.tanh(raw / softcap) if softcap else raw
+    if bias is not None:
+        s = s + bias
+    if slopes is not None:
+        j = cp.arange(s.shape[-1])[None, :]
+        s = s - slopes[:, :, None, None] * cp.abs(cp.asarray(diag)[:, None] - j)
+    s = cp.where(cp.asarray(keep), s, -cp.inf)
+    m = s.max(-1, keepdims=True)
+    m = cp.where(cp.isfinite(m), m, 0)
+    e = cp.exp(s - m)
+    l = e.sum(-1, keepdims=True)
+    lse = cp.where(l[..., 0] > 0, cp.log(l[..., 0]) + m[..., 0], -cp.inf)
+    p = cp.where(l > 0, e / cp.where(l > 0, l, 1), 0)
+    p16 = rnd(p)
+    o = mm(p16, vt)
+    if do is None:
+        return o.astype(dtype).transpose(0, 2, 1, 3), lse
+    dot = do.transpose(0, 2, 1, 3).astype(f32)
+    dv = cp.matmul(p16.swapaxes(-1, -2), dot)
+    dp = mm(dot, vt.swapaxes(-1, -2))
+    ds = p * (dp - (dot * o).sum(-1, keepdims=True))
+    dbias = None
+    if bias is not None:
+        red = tuple(a for a in range(4) if bias.shape[a] == 1 and ds.shape[a] != 1)
+        dbias = ds.sum(axis=red, keepdims=True) if red else ds
+        dbias = dbias.astype(bias_dtype).astype(f32)
+    if softcap:
+        th = cp.tanh(raw / softcap)
+        ds = ds * (1 - th * th)
+    ds = rnd(ds)
+    dq = rnd(cp.matmul(ds, kt) * scale)
+    dk = cp.matmul(ds.swapaxes(-1, -2), qt) * scale
+    b_, _, s_k, d = dk.shape
+    dk = rnd(dk.reshape(b_, h_k, grp, s_k, d).sum(2))
+    dv = rnd(dv.reshape(b_, h_k, grp, s_k, -1).sum(2))
+    return (o.astype(dtype).transpose(0, 2, 1, 3), lse, dq.transpose(0, 2, 1, 3),
+            dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3), dbias)

@@ -30,55 +30,16 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from gpu_util import DTYPES, FLOOR, alloc, cp, keep_mask  # noqa: E402  (skips without CuPy)
+from gpu_util import DTYPES, FLOOR, alloc, cp, keep_mask, naive_attention  # noqa: E402
 
 from cupyflash import reference  # noqa: E402
 from cupyflash._options import Options  # noqa: E402
 
 
 def _naive_bwd(q, k, v, do, dtype, scale, keep, softcap, alibi, diag):
-    """The materialized backward in `dtype` (see the module docstring); CuPy float32 math on
-    dtype-rounded values, since CuPy's matmul has no bfloat16 kernel."""
-    f32 = cp.float32
-    rnd = lambda x: x.astype(dtype).astype(f32)  # noqa: E731
-    mm = lambda a, b: rnd(cp.matmul(a, b))       # noqa: E731
-    h, h_k = q.shape[2], k.shape[2]
-    grp = h // h_k
-    idx = cp.asarray(np.arange(h) // grp)
-    qt = q.transpose(0, 2, 1, 3).astype(f32)            # [b, h, s_q, d]
-    kt = k.transpose(0, 2, 1, 3)[:, idx].astype(f32)    # [b, h, s_k, d]
-    vt = v.transpose(0, 2, 1, 3)[:, idx].astype(f32)    # [b, h, s_k, d_v]
-    dot = do.transpose(0, 2, 1, 3).astype(f32)          # [b, h, s_q, d_v]
-    raw = mm(qt, kt.swapaxes(-1, -2)) * scale
-    s = raw
-    if softcap:
-        s = softcap * cp.tanh(raw / softcap)
-    if alibi is not None:
-        j = cp.arange(s.shape[-1])[None, :]
-        s = s - alibi[:, :, None, None] * cp.abs(cp.asarray(diag)[:, None] - j)
-    keep = cp.asarray(keep)
-    s = cp.where(keep, s, -cp.inf)
-    m = s.max(-1, keepdims=True)
-    m = cp.where(cp.isfinite(m), m, 0)
-    p = cp.exp(s - m)
-    l = p.sum(-1, keepdims=True)
-    p = cp.where(l > 0, p / cp.where(l > 0, l, 1), 0)
-    p16 = rnd(p)
-    o = mm(p16, vt)
-    dv = cp.matmul(p16.swapaxes(-1, -2), dot)           # [b, h, s_k, d_v] float32
-    dp = mm(dot, vt.swapaxes(-1, -2))
-    dsum = (dot * o).sum(-1, keepdims=True)
-    ds = p * (dp - dsum)
-    if softcap:
-        th = cp.tanh(raw / softcap)
-        ds = ds * (1 - th * th)
-    ds = rnd(ds)
-    dq = rnd(cp.matmul(ds, kt) * scale)
-    dk = cp.matmul(ds.swapaxes(-1, -2), qt) * scale     # [b, h, s_k, d]
-    b_, _, s_k, d = dk.shape
-    dk = rnd(dk.reshape(b_, h_k, grp, s_k, d).sum(2))
-    dv = rnd(dv.reshape(b_, h_k, grp, s_k, -1).sum(2))
-    return (dq.transpose(0, 2, 1, 3), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3))
+    """(dq, dk, dv) of the materialized backward in `dtype` (gpu_util.naive_attention; see the
+    module docstring)."""
+    return naive_attention(q, k, v, do, dtype, scale, keep, None, softcap, alibi, diag)[2:5]
 
 
 def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False, window=None,

@@ -23,25 +23,13 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-cp = pytest.importorskip("cupy")
-ml_dtypes = pytest.importorskip("ml_dtypes")
+from gpu_util import BF16, DTYPES, FLOOR, cp, hopper_only  # noqa: E402  (skips without CuPy)
+from gpu_util import naive_attention as _naive  # noqa: E402
 
 import cupyflash as cf  # noqa: E402
 from cupyflash import _checks, reference  # noqa: E402
 
-
-def _cc():
-    try:
-        return int(cp.cuda.Device().compute_capability)
-    except Exception:  # noqa: BLE001  (no usable device: the gpu marker skips anyway)
-        return 0
-
-
-hopper = pytest.mark.skipif(_cc() != 90, reason="the Hopper kernel needs compute capability 9.0")
-
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32)}
-FLOOR = {"float16": 1e-4, "bfloat16": 1e-3}
+hopper = hopper_only
 F32 = np.float32
 
 
@@ -122,60 +110,6 @@ def _keep(sq, sk, causal, window, bottom_right=True):
 # ----------------------------------------------------------------------------------------------
 # naive computation in the input dtype (CuPy float32 math on dtype-rounded values)
 # ----------------------------------------------------------------------------------------------
-def _naive(q, k, v, do, dtype, scale, keep, bias, softcap, slopes, diag, bias_dtype=None):
-    """(out, lse, dq, dk, dv, dbias) materialized in ``dtype``; dbias in the bias's 4-D shape.
-
-    q [b, s_q, h, d] etc. as CuPy float arrays; keep bool broadcastable to [b, h, s_q, s_k];
-    bias float32 4-D or None; do None: forward only."""
-    f32 = cp.float32
-    rnd = lambda x: x.astype(dtype).astype(f32)  # noqa: E731
-    mm = lambda a, b: rnd(cp.matmul(a, b))       # noqa: E731
-    h, h_k = q.shape[2], k.shape[2]
-    grp = h // h_k
-    idx = cp.asarray(np.arange(h) // grp)
-    qt = q.transpose(0, 2, 1, 3).astype(f32)
-    kt = k.transpose(0, 2, 1, 3)[:, idx].astype(f32)
-    vt = v.transpose(0, 2, 1, 3)[:, idx].astype(f32)
-    raw = mm(qt, kt.swapaxes(-1, -2)) * scale
-    s = softcap * cp.tanh(raw / softcap) if softcap else raw
-    if bias is not None:
-        s = s + bias
-    if slopes is not None:
-        j = cp.arange(s.shape[-1])[None, :]
-        s = s - slopes[:, :, None, None] * cp.abs(cp.asarray(diag)[:, None] - j)
-    s = cp.where(cp.asarray(keep), s, -cp.inf)
-    m = s.max(-1, keepdims=True)
-    m = cp.where(cp.isfinite(m), m, 0)
-    e = cp.exp(s - m)
-    l = e.sum(-1, keepdims=True)
-    lse = cp.where(l[..., 0] > 0, cp.log(l[..., 0]) + m[..., 0], -cp.inf)
-    p = cp.where(l > 0, e / cp.where(l > 0, l, 1), 0)
-    p16 = rnd(p)
-    o = mm(p16, vt)
-    if do is None:
-        return o.astype(dtype).transpose(0, 2, 1, 3), lse
-    dot = do.transpose(0, 2, 1, 3).astype(f32)
-    dv = cp.matmul(p16.swapaxes(-1, -2), dot)
-    dp = mm(dot, vt.swapaxes(-1, -2))
-    ds = p * (dp - (dot * o).sum(-1, keepdims=True))
-    dbias = None
-    if bias is not None:
-        red = tuple(a for a in range(4) if bias.shape[a] == 1 and ds.shape[a] != 1)
-        dbias = ds.sum(axis=red, keepdims=True) if red else ds
-        dbias = dbias.astype(bias_dtype).astype(f32)
-    if softcap:
-        th = cp.tanh(raw / softcap)
-        ds = ds * (1 - th * th)
-    ds = rnd(ds)
-    dq = rnd(cp.matmul(ds, kt) * scale)
-    dk = cp.matmul(ds.swapaxes(-1, -2), qt) * scale
-    b_, _, s_k, d = dk.shape
-    dk = rnd(dk.reshape(b_, h_k, grp, s_k, d).sum(2))
-    dv = rnd(dv.reshape(b_, h_k, grp, s_k, -1).sum(2))
-    return (o.astype(dtype).transpose(0, 2, 1, 3), lse, dq.transpose(0, 2, 1, 3),
-            dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3), dbias)
-
-
 def _h(x):
     return cp.asnumpy(x).astype(np.float64)
 

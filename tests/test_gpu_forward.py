@@ -25,7 +25,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from gpu_util import DTYPES, FLOOR, alloc, cp, keep_mask  # noqa: E402  (skips without CuPy)
+from gpu_util import DTYPES, FLOOR, alloc, cp, keep_mask, naive_attention  # noqa: E402
 
 from cupyflash import reference  # noqa: E402
 from cupyflash._options import Options  # noqa: E402
@@ -39,35 +39,9 @@ def _gpu():
 
 
 def _naive(q, k, v, dtype, scale, keep, softcap, alibi, diag):
-    """Attention computed in `dtype` the naive way on the GPU, like PyTorch's same-dtype math.
-
-    Each matmul takes dtype operands, accumulates in float32 and rounds its result to dtype
-    (what cuBLAS does for float16 / bfloat16; CuPy's batched matmul has no bfloat16 kernel, so
-    the float32 matmul of the dtype values is rounded here); softmax in float32, P rounded to
-    dtype before P V.
-    """
-    h, h_k = q.shape[2], k.shape[2]
-    idx = cp.asarray(np.arange(h) // (h // h_k))
-    f32 = cp.float32
-    qt = q.transpose(0, 2, 1, 3).astype(f32)
-    kt = k.transpose(0, 2, 1, 3)[:, idx].astype(f32)
-    vt = v.transpose(0, 2, 1, 3)[:, idx].astype(f32)
-    s = cp.matmul(qt, kt.swapaxes(-1, -2)).astype(dtype).astype(f32) * scale   # [b, h, s_q, s_k]
-    if softcap:
-        s = softcap * cp.tanh(s / softcap)
-    if alibi is not None:
-        j = cp.arange(s.shape[-1])[None, :]
-        s = s - alibi[:, :, None, None] * cp.abs(cp.asarray(diag)[:, None] - j)
-    keep = cp.asarray(keep)
-    s = cp.where(keep, s, -cp.inf)
-    m = s.max(-1, keepdims=True)
-    m = cp.where(cp.isfinite(m), m, 0)
-    p = cp.exp(s - m)
-    l = p.sum(-1, keepdims=True)
-    lse = cp.where(l[..., 0] > 0, cp.log(l[..., 0]) + m[..., 0], -cp.inf)
-    p = cp.where(l > 0, p / cp.where(l > 0, l, 1), 0).astype(dtype).astype(f32)
-    out = cp.matmul(p, vt).astype(dtype).transpose(0, 2, 1, 3)
-    return out, lse
+    """(out, lse) of attention computed in `dtype` the naive way (gpu_util.naive_attention),
+    like PyTorch's same-dtype math."""
+    return naive_attention(q, k, v, None, dtype, scale, keep, None, softcap, alibi, diag)
 
 
 def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False, window=None,
