@@ -395,14 +395,8 @@ class Sm90F32Variant(NamedTuple):
     softcap = False         # not in the float32 kernel (the planner's checks read these)
     varlen = False
     bias = 0
-
-    @property
-    def bm(self) -> int:
-        return 64 * self.nc
-
-    @property
-    def threads(self) -> int:
-        return 128 * (self.nc + 1)
+    bm = Sm90Variant.bm             # 64 query rows per consumer warpgroup
+    threads = Sm90Variant.threads   # a producer warpgroup + nc consumers
 
     @property
     def name_expression(self) -> str:

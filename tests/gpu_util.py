@@ -117,3 +117,30 @@ def naive_attention(q, k, v, do, dtype, scale, keep, bias=None, softcap=0.0, slo
     dv = rnd(dv.reshape(b_, h_k, grp, s_k, -1).sum(2))
     return (o.astype(dtype).transpose(0, 2, 1, 3), lse, dq.transpose(0, 2, 1, 3),
             dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3), dbias)
+
+
+def launches_on_two_streams(dtype, launches, kernel, check):
+    """The Hopper forwards' work-tile counter is per stream and left zeroed by each launch:
+    ``launches`` problems [2, 700, 4, 64] of ``dtype`` (causal) alternate between two streams,
+    each launched three times with ``kernel`` (the name must start with fwd90_), then each is
+    compared with the portable kernel: ``check(out, ref, lse, ref_lse)`` asserts."""
+    from cupyflash import _gpu
+    from cupyflash._options import Options
+    opts = Options(scale=0.125, window_right=0)
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+    cases = []
+    for i in range(launches):
+        with streams[i % 2]:
+            q, k, v = (cp.random.standard_normal((2, 700, 4, 64), dtype=cp.float32).astype(dtype)
+                       for _ in range(3))
+            out = cp.full(q.shape, cp.nan, dtype)
+            lse = cp.full((2, 4, 700), cp.nan, cp.float32)
+            for _ in range(3):
+                assert _gpu.forward(q, k, v, out, lse, opts, kernel=kernel).startswith("fwd90_")
+            cases.append((q, k, v, out, lse))
+    for st in streams:
+        st.synchronize()
+    for q, k, v, out, lse in cases:
+        ref, ref_lse = cp.empty_like(out), cp.empty_like(lse)
+        _gpu.forward(q, k, v, ref, ref_lse, opts, kernel="portable")
+        check(out, ref, lse, ref_lse)

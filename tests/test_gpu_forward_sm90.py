@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from gpu_util import cp, hopper_only  # noqa: E402  (skips without CuPy)
+from gpu_util import cp, hopper_only, launches_on_two_streams  # noqa: E402
 from test_gpu_forward import run_case  # noqa: E402  (pytest puts tests/ on sys.path)
 
 from cupyflash import _plan  # noqa: E402
@@ -145,23 +145,7 @@ def test_forcing_sm90_on_an_uncovered_call_is_an_error():
 def test_streams_and_repeated_launches():
     """The work-tile counter is per stream and left zeroed by each launch: many launches on two
     streams at once, each checked against the portable kernel."""
-    from cupyflash import _gpu
-    opts = Options(scale=0.125, window_right=0)
-    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
-    cases = []
-    for i in range(8):
-        with streams[i % 2]:
-            q, k, v = (cp.random.standard_normal((2, 700, 4, 64), dtype=cp.float32)
-                       .astype(cp.float16) for _ in range(3))
-            out = cp.full(q.shape, cp.nan, cp.float16)
-            lse = cp.full((2, 4, 700), cp.nan, cp.float32)
-            for _ in range(3):
-                assert _gpu.forward(q, k, v, out, lse, opts).startswith("fwd90_")
-            cases.append((q, k, v, out, lse))
-    for s in streams:
-        s.synchronize()
-    for q, k, v, out, lse in cases:
-        ref, ref_lse = cp.empty_like(out), cp.empty_like(lse)
-        _gpu.forward(q, k, v, ref, ref_lse, opts, kernel="portable")
+    def check(out, ref, lse, ref_lse):
         assert float(cp.abs(out.astype(cp.float32) - ref.astype(cp.float32)).max()) < 1e-2
         assert float(cp.abs(lse - ref_lse).max()) < 1e-3
+    launches_on_two_streams(cp.float16, 8, "auto", check)

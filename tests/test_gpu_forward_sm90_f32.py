@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from gpu_util import cp, hopper_only  # noqa: E402  (skips without CuPy)
+from gpu_util import cp, hopper_only, launches_on_two_streams  # noqa: E402
 from test_gpu_forward import run_case  # noqa: E402
 
 from cupyflash._options import Options  # noqa: E402
@@ -105,24 +105,8 @@ def test_routing():
 def test_repeated_launches_two_streams():
     """The work-tile counter is per stream and left zeroed: many launches on two streams, each
     checked against the portable float32 kernel."""
-    from cupyflash import _gpu
-    opts = Options(scale=0.125, window_right=0)
-    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
-    cases = []
-    for i in range(6):
-        with streams[i % 2]:
-            q, k, v = (cp.random.standard_normal((2, 700, 4, 64), dtype=cp.float32)
-                       for _ in range(3))
-            out = cp.full(q.shape, cp.nan, cp.float32)
-            lse = cp.full((2, 4, 700), cp.nan, cp.float32)
-            for _ in range(3):
-                assert _gpu.forward(q, k, v, out, lse, opts, kernel="sm90").startswith("fwd90_")
-            cases.append((q, k, v, out, lse))
-    for s in streams:
-        s.synchronize()
-    for q, k, v, out, lse in cases:
-        ref, ref_lse = cp.empty_like(out), cp.empty_like(lse)
-        _gpu.forward(q, k, v, ref, ref_lse, opts, kernel="portable")
+    def check(out, ref, lse, ref_lse):
         rel = float(cp.linalg.norm(out - ref) / cp.linalg.norm(ref))
         assert rel < 1e-5, rel
         assert float(cp.abs(lse - ref_lse).max()) < 1e-4
+    launches_on_two_streams(cp.float32, 6, "sm90", check)

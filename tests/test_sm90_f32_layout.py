@@ -38,6 +38,18 @@ def tma_store(smem, base, tile):
             smem[swz(off) // 4] = tile[r, c]
 
 
+def staged_q_k(BM, BN, D, seed):
+    """Random Q [BM, D], K [BN, D] and their TMA-stored shared-memory images (flat float arrays)."""
+    rng = np.random.default_rng(seed)
+    Q = rng.standard_normal((BM, D))
+    K = rng.standard_normal((BN, D))
+    qs = np.zeros(BM * D)
+    ks = np.zeros(BN * D)
+    tma_store(qs, 0, Q)
+    tma_store(ks, 0, K)
+    return Q, K, qs, ks
+
+
 def acc_pos(t, i):
     """(row, col) of accumulator register i of lane t (0..127) in an m64nN fp32 accumulator."""
     return (16 * (t // 32) + (t % 32) // 4 + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * (t % 4) + (i % 2))
@@ -146,14 +158,8 @@ def test_pv_product_through_the_layouts(BN, D):
 
 @pytest.mark.parametrize("BN,D", CASES)
 def test_s_product_through_the_layouts(BN, D):
-    rng = np.random.default_rng(1)
     BM = 128
-    Q = rng.standard_normal((BM, D))
-    K = rng.standard_normal((BN, D))
-    qs = np.zeros(BM * D)
-    ks = np.zeros(BN * D)
-    tma_store(qs, 0, Q)
-    tma_store(ks, 0, K)
+    Q, K, qs, ks = staged_q_k(BM, BN, D, seed=1)
     for cw in range(BM // 64):
         S = np.zeros((64, BN))
         for kk in range(D // 8):
@@ -204,14 +210,8 @@ def test_split_q_fragments_and_s_product(D):
     """QREG: the consumers' Q fragments read Q(r, 8kk + c) etc. from the TMA-swizzled tile, touch
     each of their 64 rows' elements once (in place), without bank conflicts, and
     q_small·k_big through them (A from registers, K-major K from shared memory) is Q Kᵀ."""
-    rng = np.random.default_rng(3)
     BM, BN = 128, 32
-    Q = rng.standard_normal((BM, D))
-    K = rng.standard_normal((BN, D))
-    qs = np.zeros(BM * D)
-    ks = np.zeros(BN * D)
-    tma_store(qs, 0, Q)
-    tma_store(ks, 0, K)
+    Q, K, qs, ks = staged_q_k(BM, BN, D, seed=3)
     for cw in range(BM // 64):
         touched = np.zeros(BM * D, int)
         S = np.zeros((64, BN))
