@@ -1,10 +1,12 @@
 """Where the Hopper bias backward's time goes (issue 6 probe, not a benchmark of record).
 
 bf16, hd 128, 16 heads, 16k tokens, bias (1, h, s, s): the backward without a bias (baseline),
-with bias + dbias as planned, and the same launch with one thing changed in its Params (results
-then wrong; timing only): dbias_accum = 0 (no dbias writes: bias reads only), DBIAS_STORE forced
-(plain stores instead of red.add), DBIAS_SCHED_B cleared, bias strides over rows and heads 0
-(every load hits one bias row: bias traffic out of the picture). CUDA events, median of 5.
+with bias + dbias as planned (BIAS_TMA: the bias tile staged by TMA), and variations, timing only:
+``ld16`` the consumers' global bias loads instead (BIAS_LD16, the kernel before BIAS_TMA),
+``tma_dp_early`` BIAS_TMA built with -DBIAS_TMA_DP_EARLY=1 (dPᵀ issued before Pᵀ; spills), and
+the planned launch with one Params field changed (results then wrong): dbias_accum = 0 (no dbias
+writes), DBIAS_STORE forced (plain stores instead of red.add), DBIAS_SCHED_B cleared. CUDA
+events, median of 5.
 
     python benchmarks/probe_bias_bwd.py [--seqlens 1024,4096]
 """
@@ -28,7 +30,6 @@ def main():
     ap.add_argument("--seqlens", default="1024,4096")
     a = ap.parse_args()
     H, D = 16, 128
-    orig = h90.launch
     for s in (int(x) for x in a.seqlens.split(",")):
         b = 16384 // s
         rnd = lambda *sh: cp.random.standard_normal(sh, dtype=cp.float32).astype(BF16)  # noqa: E731
@@ -36,6 +37,7 @@ def main():
         bias = rnd(1, H, s, s)
         dims = _checks.check_qkv(q, k, v)
         res = {}
+        orig = h90.launch
         for tag, kw in (("nobias", {}), ("bias", dict(bias=bias))):
             opts = _checks.make_options(dims, cp, **kw)
             out, lse = cp.empty_like(q), cp.empty((b, H, s), cp.float32)
@@ -47,19 +49,26 @@ def main():
             res[tag] = (_bench.time_ms(call, 1, 5), name)
             if not kw:
                 continue
+            def run_patched(tag, obj, attr, repl):
+                saved = getattr(obj, attr)
+                setattr(obj, attr, repl(saved))
+                _gpu_bwd._functions.clear()
+                try:
+                    res[tag] = (_bench.time_ms(call, 1, 5), call())
+                finally:
+                    setattr(obj, attr, saved)
+                    _gpu_bwd._functions.clear()
+
+            run_patched("ld16", h90, "bias_tma_unsupported", lambda f: lambda *a: "probe: off")
+            run_patched("tma_dp_early", _gpu_bwd, "program",
+                        lambda f: lambda vs: (lambda src, o, n: (src, o + ("-DBIAS_TMA_DP_EARLY=1",), n))(*f(vs)))
             for ptag, fix in (("no_dbias_writes", lambda p: p.__setitem__("dbias_accum", 0)),
                               ("store_forced", lambda p: p.__setitem__("dbias_mode", int(p["dbias_mode"]) | 16)),
-                              ("no_sched_b", lambda p: p.__setitem__("dbias_mode", int(p["dbias_mode"]) & ~32)),
-                              ("bias_one_row", lambda p: (p.__setitem__("bias_stride_q", 0),
-                                                          p.__setitem__("bias_stride_h", 0)))):
-                def patched(variant, prm, *args, _fix=fix, **kws):
+                              ("no_sched_b", lambda p: p.__setitem__("dbias_mode", int(p["dbias_mode"]) & ~32))):
+                def patched(variant, prm, *args, _fix=fix, _orig=orig, **kws):
                     _fix(prm)
-                    return orig(variant, prm, *args, **kws)
-                h90.launch = patched
-                try:
-                    res[ptag] = (_bench.time_ms(call, 1, 5), call())
-                finally:
-                    h90.launch = orig
+                    return _orig(variant, prm, *args, **kws)
+                run_patched(ptag, h90, "launch", lambda f, _p=patched: _p)
         fl = 2.5 * 4.0 * b * H * s * s * D
         print(f"s={s} b={b}: " + " | ".join(f"{k_} {t:.3f} ms ({fl / t / 1e9:.0f} TFLOP/s) {n}"
                                              for k_, (t, n) in res.items()), flush=True)

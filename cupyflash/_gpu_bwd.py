@@ -487,7 +487,11 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, for
         b_arr, f32 = bias_operand
         why = h90.bias_unsupported(_gpu.broadcast_strides(b_arr), k.shape[1],
                                    b_arr.data.ptr, b_arr.itemsize)
-        bias_kind = 2 if f32 else 1
+        bias_kind = h90.BIAS_LD32 if f32 else h90.BIAS_LD16
+        if (not f32 and h90.smem_bytes(q.shape[3], bias_tma=True) <= smem
+                and h90.bias_tma_unsupported(b_arr.shape, _gpu.broadcast_strides(b_arr), q.shape[1],
+                                             b_arr.data.ptr, b_arr.itemsize) is None):
+            bias_kind = h90.BIAS_TMA   # the bias tile staged by TMA (else the consumers load it)
     if why is not None:
         if forced:
             raise ValueError(f"kernel='sm90': the Hopper backward cannot run this call: {why}")
@@ -498,7 +502,8 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, for
                               varlen=varlen is not None)
 
     def hopper(prm):
-        ran = h90.launch(variant, prm, plan.pre_grid, q, k, v, dout, dev_id, num_sms, varlen)
+        ran = h90.launch(variant, prm, plan.pre_grid, q, k, v, dout, dev_id, num_sms, varlen,
+                         bias=bias_operand[0] if bias_operand is not None else None)
         if ran is None and forced:
             raise ValueError("kernel='sm90': a base address is not 16-byte aligned")
         return ran

@@ -7,8 +7,11 @@ kernels before it (``flash_bwd_pre_sm90``: D = rowsum(dO ∘ O) with the zeroed 
 conversion) are compiled into the same module. Coverage (``unsupported`` says why not):
 float16 / bfloat16, d = d_v in {64, 128}, no softcap / ALiBi, scale > 0, atomic (not
 deterministic) dQ, strides TMA accepts (16-byte multiples) for q, k, v and dout; an additive
-bias (BIAS = 1: q's 16-bit type, 2: float32) with dbias where ``bias_unsupported`` accepts its
-layout (no mask: the launcher keeps masks on the portable GENERAL kernel).
+bias with dbias where ``bias_unsupported`` accepts its layout (no mask: the launcher keeps masks
+on the portable GENERAL kernel). The BIAS template argument says how the bias is read:
+BIAS_TMA (3) stages q's 16-bit bias per step into shared memory through a tensor map, where
+``bias_tma_unsupported`` allows (a full query dimension, 16-byte strides); otherwise the consumers
+load it from global memory (1: q's 16-bit type, 2: float32).
 
 Persistent grid (at most one block per SM) over work tiles (key tile of 128 keys, kv head, batch),
 drawn from the per-stream counter the forward uses (``_gpu._sched_counter``): a producer warpgroup
@@ -36,6 +39,8 @@ THREADS = 384
 HEAD_DIMS = (64, 128)
 NBUF = 2             # Q / dO ring depth
 TILE_RING = 2        # work-tile indices in flight
+#: BIAS template values (bwd_sm90.cu: sm90b::BIAS_*)
+BIAS_NONE, BIAS_LD16, BIAS_LD32, BIAS_TMA = 0, 1, 2, 3
 
 
 def kv_buffers(d: int) -> int:
@@ -52,7 +57,8 @@ class Sm90BwdVariant(NamedTuple):
     dq_bulk: bool = True   # dQ tile via shared memory + one bulk reduce-add (else red.global)
     kvbuf: int = 1         # K / V buffers: 2 loads the next work tile's K, V during this one's steps
     varlen: bool = False   # packed sequences (cu_seqlens), backward_varlen
-    bias: int = 0          # additive bias (+ dbias): 0 none, 1 in the inputs' 16-bit type, 2 float32
+    bias: int = 0          # additive bias (+ dbias): BIAS_NONE, BIAS_LD16 (the inputs' 16-bit type),
+                           # BIAS_LD32 (float32), BIAS_TMA (16-bit, staged by TMA)
 
     file = "bwd_sm90.cu"
     arch_options = ("-arch=sm_90a",)
@@ -86,37 +92,42 @@ class Sm90BwdVariant(NamedTuple):
     def name(self) -> str:
         return (f"bwd90_{self.elem[:-2]}_d{self.d}_{BM}x{BN}" + ("_window" if self.window else "")
                 + ("" if self.dq_bulk else "_red") + (f"_kv{self.kvbuf}" if self.kvbuf != 1 else "")
-                + ("_varlen" if self.varlen else "") + ("", "_bias16", "_bias32")[self.bias])
+                + ("_varlen" if self.varlen else "")
+                + ("", "_bias16", "_bias32", "_bias16_tma")[self.bias])
 
     @property
     def smem_bytes(self) -> int:
-        return smem_bytes(self.d, self.kvbuf)
+        return smem_bytes(self.d, self.kvbuf, self.bias == BIAS_TMA)
 
 
-def smem_bytes(d: int, kvbuf: int = None) -> int:
+def smem_bytes(d: int, kvbuf: int = None, bias_tma: bool = False) -> int:
     """Mirrors sm90b::Layout in bwd_sm90.cu: KVBUF x K, V [128, d]; NBUF x (Q, dO [64, d]); two
-    dSᵀ [128, 64] buffers (16-bit); the dQ tile [64, d] float32; NBUF x (lse, D [64] floats);
-    the work-tile ring and dQ job (16 + 16 bytes); the mbarriers; 1024 bytes of slack to align
-    the swizzled panels. ``kvbuf`` defaults to kv_buffers(d)."""
+    dSᵀ [128, 64] buffers (16-bit); the dQ tile [64, d] float32; ``bias_tma``: NBUF x the bias
+    tile [64, 128] (16-bit); NBUF x (lse, D [64] floats); the work-tile ring and dQ job (16 + 16
+    bytes); the mbarriers; 1024 bytes of slack to align the swizzled panels. ``kvbuf`` defaults
+    to kv_buffers(d)."""
     kvbuf = kv_buffers(d) if kvbuf is None else kvbuf
     return (2 * kvbuf * BN * d * 2 + 2 * NBUF * BM * d * 2 + 2 * BN * BM * 2 + BM * d * 4
+            + (NBUF * BM * BN * 2 if bias_tma else 0)
             + NBUF * 2 * BM * 4 + 16 + 16 + 8 * (2 * kvbuf + 2 * NBUF + 2 + 2 * TILE_RING) + 1024)
 
 
 def variant_for(elem: str, d: int, window: bool, bias: int = 0,
                 varlen: bool = False) -> "Sm90BwdVariant":
-    """The variant the launcher runs for this element type, head dim, mask kind, bias kind (0
-    none, 1 bias in the 16-bit input type, 2 float32 bias) and layout (``varlen``: packed
-    sequences; never with a bias)."""
+    """The variant the launcher runs for this element type, head dim, mask kind, bias kind
+    (BIAS_NONE, BIAS_LD16, BIAS_LD32, BIAS_TMA) and layout (``varlen``: packed sequences; never
+    with a bias)."""
     assert not (varlen and bias), "the varlen backward takes no bias"
     return Sm90BwdVariant(elem, d, window, True, kv_buffers(d), varlen, bias)
 
 
 def variants():
     """Every Sm90BwdVariant (compiled by the harness for sm_90a): dense without and with a bias
-    (16-bit, float32), and varlen."""
+    (each BIAS kind), and varlen."""
     return [variant_for(e, d, w, bias, vl) for e in ("f16_t", "bf16_t") for d in HEAD_DIMS
-            for w in (False, True) for bias, vl in ((0, False), (1, False), (2, False), (0, True))]
+            for w in (False, True)
+            for bias, vl in ((BIAS_NONE, False), (BIAS_LD16, False), (BIAS_LD32, False),
+                             (BIAS_TMA, False), (BIAS_NONE, True))]
 
 
 def varlen_work_tiles(cu_seqlens_q, cu_seqlens_k, h: int, h_k: int, window_left: int,
@@ -177,6 +188,31 @@ def bias_unsupported(strides, s_k: int, ptr: int, itemsize: int) -> Optional[str
     return None
 
 
+def bias_tma_unsupported(shape, strides, s_q: int, ptr: int, itemsize: int) -> Optional[str]:
+    """Why a 16-bit bias operand (4-D ``shape``, element ``strides`` over (b, h, s_q, s_k), 0
+    where broadcast) cannot be staged by TMA (BIAS_TMA; None when it can): the tile [64 queries,
+    128 keys] needs a full query dimension (a query-broadcast bias keeps the consumers' loads)
+    and a tensor map: unit key stride, other strides and the address 16-byte multiples."""
+    if shape[2] != s_q:
+        return f"bias broadcast over queries (shape {tuple(shape)})"
+    bshd_shape = (shape[0], shape[2], shape[1], shape[3])
+    bshd_strides = (strides[0], strides[2], strides[1], strides[3])
+    if not _plan.tma_strides_ok(bshd_shape, bshd_strides, itemsize) or ptr % _plan.TMA_ALIGN:
+        return f"bias strides {tuple(strides)} / address not in 16-byte multiples"
+    return None
+
+
+def bias_tma_desc(prm, bias):
+    """Fill Params ``prm["tma_bias"]``: the tensor map over ``bias`` [b', h', s_q, s_k] viewed as
+    bshd (b', s_q, h', s_k), box [64 keys, BM queries] (bias_tma_unsupported has accepted it)."""
+    from . import _gpu, _tma
+    st = _gpu.broadcast_strides(bias)
+    dims, byte_strides, box = _plan.tma_tensor(
+        (bias.shape[0], bias.shape[2], bias.shape[1], bias.shape[3]), (st[0], st[2], st[1], st[3]),
+        bias.itemsize, BM)
+    prm["tma_bias"] = _tma.encode(_gpu._DTYPE_NAMES[bias.dtype], bias.data.ptr, dims, byte_strides, box)
+
+
 def program(variants_):
     """(source, options, name expressions) of ``variants_`` and their helper kernels."""
     from . import _gpu_bwd
@@ -190,7 +226,7 @@ def get_functions(variant: Sm90BwdVariant, device_id: int):
 
 
 def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
-           num_sms: int, varlen=None) -> Optional[str]:
+           num_sms: int, varlen=None, bias=None) -> Optional[str]:
     """Run pre, the Hopper main kernel and the dQ conversion with the Params record ``prm``
     (pointers, strides, sizes filled by _gpu_bwd.backward; ``pre_grid``: the portable
     flash_bwd_pre's, for O rows that are not 16-byte aligned). Returns None, launching nothing,
@@ -199,7 +235,7 @@ def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
     ``varlen`` = (sequences, max_seqlen_k) for a VARLEN variant: q, k, v, dout are the packed
     [1, total, heads, d] tensors, ``prm`` has cu_seqlens, b = 1, s_q / s_k = the totals (what the
     helper kernels see); the main kernel's record gets b = sequences and num_n_blocks = the key
-    tiles of the longest sequence."""
+    tiles of the longest sequence. ``bias``: the bias operand of a BIAS_TMA variant."""
     from . import _gpu, _tma
 
     ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr)
@@ -214,6 +250,8 @@ def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
                            ("tma_do", dout, BM)):
         dims, byte_strides, box = _plan.tma_tensor(a.shape, _gpu._elem_strides(a, field), 2, rows)
         prm[field] = _tma.encode(dtype_name, a.data.ptr, dims, byte_strides, box)
+    if variant.bias == BIAS_TMA:
+        bias_tma_desc(prm, bias)
     prm["sched"] = _gpu._sched_counter(dev_id, _gpu._current_stream().ptr)
     main, pre, pre_portable, conv = get_functions(variant, dev_id)
     rec = prm.reshape(1)[0]
@@ -238,5 +276,6 @@ def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
 
 
 __all__ = ["Sm90BwdVariant", "variants", "variant_for", "kv_buffers", "unsupported",
-           "varlen_work_tiles", "bias_unsupported",
+           "varlen_work_tiles", "bias_unsupported", "bias_tma_unsupported", "bias_tma_desc",
+           "BIAS_NONE", "BIAS_LD16", "BIAS_LD32", "BIAS_TMA",
            "smem_bytes", "program", "get_functions", "launch"]

@@ -190,7 +190,7 @@ PARAMS_FIELDS = (
     + [("sched", np.uint64)]
 )
 #: Hopper kernels only: 128-byte TMA descriptors (struct TmaDesc, 64-byte aligned).
-PARAMS_TMA_FIELDS = ("tma_q", "tma_k", "tma_v", "tma_do")
+PARAMS_TMA_FIELDS = ("tma_q", "tma_k", "tma_v", "tma_do", "tma_bias")
 TMA_DESC_BYTES = 128
 
 

@@ -34,7 +34,8 @@
 //   The accumulator rows are chunk-swizzled like dq_smem (16-byte chunk index XOR row mod 8, so
 //   the fragment stores hit every bank); flash_bwd_dq_sm90 undoes that when converting.
 // Sᵀ and dPᵀ are separate wgmma groups: Pᵀ = exp2(..) runs while dPᵀ is still in the tensor
-// cores. The consumers never load from global memory.
+// cores. The consumers load from global memory only a bias in the BIAS_LD* variants; BIAS_TMA
+// stages the step's bias tile [BM, BN] into the Q / dO ring slot (bias_smem, by the TMA thread).
 // VARLEN (packed sequences): work tiles (key tile of the longest sequence, kv head, sequence z);
 // each reads its sequence's first rows and lengths from cu_seqlens (WorkTile: s_q, s_k, diag,
 // q_row, k_row). The tensor maps cover the packed [1, total, h, d] tensors, so a TMA box may take
@@ -71,9 +72,15 @@ constexpr int TILE_RING = 2;         // work-tile indices in flight (tile_smem r
 constexpr int TILE_READERS = 2 * 4 + 1;
 static_assert(TILE_RING + 2 <= 4, "tile_smem and seq_smem share 16 bytes");
 
+// The kernel's BIAS template argument: how the additive bias reaches the scores
+constexpr int BIAS_NONE = 0;
+constexpr int BIAS_LD16 = 1;   // E's 16-bit elements, loaded from global memory by the consumers
+constexpr int BIAS_LD32 = 2;   // float32 elements, likewise
+constexpr int BIAS_TMA = 3;    // E's 16-bit elements, staged per step into bias_smem by TMA
+
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
 // cupyflash/_gpu_bwd_sm90.py: smem_bytes.
-template <int D, int KVBUF>
+template <int D, int KVBUF, bool BIAS_SMEM>
 struct Layout {
     static constexpr int PANELS = D / PANEL_COLS;
     static constexpr int KV_PANEL = BN * 128;                // bytes of k_smem / v_smem [BN, 64]
@@ -88,7 +95,10 @@ struct Layout {
     static constexpr int DO = Q + NBUF * Q_TILE;             // do_smem [NBUF][PANELS][BM][64]
     static constexpr int DS = DO + NBUF * Q_TILE;            // dsT_smem [2][BN][BM]
     static constexpr int DQ = DS + 2 * DS_TILE;              // dq_smem [BM][D] float32 (DQ_BULK)
-    static constexpr int ROWS = DQ + BM * DQ_PITCH;          // rows_smem [NBUF][lse·log2 e, D][BM]
+    static constexpr int BIAS_PANEL = BM * 128;              // bias_smem [BM queries, 64 keys], 16-bit
+    static constexpr int BIAS_TILE = BIAS_SMEM ? (BN / PANEL_COLS) * BIAS_PANEL : 0;
+    static constexpr int BIAS = DQ + BM * DQ_PITCH;          // bias_smem [NBUF][BN / 64][BM][64] (BIAS_TMA)
+    static constexpr int ROWS = BIAS + NBUF * BIAS_TILE;     // rows_smem [NBUF][lse·log2 e, D][BM]
     static constexpr int TILE = ROWS + NBUF * 2 * BM * 4;    // tile_smem [TILE_RING] int, seq_smem [2] int (16 bytes)
     static constexpr int JOB = TILE + 16;                    // dq_job: accumulator address, bytes
     static constexpr int BARS = JOB + 16;                    // kv_full[KVBUF], kv_empty[KVBUF],
@@ -212,20 +222,23 @@ __device__ __forceinline__ void red_add_v2(float* addr, float x, float y) {
 
 }  // namespace sm90b
 
-// VARLEN: packed sequences (see the header). BIAS: 0 none, 1 bias elements in E's storage, 2
-// float32 bias elements (unit key stride: the launcher checks); dbias (Params dbias_accum /
-// dbias_mode / dbias_stride_*) then receives dS. The varlen API passes no bias: never both.
+// VARLEN: packed sequences (see the header). BIAS (sm90b::BIAS_*): 0 none; 1 bias elements in
+// E's storage, 2 float32 bias elements, both loaded by the consumers (unit key stride: the
+// launcher checks); 3 E's elements staged into shared memory per step by TMA (Params.tma_bias:
+// a full query dimension, 16-byte row strides). dbias (Params dbias_accum / dbias_mode /
+// dbias_stride_*) then receives dS. The varlen API passes no bias: never both.
 template <typename E, int D, bool WINDOW, bool DQ_BULK, int KVBUF, bool VARLEN, int BIAS>
 __global__ void __launch_bounds__(sm90b::THREADS, 1)
 flash_bwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90b;
-    using L = Layout<D, KVBUF>;
+    using L = Layout<D, KVBUF, BIAS == BIAS_TMA>;
     typedef typename Elem<E>::storage S;
     static_assert(Elem<E>::is16 && (D == 64 || D == 128), "float16 / bfloat16, head dim 64 or 128");
     static_assert(KVBUF == 1 || KVBUF == 2, "one or two K / V buffers");
-    static_assert(BIAS >= 0 && BIAS <= 2, "bias: none, E, float32");
+    static_assert(BIAS >= BIAS_NONE && BIAS <= BIAS_TMA, "bias: none, E, float32, E by TMA");
+    constexpr bool BIAS_LD = BIAS == BIAS_LD16 || BIAS == BIAS_LD32;   // the consumers load it
     static_assert(!(VARLEN && BIAS), "varlen takes no bias");
-    constexpr int BIAS_BYTES = BIAS == 2 ? 4 : 2;   // bytes per bias element
+    constexpr int BIAS_BYTES = BIAS == BIAS_LD32 ? 4 : 2;   // bytes per bias element
     constexpr int NS = BM / 2;       // Sᵀ / dPᵀ accumulator registers per lane: [64, BM]
     constexpr int NKV = D / 2;       // dK / dV accumulator registers per lane: [64, D]
     constexpr int NQ = PANEL_COLS / 2;   // dQ slice accumulator registers per lane: [BM, 64]
@@ -246,7 +259,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                                                                      // address (0: stop), bytes
     const u32 kv_full = smem + L::BARS;                 // [KVBUF]: K, V tiles of the buffer landed
     const u32 kv_empty = kv_full + 8 * KVBUF;           // [KVBUF]: both consumers are done with them
-    const u32 qdo_full = kv_empty + 8 * KVBUF;          // [NBUF]: Q, dO, lse, D of the stage landed
+    const u32 qdo_full = kv_empty + 8 * KVBUF;          // [NBUF]: Q, dO, lse, D (bias) of the stage landed
     const u32 qdo_empty = qdo_full + 8 * NBUF;          // [NBUF]: both consumers are done with them
     const u32 dq_full = qdo_empty + 8 * NBUF;           // dq_smem and job_smem hold the step's dQ tile
     const u32 dq_empty = dq_full + 8;                   // dq_smem read out by the bulk reduce
@@ -284,6 +297,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             tma_prefetch_desc(&p.tma_k);
             tma_prefetch_desc(&p.tma_v);
             tma_prefetch_desc(&p.tma_do);
+            if (BIAS == BIAS_TMA) tma_prefetch_desc(&p.tma_bias);
             int kv_it = 0, q_it = 0;   // K/V tiles and Q/dO steps issued so far (ring positions)
             int drawn = 0;             // work-tile indices drawn so far (without a counter: i + k·grid)
             for (int tile_i = 0;; ++tile_i) {   // tile_i: work tiles handed to the readers so far
@@ -322,18 +336,28 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 int head = wt.kv_head * p.h_per_hk, mi = 0;
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
                     if (st == kv_at) load_kv();
-                    // Q, dO [BM, D] of the step into ring slot q_it % NBUF
+                    // Q, dO [BM, D] (and BIAS_TMA: the bias [BM, BN]) of the step into ring slot
+                    // q_it % NBUF
                     const int m0 = (wt.m_first + mi) * BM;
                     if (++mi == wt.m_count) mi = 0;
                     const int s = q_it % NBUF;
                     if (q_it >= NBUF) mbar_wait(qdo_empty + 8 * s, ((q_it / NBUF) - 1) & 1);
-                    mbar_arrive_expect_tx(qdo_full + 8 * s, 2 * BM * D * 2);
+                    mbar_arrive_expect_tx(qdo_full + 8 * s, 2 * BM * D * 2 + (BIAS == BIAS_TMA ? BM * BN * 2 : 0));
 #pragma unroll
                     for (int c = 0; c < L::PANELS; ++c) {
                         tma_load_4d(q_smem + s * L::Q_TILE + c * L::Q_PANEL, &p.tma_q, qdo_full + 8 * s,
                                     c * PANEL_COLS, wt.q_row + m0, head, wt.tma_b);
                         tma_load_4d(do_smem + s * L::Q_TILE + c * L::Q_PANEL, &p.tma_do, qdo_full + 8 * s,
                                     c * PANEL_COLS, wt.q_row + m0, head, wt.tma_b);
+                    }
+                    if constexpr (BIAS == BIAS_TMA) {
+                        // bias [m0 .., n0 ..] of (batch, head) as BN / 64 panels [BM, 64] (zeros
+                        // past s_q / s_k); a broadcast dimension is one row of the tensor map
+#pragma unroll
+                        for (int c = 0; c < BN / PANEL_COLS; ++c)
+                            tma_load_4d(smem + L::BIAS + s * L::BIAS_TILE + c * L::BIAS_PANEL, &p.tma_bias,
+                                        qdo_full + 8 * s, wt.n0 + c * PANEL_COLS, m0,
+                                        p.bias_stride_h ? head : 0, p.bias_stride_b ? wt.batch : 0);
                     }
                     if (mi == 0) ++head;
                 }
@@ -452,8 +476,8 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             const float* lse_smem = rows_smem + s * 2 * BM;   // [BM] lse·log2 e of the step
             const float* dsum_smem = lse_smem + BM;           // [BM] D of the step
             const int head = step_head(p, wt, st);
-            if constexpr (BIAS != 0) {   // bias blocks: this step's into L1 (loaded after Sᵀ),
-                                         // the next step's into L2
+            if constexpr (BIAS_LD) {   // bias blocks: this step's into L1 (loaded after Sᵀ),
+                                       // the next step's into L2
                 fetch_bias(wt.batch, head, m0, n0, true);
                 if (st + 1 < wt.steps) fetch_bias(wt.batch, step_head(p, wt, st + 1), step_m0(wt, st + 1), n0, false);
             }
@@ -470,11 +494,15 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                                 smem_desc(q_tile + (kk / 4) * L::Q_PANEL + off, 16, 1024), kk > 0);
             }
             wgmma_commit();
-            // dPᵀ = V dOᵀ: issued right behind Sᵀ (Pᵀ overlaps it), or after Pᵀ (BIAS at d = 128:
-            // the bias loads need the registers dPᵀ would hold in flight)
-            constexpr bool DP_EARLY = BIAS == 0 || D == 64;
+            // dPᵀ = V dOᵀ: issued right behind Sᵀ (Pᵀ overlaps it), or after Pᵀ (a bias at d = 128:
+            // dK, dV, Sᵀ, dPᵀ in flight and the bias leave too few registers; BIAS_TMA spills
+            // 8-40 B with dPᵀ early: tuning builds may pass -DBIAS_TMA_DP_EARLY=1 to compare)
+#ifndef BIAS_TMA_DP_EARLY
+#define BIAS_TMA_DP_EARLY 0
+#endif
+            constexpr bool DP_EARLY = BIAS == BIAS_NONE || D == 64 || (BIAS == BIAS_TMA && BIAS_TMA_DP_EARLY);
             auto issue_dp = [&]() {
-                if (!DP_EARLY || BIAS != 0) wgmma_fence();   // (no bias: in the same fence as Sᵀ)
+                if (!DP_EARLY || BIAS_LD) wgmma_fence();   // (else: in the same fence as Sᵀ)
 #pragma unroll
                 for (int kk = 0; kk < D / 16; ++kk) {
                     const u32 off = (kk % 4) * 32;
@@ -524,26 +552,37 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                     s_acc[i] = pe;
                 }
             } else {
-                // BIAS: the bias [query m0 + col, key] read per pair of queries (clamped into the
+                // BIAS_LD: the bias [query m0 + col, key] read per pair of queries (clamped into the
                 // plane: those P are masked or 0)
                 // bias rows m0 + col_in_8 (+ 8 per i / 4, + 1 per i % 2) at keys key0, key0 + 8 (keys
                 // clamped into the row; rows past s_q not read: their P is 0 anyway, lse = +inf)
                 const char* brow = nullptr;
                 i64 b_sq = 0;            // bytes between bias rows
                 int b_k8 = 0;            // bytes from key key0 to key0 + 8 (clamped)
-                {
+                if constexpr (BIAS_LD) {
                     const int k_a = min(key0, p.s_k - 1), k_b = min(key0 + 8, p.s_k - 1);
                     b_sq = p.bias_stride_q * BIAS_BYTES;
                     b_k8 = (k_b - k_a) * BIAS_BYTES;
                     brow = bias_plane(wt.batch, head) + (i64)(m0 + col_in_8) * b_sq + (i64)k_a * BIAS_BYTES;
                 }
+                // BIAS_TMA: this consumer's panel bias_smem [BM queries, 64 keys] of the stage. One
+                // ldmatrix.x4.trans gives a lane the pairs (queries col, col + 1; one key) of 16
+                // queries x 16 keys: matrix mt = lane / 8 holds queries 8·(mt / 2) .. + 7 of the 16
+                // (rows: lane % 8 gives their addresses) and the warp's keys 8·(mt % 2) .. + 7 (a
+                // 16-byte chunk, swizzled: chunk XOR row mod 8); transposed, lane l receives key
+                // l / 4 of queries 2(l % 4), + 1: exactly s_acc's pairs (i = 8g + 2·mt)
+                const int lane = t % 32, mt = lane / 8;
+                const unsigned char* bias_rows = smem_gen + L::BIAS + s * L::BIAS_TILE + cw * L::BIAS_PANEL +
+                                                 (8 * (mt / 2) + lane % 8) * 128 +
+                                                 (((2 * (t / 32) + mt % 2) ^ (lane % 8)) << 4);
+                u32 bias_pairs[4];
 #pragma unroll
                 for (int i = 0; i < NS; i += 2) {
                     const int col = (i / 4) * 8 + col_in_8;             // query rows m0 + col, + 1
                     const int key = key0 + ((i % 4) >= 2 ? 8 : 0);
                     const float2 l2 = *(const float2*)(lse_smem + col);
                     float x0 = s_acc[i] * p.scale_log2, x1 = s_acc[i + 1] * p.scale_log2;
-                    if constexpr (BIAS != 0) {
+                    if constexpr (BIAS_LD) {
                         const char* r0 = brow + ((i % 4) >= 2 ? b_k8 : 0);
                         const char* r1 = r0 + b_sq;
                         float b0 = 0.f, b1 = 0.f;
@@ -558,6 +597,11 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                         x0 = fmaf(b0, CF_LOG2E, x0);
                         x1 = fmaf(b1, CF_LOG2E, x1);
                         if (i % 4 == 2) brow += 8 * b_sq;                // next 8 query rows
+                    } else {   // BIAS_TMA: queries 16g .. 16g + 15 of the step per ldmatrix
+                        if (i % 8 == 0) ldmatrix_x4_trans(bias_pairs, bias_rows + (i / 8) * 16 * 128);
+                        const u32 pr = bias_pairs[(i % 8) / 2];   // query col in the low half
+                        x0 = fmaf(to_float<E>((S)(pr & 0xffffu)), CF_LOG2E, x0);
+                        x1 = fmaf(to_float<E>((S)(pr >> 16)), CF_LOG2E, x1);
                     }
                     float pe0 = fast_exp2(x0 - l2.x), pe1 = fast_exp2(x1 - l2.y);
                     if (need_mask) {

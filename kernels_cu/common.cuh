@@ -86,6 +86,8 @@ struct Params {
     TmaDesc tma_k;          // k [b, s_k, h_k, d]: box [64 (32) columns, BN rows]
     TmaDesc tma_v;          // v [b, s_k, h_k, d_v]: box [64 (32) columns, BN rows]
     TmaDesc tma_do;         // dout [b, s_q, h, d_v] (backward): box [64 columns, BM rows]
+    TmaDesc tma_bias;       // bias [b', h', s_q, s_k] (Hopper backward, BIAS_TMA) as (s_k, s_q, h', b'):
+                            // box [64 keys, BM queries]; a broadcast dimension has extent 1
 };
 #ifdef CUPYFLASH_PARAMS_NBYTES   // passed by cupyflash/_modules.py from the Python mirror
 static_assert(sizeof(Params) == CUPYFLASH_PARAMS_NBYTES,

@@ -60,13 +60,15 @@ def bias_shape(kind, b, h, sq, sk):
 
 def make_bias(rng, shape, dtype, layout="contig"):
     """(NumPy values, CuPy array) of a bias; layout "keys_strided": keys not contiguous;
-    "row_padded": contiguous keys, rows 2 elements longer than s_k (a view)."""
+    "row_padded" / "row_padded8": contiguous keys, rows 2 / 8 elements longer than s_k (a view;
+    the padding is NaN)."""
     vals = (rng.standard_normal(shape) * 2).astype(dtype)
     if layout == "keys_strided" and len(shape) >= 2:
         buf = cp.asarray(np.ascontiguousarray(np.swapaxes(vals, -1, -2)))   # [..., sk, sq] storage
         return vals, cp.swapaxes(buf, -1, -2)
-    if layout == "row_padded":
-        buf = cp.full(shape[:-1] + (shape[-1] + 2,), cp.nan, cp.float32).astype(dtype)
+    if layout in ("row_padded", "row_padded8"):
+        pad = 8 if layout == "row_padded8" else 2
+        buf = cp.full(shape[:-1] + (shape[-1] + pad,), cp.nan, cp.float32).astype(dtype)
         buf[..., :shape[-1]] = cp.asarray(vals)
         return vals, buf[..., :shape[-1]]
     return vals, cp.asarray(vals)
@@ -312,15 +314,17 @@ def test_bias_hopper_options(rng, opt):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_bias_hopper_backward(rng, dtype, d, kind):
     """Each broadcast pattern (dbias stored, summed over rows, atomically over batch / heads),
-    GQA 4 / 2, s_q prime, s_k even, a partial last key tile; the bias in q's dtype."""
-    run_dense(rng, dtype, 2, 257, 200, 4, 2, d, bias=kind, kernel="sm90", expect_fwd="_bias",
-              bwd_kernel="sm90", expect_bwd=("bwd90_", "_bias16"))
+    GQA 4 / 2, s_q prime, s_k even, a partial last key tile; the bias in q's dtype. A bias with
+    its query dimension (400-byte rows) is staged by TMA (BIAS_TMA), the others loaded."""
+    bname = run_dense(rng, dtype, 2, 257, 200, 4, 2, d, bias=kind, kernel="sm90", expect_fwd="_bias",
+                      bwd_kernel="sm90", expect_bwd=("bwd90_", "_bias16"))
+    assert bname.endswith("_tma") == ("q" in kind), bname
 
 
 @hopper
 @pytest.mark.parametrize("opt", ["f32_bias", "f16_bias_cast", "causal", "causal_f32",
                                  "window", "mqa", "batch1_store", "batch1_1hqk", "sq1",
-                                 "sq_lt_sk", "sq_gt_sk", "row_padded", "auto"])
+                                 "sq_lt_sk", "sq_gt_sk", "row_padded", "row_padded8", "auto"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_bias_hopper_backward_options(rng, d, opt):
     """float32 bias (and a float16 one, taken as a float32 copy), causal / window (skipped and
@@ -351,8 +355,8 @@ def test_bias_hopper_backward_options(rng, d, opt):
         sq, sk, kw = 61, 386, dict(causal=True)
     elif opt == "sq_gt_sk":
         sq, sk, kw = 389, 66, dict(causal=True)
-    elif opt == "row_padded":
-        kw = dict(bias_layout="row_padded")
+    elif opt in ("row_padded", "row_padded8"):   # 404-byte rows: loaded; 416: TMA, NaN past s_k
+        kw = dict(bias_layout=opt)
     dtype = "float16" if opt in ("mqa", "sq_gt_sk") else "bfloat16"
     expect = "_bias32" if bias32 else "_bias16"
     run_dense(rng, dtype, b, sq, sk, h, hk, d, bias=kind, kernel="sm90",

@@ -169,13 +169,19 @@ def test_backward_coverage(kw, why):
 def test_backward_variants_fit_and_layout_mirror():
     from cupyflash import _gpu_bwd_sm90 as h90
     vs = h90.variants()
-    assert len(vs) == 32 and len({v.name for v in vs}) == 32
-    assert {(v.varlen, v.bias) for v in vs} == {(False, 0), (False, 1), (False, 2), (True, 0)}
+    assert len(vs) == 40 and len({v.name for v in vs}) == 40
+    assert {(v.varlen, v.bias) for v in vs} == {(False, 0), (False, 1), (False, 2), (False, 3),
+                                                (True, 0)}
     assert all(v.smem_bytes <= H200_SMEM for v in vs)
     assert {(v.d, v.kvbuf) for v in vs} == {(64, 2), (128, 1)}
     src = (ROOT / "kernels_cu" / "bwd_sm90.cu").read_text()
     for expr in ("V = K + KVBUF * KV_TILE", "Q = V + KVBUF * KV_TILE", "DQ = DS + 2 * DS_TILE",
-                 "DQ_PITCH = D * 4;", "ROWS = DQ + BM * DQ_PITCH", "TILE = ROWS + NBUF * 2 * BM * 4",
+                 "DQ_PITCH = D * 4;", "BIAS_PANEL = BM * 128;",
+                 "BIAS_TILE = BIAS_SMEM ? (BN / PANEL_COLS) * BIAS_PANEL : 0;",
+                 "BIAS = DQ + BM * DQ_PITCH", "ROWS = BIAS + NBUF * BIAS_TILE",
+                 "TILE = ROWS + NBUF * 2 * BM * 4",
+                 "constexpr int BIAS_NONE = 0;", "constexpr int BIAS_LD16 = 1;",
+                 "constexpr int BIAS_LD32 = 2;", "constexpr int BIAS_TMA = 3;",
                  "JOB = TILE + 16", "BARS = JOB + 16",
                  "BYTES = BARS + 8 * (2 * KVBUF + 2 * NBUF + 2 + 2 * TILE_RING)",
                  "if (smem_given < L::BYTES + 1024) __trap();"):
@@ -184,8 +190,10 @@ def test_backward_variants_fit_and_layout_mirror():
                                    + 64 * 128 * 4 + 1024 + 32 + 8 * 12 + 1024)
     assert h90.smem_bytes(64) == (2 * 2 * 128 * 64 * 2 + 2 * 2 * 64 * 64 * 2 + 2 * 128 * 64 * 2
                                   + 64 * 64 * 4 + 1024 + 32 + 8 * 14 + 1024)
-    # a second K / V buffer does not fit at d = 128
+    # a second K / V buffer does not fit at d = 128; the staged bias tiles do
     assert h90.smem_bytes(128, 2) > H200_SMEM
+    assert h90.smem_bytes(128, 1, True) == h90.smem_bytes(128) + 2 * 64 * 128 * 2 <= H200_SMEM
+    assert h90.smem_bytes(64, 2, True) == h90.smem_bytes(64) + 2 * 64 * 128 * 2
 
 
 def test_backward_bias_variant_names():
@@ -214,6 +222,23 @@ def test_backward_bias_variant_names():
 def test_backward_bias_layout(strides, s_k, ptr, itemsize, why):
     from cupyflash import _gpu_bwd_sm90 as h90
     got = h90.bias_unsupported(strides, s_k, ptr, itemsize)
+    if why is None:
+        assert got is None
+    else:
+        assert got is not None and why in got, got
+
+
+@pytest.mark.parametrize("shape,strides,s_q,ptr,why", [
+    ((1, 16, 1024, 1024), (0, 1 << 20, 1024, 1), 1024, 256, None),         # (1, h, s, s)
+    ((2, 1, 257, 200), (257 * 200, 0, 200, 1), 257, 512, None),            # 400-byte rows
+    ((1, 1, 1, 130), (0, 0, 0, 1), 1, 512, None),                          # s_q = 1
+    ((2, 1, 1, 200), (200, 0, 0, 1), 257, 512, "broadcast over queries"),  # key padding
+    ((1, 4, 257, 202), (0, 257 * 202, 202, 1), 257, 512, "16-byte"),       # 404-byte rows
+    ((1, 4, 64, 64), (0, 64 * 64, 64, 1), 64, 520, "16-byte"),             # address
+], ids=["h_s_s", "b_1_q_k", "sq1", "key_padding", "rows_404", "misaligned"])
+def test_backward_bias_tma_layout(shape, strides, s_q, ptr, why):
+    from cupyflash import _gpu_bwd_sm90 as h90
+    got = h90.bias_tma_unsupported(shape, strides, s_q, ptr, 2)
     if why is None:
         assert got is None
     else:
