@@ -20,7 +20,7 @@ import cupy as cp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cupyflash import _bench, _checks, _gpu, _gpu_bwd, _gpu_bwd_sm90 as h90  # noqa: E402
+from cupyflash import _bench, _checks, _gpu, _gpu_bwd, _gpu_bwd_sm90 as h90, _plan, _tma  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -60,8 +60,17 @@ def main():
                     _gpu_bwd._functions.clear()
 
             run_patched("ld16", h90, "bias_tma_unsupported", lambda f: lambda *a: "probe: off")
-            run_patched("tma_dp_early", _gpu_bwd, "program",
-                        lambda f: lambda vs: (lambda src, o, n: (src, o + ("-DBIAS_TMA_DP_EARLY=1",), n))(*f(vs)))
+            for ptag, define in (("tma_dp_early", "-DBIAS_TMA_DP_EARLY=1"),
+                                 ("no_l2_prefetch", "-DBIAS_TMA_PREFETCH=0")):
+                run_patched(ptag, _gpu_bwd, "program",
+                            lambda f, _d=define: lambda vs: (lambda src, o, n: (src, o + (_d,), n))(*f(vs)))
+
+            def oob_desc(prm, b_arr):   # the tensor map covers query row 0 of plane 0 only:
+                st = _gpu.broadcast_strides(b_arr)   # later boxes read no memory (zero fill)
+                dims, strides, box = _plan.tma_tensor((1, 1, 1, b_arr.shape[3]), (st[0], st[2], st[1], 1),
+                                                      b_arr.itemsize, h90.BM)
+                prm["tma_bias"] = _tma.encode("bfloat16", b_arr.data.ptr, dims, strides, box)
+            run_patched("bias_no_memory", h90, "bias_tma_desc", lambda f: oob_desc)
             for ptag, fix in (("no_dbias_writes", lambda p: p.__setitem__("dbias_accum", 0)),
                               ("store_forced", lambda p: p.__setitem__("dbias_mode", int(p["dbias_mode"]) | 16)),
                               ("no_sched_b", lambda p: p.__setitem__("dbias_mode", int(p["dbias_mode"]) & ~32))):
