@@ -2,10 +2,15 @@
 side by side on the FA benchmark shapes (bf16, batch·seqlen = 16k tokens, hidden 2048), each
 checked against the portable kernel first. For choosing _plan.SM90_TILES; run on a cc 9.0 GPU:
 
-    PYTHONPATH=. python benchmarks/sm90_tune.py [--seqlen 1024 4096 16384]
+    PYTHONPATH=. python benchmarks/sm90_tune.py [--seqlen 1024 4096 16384] [--rounds 5]
+
+With --rounds N each cell times its candidates N times, interleaved (A B C A B C ...), and prints
+the median TFLOP/s with the lowest and highest in brackets: the card's clock drifts between
+consecutive timings by several percent, which one timing per candidate takes for a difference.
 """
 import argparse
 import math
+import statistics
 
 import cupy as cp
 import ml_dtypes
@@ -25,6 +30,7 @@ def main():
     ap.add_argument("--seqlen", nargs="+", type=int, default=[1024, 4096, 16384])
     ap.add_argument("--head-dim", nargs="+", type=int, default=sorted(CANDIDATES))
     ap.add_argument("--causal", nargs="+", default=["false", "true"], help="e.g. --causal true")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved timings per candidate")
     ap.add_argument("--tiles", nargs="+", default=[], metavar="D:BN,STAGES,NC",
                     help="candidates instead of CANDIDATES, e.g. 64:96,2,2 128:128,2,2")
     args = ap.parse_args()
@@ -46,15 +52,26 @@ def main():
                 opts = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1)
                 _gpu.forward(q, k, v, out, lse, opts, kernel="portable")
                 ref = out.astype(cp.float32)
-                cells = []
-                for bn, st, nc in candidates[d]:
-                    var = _plan.Sm90Variant("bf16_t", d, bn, st, causal, False, nc)
+                variants = [_plan.Sm90Variant("bf16_t", d, bn, st, causal, False, nc)
+                            for bn, st, nc in candidates[d]]
+                bad = {}
+                for var in variants:     # each candidate checked against the portable kernel
                     out.fill(0)
                     _gpu.forward(q, k, v, out, lse, opts, kernel=var)
                     err = float(cp.abs(out.astype(cp.float32) - ref).max())
-                    ms = time_ms(lambda: _gpu.forward(q, k, v, out, lse, opts, kernel=var))
-                    tf = 4 * b * h * s * s * d / (2 if causal else 1) / ms / 1e9
-                    cells.append(f"{64 * nc}x{bn}s{st}: {tf:6.1f}{'' if err < 2e-2 else ' BAD %.1e' % err}")
+                    bad[var] = "" if err < 2e-2 else " BAD %.1e" % err
+                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+                tfs = {var: [] for var in variants}
+                for _ in range(args.rounds):   # interleaved: clock drift hits every candidate
+                    for var in variants:
+                        ms = time_ms(lambda: _gpu.forward(q, k, v, out, lse, opts, kernel=var))
+                        tfs[var].append(flops / ms / 1e9)
+                cells = []
+                for var in variants:
+                    t = tfs[var]
+                    spread = f" [{min(t):5.1f}-{max(t):5.1f}]" if args.rounds > 1 else ""
+                    cells.append(f"{var.bm}x{var.bn}s{var.stages}: {statistics.median(t):6.1f}"
+                                 f"{spread}{bad[var]}")
                 print(f"d{d:3d} s{s:6d} causal={causal!s:5}  " + "  ".join(cells), flush=True)
             del q, k, v, out
             cp.get_default_memory_pool().free_all_blocks()

@@ -303,6 +303,13 @@ SM90_TILES = {64: (128, 2, 3), 128: (128, 2, 2), 256: (80, 2, 2)}
 #: causal / window calls.
 SM90_TILES_NC2 = {64: (128, 2, 2)}
 SM90_SHORT_WINDOW_SQ = 1024
+#: hd 128 with key tiles of 176 (FlashAttention-3's width) where a query row sees at least
+#: SM90_WIDE_MIN_KEYS keys (sm90_keys): on the H200 +3-5 % at s = 8k / 16k and +2-3 % at 4k,
+#: causal or not, over 128 x 128, but up to 9 % slower causal at s <= 1k (docs/hopper.md,
+#: "How the forward got there", step 8). Dense calls without softcap or bias only: those
+#: variants spill at 176.
+SM90_TILES_WIDE = {128: (176, 2, 2)}
+SM90_WIDE_MIN_KEYS = 4096
 #: Head dims of the BIAS variants (hd 256 spills with the bias loads).
 SM90_BIAS_HEAD_DIMS = (64, 128)
 #: Largest stride TMA takes (bytes, exclusive), and the alignment it needs of strides and bases.
@@ -434,19 +441,33 @@ def sm90_f32_variants():
             for w in (False, True)]
 
 
+def sm90_keys(s_k: int, window_left: int, window_right: int) -> int:
+    """The most keys one query row can see: s_k, or the width of a window bounded on both sides."""
+    if window_left >= 0 and window_right >= 0:
+        return min(s_k, window_left + window_right + 1)
+    return s_k
+
+
 def sm90_variant(elem: str, d: int, window: bool, softcap: bool,
-                 s_q: Optional[int] = None, varlen: bool = False, bias: int = 0):
-    """The planner's Hopper forward instantiation for these template flags and s_q queries (the
-    longest sequence's, varlen) (SM90_TILES; SM90_TILES_NC2 for softcap, and for window calls of
-    at most SM90_SHORT_WINDOW_SQ queries). float32 tags: the Sm90F32Variant (no softcap, varlen,
-    bias there)."""
+                 s_q: Optional[int] = None, varlen: bool = False, bias: int = 0,
+                 keys: Optional[int] = None):
+    """The planner's Hopper forward instantiation for these template flags, s_q queries (the
+    longest sequence's, varlen) and at most ``keys`` keys per query row (sm90_keys) (SM90_TILES;
+    SM90_TILES_WIDE for dense calls without softcap or bias from SM90_WIDE_MIN_KEYS keys on;
+    SM90_TILES_NC2 for softcap, and for window calls of at most SM90_SHORT_WINDOW_SQ queries).
+    float32 tags: the Sm90F32Variant (no softcap, varlen, bias there)."""
     if elem in F32_ELEMS:
         if softcap or varlen or bias:
             raise ValueError("the float32 Hopper kernel has no softcap, varlen or bias")
         return sm90_f32_variant(elem, d, window)
     short_window = window and s_q is not None and s_q <= SM90_SHORT_WINDOW_SQ
     nc2 = softcap or varlen or bias or short_window
-    tiles = SM90_TILES_NC2.get(d, SM90_TILES[d]) if nc2 else SM90_TILES[d]
+    wide = (d in SM90_TILES_WIDE and keys is not None and keys >= SM90_WIDE_MIN_KEYS
+            and not (softcap or varlen or bias))
+    if wide:
+        tiles = SM90_TILES_WIDE[d]
+    else:
+        tiles = SM90_TILES_NC2.get(d, SM90_TILES[d]) if nc2 else SM90_TILES[d]
     bn, stages, nc = tiles
     return Sm90Variant(elem, d, bn, stages, window, softcap, nc, varlen, bias)
 
@@ -458,11 +479,11 @@ def sm90_variants():
         for d in SM90_HEAD_DIMS:
             for window in (False, True):
                 for cap in (False, True):
-                    for s_q in (None, 1):
+                    for s_q, keys in ((None, None), (1, None), (None, SM90_WIDE_MIN_KEYS)):
                         for varlen, bias in ((False, 0), (True, 0), (False, 1), (False, 2)):
                             if bias and d not in SM90_BIAS_HEAD_DIMS:
                                 continue
-                            v = sm90_variant(elem, d, window, cap, s_q, varlen, bias)
+                            v = sm90_variant(elem, d, window, cap, s_q, varlen, bias, keys)
                             found[v.name] = v
     return list(found.values())
 
@@ -533,8 +554,9 @@ def sm90_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap
         return sm90_common_unsupported(dtype_name, d, d_v, SM90_F32_HEAD_DIMS, cc=cc,
                                        smem_need=smem_need, smem_optin=smem_optin,
                                        tensors=tensors, dtypes=("float32",))
-    smem_need = max(sm90_variant("f16_t", d, w, softcap > 0, s).smem_bytes
-                    for w in (False, True) for s in (None, 1)) if d in SM90_TILES else 0
+    smem_need = max(sm90_variant("f16_t", d, w, softcap > 0, s, keys=kk).smem_bytes
+                    for w in (False, True) for s in (None, 1)
+                    for kk in (None, SM90_WIDE_MIN_KEYS)) if d in SM90_TILES else 0
     return sm90_common_unsupported(dtype_name, d, d_v, SM90_HEAD_DIMS, cc=cc,
                                    smem_need=smem_need, smem_optin=smem_optin, tensors=tensors)
 
@@ -553,7 +575,8 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
     elem = elem_tag(dtype_name, allow_tf32)   # float32: f32x3_t, or tf32_t (allow_tf32)
     window = window_left >= 0 or window_right >= 0
     if variant is None:
-        variant = sm90_variant(elem, d, window, softcap > 0, s_q)
+        variant = sm90_variant(elem, d, window, softcap > 0, s_q,
+                               keys=sm90_keys(s_k, window_left, window_right))
     elif variant.elem != elem or variant.d != d or d_v != d or (window and not variant.window) \
             or (softcap > 0) != variant.softcap or variant.varlen != varlen:
         raise ValueError(f"kernel {variant.name} cannot compute this problem")

@@ -97,6 +97,24 @@ def test_long_sequence(rng):
     sm90(rng, "float16", 1, 1500, 3001, 2, 2, 64, causal=True)
 
 
+
+#: Key-tile widths at hd 128 that are not powers of two (FlashAttention-3 takes 176), forced
+#: through an explicit Sm90Variant: ragged key tails, band edges that cut a tile anywhere.
+WIDE_BN = [160, 176]
+WIDE_OPTS = {"plain": {}, "causal": dict(causal=True), "window": dict(window=(100, 37)),
+             "causal_top_left": dict(causal=True, bottom_right=False)}
+
+
+@pytest.mark.parametrize("opt", list(WIDE_OPTS))
+@pytest.mark.parametrize("s_q,s_k", [(1, 239), (113, 203), (257, 63), (640, 2048), (1023, 1024)])
+@pytest.mark.parametrize("bn", WIDE_BN)
+def test_wide_key_tiles(rng, bn, s_q, s_k, opt):
+    kw = WIDE_OPTS[opt]
+    var = _plan.Sm90Variant("bf16_t", 128, bn, 2, bool(kw), False)
+    name = run_case(rng, "bfloat16", 2, s_q, s_k, 2, 1, 128, kernel=var, **kw)
+    assert name.startswith(f"fwd90_bf16_d128_128x{bn}s2"), name
+
+
 # ---------------------------------------------------------------------------------------------
 # The planner's choice under kernel="auto"
 # ---------------------------------------------------------------------------------------------

@@ -29,8 +29,10 @@ def _contig(shape):
 def test_variants_fit_and_are_distinct():
     vs = _plan.sm90_variants()
     # dtypes x head dims x window x softcap x varlen, plus hd 64's dense two-consumer
-    # short-window variant, plus the bias variants (16-bit / float32 bias, hd 64 and 128)
-    assert len(vs) == 2 * 3 * 2 * 2 * 2 + 2 + 2 * len(_plan.SM90_BIAS_HEAD_DIMS) * 2 * 2 * 2
+    # short-window variant, plus the bias variants (16-bit / float32 bias, hd 64 and 128), plus
+    # the wide-key-tile variants (hd 128, dense, no softcap, window or not)
+    assert len(vs) == (2 * 3 * 2 * 2 * 2 + 2 + 2 * len(_plan.SM90_BIAS_HEAD_DIMS) * 2 * 2 * 2
+                       + 2 * len(_plan.SM90_TILES_WIDE) * 2)
     assert {v.d for v in vs if v.bias} == set(_plan.SM90_BIAS_HEAD_DIMS)
     assert all(v.nc == 2 and not v.varlen for v in vs if v.bias)
     assert len({v.name for v in vs}) == len(vs) == len({v.name_expression for v in vs})
@@ -258,6 +260,32 @@ def test_hd64_consumer_count(s_q, window, softcap, nc):
     assert v in _plan.sm90_variants()
     assert pl.params["num_m_blocks"] == -(-s_q // v.bm)
 
+
+
+@pytest.mark.parametrize("s_k,kw,bn", [
+    (4096, {}, 176), (16384, dict(window_right=0), 176), (2048, {}, 128),
+    (1024, dict(window_right=0), 128), (8192, dict(softcap=30.0), 128),
+    (8192, dict(window_left=1000, window_right=1000), 128),
+    (8192, dict(window_left=5000, window_right=0), 176),
+], ids=["4k", "16k_causal", "2k", "1k_causal", "softcap", "narrow_window", "wide_window"])
+def test_hd128_key_tile_width(s_k, kw, bn):
+    """hd 128: key tiles of 176 where a query row sees at least SM90_WIDE_MIN_KEYS keys (dense,
+    no softcap, no bias), 128 otherwise."""
+    pl = _plan.plan_forward_sm90("bfloat16", 1, s_k, s_k, 16, 16, 128, 128, scale=0.088, **kw)
+    v = pl.variant
+    assert v.bn == bn and v.bm == 128 and v in _plan.sm90_variants() and pl.smem == v.smem_bytes
+    assert _plan.sm90_keys(s_k, kw.get("window_left", -1), kw.get("window_right", -1)) >= (
+        _plan.SM90_WIDE_MIN_KEYS if bn == 176 else 0)
+
+
+def test_wide_key_tiles_only_at_hd128_dense():
+    """Bias and varlen calls keep 128-key tiles at any length, and so do hd 64 and hd 256."""
+    many = 4 * _plan.SM90_WIDE_MIN_KEYS
+    assert _plan.sm90_variant("bf16_t", 128, False, False, bias=1, keys=many).bn == 128
+    assert _plan.sm90_variant("bf16_t", 128, True, False, varlen=True, keys=many).bn == 128
+    assert _plan.sm90_variant("bf16_t", 64, False, False, keys=many) == \
+        _plan.sm90_variant("bf16_t", 64, False, False)
+    assert _plan.sm90_variant("bf16_t", 256, False, False, keys=many).bn == 80
 
 @pytest.mark.parametrize("window,softcap", [(False, False), (True, False), (False, True)],
                          ids=["plain", "causal", "softcap"])
