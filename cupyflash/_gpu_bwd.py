@@ -606,7 +606,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
         elif accum is not None and accum.data.ptr != dbias.data.ptr:
             acc = accum.reshape((dplan.slabs,) + dplan.shape)
             red = acc[0] if dplan.slabs == 1 else acc.sum(axis=0)   # slabs in a fixed order
-            dbias[...] = red.astype(dbias.dtype, copy=False)
+            cupy.copyto(dbias, red.reshape(dbias.shape), casting="unsafe")   # one pass: cast + store
     return res
 
 

@@ -358,19 +358,6 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                         for (int c = 0; c < BN / PANEL_COLS; ++c)
                             tma_load_4d(smem + L::BIAS + s * L::BIAS_TILE + c * L::BIAS_PANEL, &p.tma_bias,
                                         qdo_full + 8 * s, wt.n0 + c * PANEL_COLS, m0, bh, bb);
-                        // and the next step's bias tile into L2: unlike Q / dO (shared by every
-                        // key tile of the head), it is read by this tile alone (and its batch
-                        // neighbours): from DRAM, one ring slot ahead is too late
-#ifndef BIAS_TMA_PREFETCH   // tuning builds may pass -DBIAS_TMA_PREFETCH=0 (benchmarks/probe_bias_bwd.py)
-#define BIAS_TMA_PREFETCH 1
-#endif
-                        if (BIAS_TMA_PREFETCH && st + 1 < wt.steps) {
-                            const int bh_next = p.bias_stride_h ? head + (mi == 0) : 0;   // (mi: the next step's)
-#pragma unroll
-                            for (int c = 0; c < BN / PANEL_COLS; ++c)
-                                tma_prefetch_l2_4d(&p.tma_bias, wt.n0 + c * PANEL_COLS, (wt.m_first + mi) * BM,
-                                                   bh_next, bb);
-                        }
                     }
                     if (mi == 0) ++head;
                 }
