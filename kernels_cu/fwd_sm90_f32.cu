@@ -31,7 +31,9 @@
 //     k-step, P from registers). With NC = 2 the
 //     consumers take turns on the tensor cores as in fwd_sm90.cu (pingpong); every consumer
 //     issues S of key tile j + 1 with O += P V of key tile j and runs the softmax of j + 1 while
-//     O += P V is still on the tensor cores.
+//     O += P V is still on the tensor cores. A key tile masked for all 64 rows of a consumer
+//     (causal: the right half of the diagonal's key tiles for consumer 0) costs that consumer
+//     no product and no softmax, only its turns; masks are decided per consumer's rows.
 //
 // Shared memory: 128-byte swizzled panels of 32 float columns (128 bytes per row: the 16-bit
 // kernel's byte geometry; one TMA box per panel; 1024-byte aligned). A k-step of 8 TF32 values is
@@ -406,59 +408,84 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
         }
     };
     auto key0 = [&](int it) { return (wt.t_first + wt.n_tiles - 1 - it) * BN; };   // right to left
+    // Work tile wt seen from this warpgroup's 64 rows alone (m0, m_last narrowed): the masks are
+    // decided per warpgroup
+    auto our_rows = [&]() {
+        WorkTile wc = wt;
+        wc.m0 = wt.m0 + cw * WG_ROWS;
+        wc.m_last = min(wc.m0 + WG_ROWS - 1, wt.m_last);
+        return wc;
+    };
+    // Key tile it is masked for every one of our rows (causal: the diagonal tiles right of our
+    // last row; window: also those left of our first row's band; rows past s_q): hidden, its
+    // products and softmax are skipped (P = 0 would add nothing), its turns still taken
+    auto hidden = [&](int it) -> bool {
+        const WorkTile wc = our_rows();
+        const int n0 = key0(it);
+        bool none = wc.m_last < wc.m0;
+        if (WINDOW)
+            none = none || n0 > wc.m_last + wc.diag + p.window_right ||
+                   n0 + BN - 1 < wc.m0 + wc.diag - p.window_left;
+        return none;
+    };
 
     // ---- S = Q Kᵀ  [64, BN], fp32, of the key tile in ring position kv: k-steps of 8 columns
     //      (32 bytes) through the D / 32 panels; per k-step q_small·k_big + q_big·k_small +
-    //      q_big·k_big (QREG: q_big·k_big first, q_small from registers) (issued and committed)
-    auto issue_s = [&](int kv) {
+    //      q_big·k_big (QREG: q_big·k_big first, q_small from registers) (issued and committed;
+    //      hidden: the key tile is masked for all our rows, an empty group)
+    auto issue_s = [&](int kv, bool hidden) {
         const int s = kv % STAGES;
         const u32 qb = q_smem + cw * WG_ROWS * 128;        // this warpgroup's 64 rows of each Q panel
         const u32 qs = q_small + cw * WG_ROWS * 128;
         const u32 kb = k_big + s * L::KVT, ks = k_small + s * L::KVT;
         mbar_wait(k_full + 8 * s, (kv / STAGES) & 1);
         wgmma_fence();   // a pipeline stage of its own: O's product may be waited for alone
+        if (!hidden) {
 #pragma unroll
-        for (int kk = 0; kk < D / 8; ++kk) {
-            const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
-            const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
-            if constexpr (QREG) {
-                wgmma_ss_tf32<BN>(s_acc, smem_desc(qb + q_off, 16, 1024),
-                                  smem_desc(kb + k_off, 16, 1024), kk > 0);
-                if constexpr (SPLIT) {
+            for (int kk = 0; kk < D / 8; ++kk) {
+                const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
+                const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
+                if constexpr (QREG) {
                     wgmma_ss_tf32<BN>(s_acc, smem_desc(qb + q_off, 16, 1024),
-                                      smem_desc(ks + k_off, 16, 1024), 1);
-                    wgmma_rs_tf32<BN>(s_acc, qs_frag + 4 * kk, smem_desc(kb + k_off, 16, 1024));
-                }
-            } else {
-                if constexpr (SPLIT) {
-                    wgmma_ss_tf32<BN>(s_acc, smem_desc(qs + q_off, 16, 1024),
                                       smem_desc(kb + k_off, 16, 1024), kk > 0);
+                    if constexpr (SPLIT) {
+                        wgmma_ss_tf32<BN>(s_acc, smem_desc(qb + q_off, 16, 1024),
+                                          smem_desc(ks + k_off, 16, 1024), 1);
+                        wgmma_rs_tf32<BN>(s_acc, qs_frag + 4 * kk, smem_desc(kb + k_off, 16, 1024));
+                    }
+                } else {
+                    if constexpr (SPLIT) {
+                        wgmma_ss_tf32<BN>(s_acc, smem_desc(qs + q_off, 16, 1024),
+                                          smem_desc(kb + k_off, 16, 1024), kk > 0);
+                        wgmma_ss_tf32<BN>(s_acc, smem_desc(qb + q_off, 16, 1024),
+                                          smem_desc(ks + k_off, 16, 1024), 1);
+                    }
                     wgmma_ss_tf32<BN>(s_acc, smem_desc(qb + q_off, 16, 1024),
-                                      smem_desc(ks + k_off, 16, 1024), 1);
+                                      smem_desc(kb + k_off, 16, 1024), SPLIT || kk > 0);
                 }
-                wgmma_ss_tf32<BN>(s_acc, smem_desc(qb + q_off, 16, 1024),
-                                  smem_desc(kb + k_off, 16, 1024), SPLIT || kk > 0);
             }
         }
         wgmma_commit();
     };
     // ---- O += P V  [64, D] of the key tile in ring position kv: B = Vᵀ [D, BN] K-major, 8 keys
     //      (32 bytes) per k-step through the BN / 32 panels; per k-step p_small·vt_big +
-    //      p_big·vt_small + p_big·vt_big
-    auto issue_pv = [&](int kv) {
+    //      p_big·vt_small + p_big·vt_big (hidden: P = 0, an empty group)
+    auto issue_pv = [&](int kv, bool hidden) {
         const int s = kv % STAGES;
         const u32 vb = vt_big + s * L::KVT, vs = vt_small + s * L::KVT;
         mbar_wait(v_full + 8 * s, (kv / STAGES) & 1);
         fence_regs<NO>(o_acc);
         wgmma_fence();
+        if (!hidden) {
 #pragma unroll
-        for (int kk = 0; kk < BN / 8; ++kk) {
-            const u32 off = (kk / 4) * L::VT_PANEL + (kk % 4) * 32;
-            if constexpr (SPLIT) {
-                wgmma_rs_tf32<D>(o_acc, p_small + 4 * kk, smem_desc(vb + off, 16, 1024));
-                wgmma_rs_tf32<D>(o_acc, p_big + 4 * kk, smem_desc(vs + off, 16, 1024));
+            for (int kk = 0; kk < BN / 8; ++kk) {
+                const u32 off = (kk / 4) * L::VT_PANEL + (kk % 4) * 32;
+                if constexpr (SPLIT) {
+                    wgmma_rs_tf32<D>(o_acc, p_small + 4 * kk, smem_desc(vb + off, 16, 1024));
+                    wgmma_rs_tf32<D>(o_acc, p_big + 4 * kk, smem_desc(vs + off, 16, 1024));
+                }
+                wgmma_rs_tf32<D>(o_acc, p_big + 4 * kk, smem_desc(vb + off, 16, 1024));
             }
-            wgmma_rs_tf32<D>(o_acc, p_big + 4 * kk, smem_desc(vb + off, 16, 1024));
         }
         wgmma_commit();
     };
@@ -482,7 +509,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     // running max m, P = exp2(s·scale·log2e − shift), denominator l, and the factors alpha that
     // rescale O (applied by pack_p, once the previous O += P V has completed): fwd_sm90.cu's
     auto softmax_scores = [&](int n0) {
-        online_softmax<NS, BN, WINDOW>(s_acc, m_run, l_run, alpha, p, wt, n0,
+        online_softmax<NS, BN, WINDOW>(s_acc, m_run, l_run, alpha, p, our_rows(), n0,
                                        wt.m0 + cw * WG_ROWS + row_in_wg, col_in_8, sl2);
     };
     // O rescale by alpha, and P split into the TF32 A fragments of the next O += P V (the
@@ -505,8 +532,10 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     // The first key tile of work tile wt, whose S has completed: fresh O, m, l, then its softmax
     auto start_tile = [&]() {
         reset_rows<NO>(o_acc, m_run, l_run);
-        softmax_scores(key0(0));
-        pack_p();
+        if (!hidden(0)) {
+            softmax_scores(key0(0));
+            pack_p();
+        }
     };
     // ---- final O / l and lse of work tile wt (rows past s_q are not stored): float32 out
     auto store_tile = [&]() {
@@ -520,7 +549,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     // A turn with the S of the current tile's first key tile alone (no O += P V in flight)
     auto first_turn = [&]() {
         turn_begin();
-        issue_s(kv_it);
+        issue_s(kv_it, hidden(0));
         turn_end();
         wgmma_wait<0>();
         s_done(kv_it, wt.n_tiles == 1);
@@ -529,7 +558,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     // A turn with the last O += P V of the current tile alone
     auto last_turn = [&]() {
         turn_begin();
-        issue_pv(kv_it);
+        issue_pv(kv_it, hidden(wt.n_tiles - 1));
         turn_end();
         wgmma_wait<0>();
         pv_done(kv_it);
@@ -551,16 +580,17 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             //      cores (unconditional waits, the last O += P V peeled off: fwd_sm90.cu)
             const int last = wt.n_tiles - 1;
             for (int it = 0; it < last; ++it, ++kv_it) {
+                const bool next_hidden = hidden(it + 1);
                 turn_begin();
-                issue_s(kv_it + 1);
-                issue_pv(kv_it);
+                issue_s(kv_it + 1, next_hidden);
+                issue_pv(kv_it, hidden(it));
                 turn_end();
                 wgmma_wait<1>();                         // S done (O += P V may still run)
                 s_done(kv_it + 1, it + 1 == last);
-                softmax_scores(key0(it + 1));
+                if (!next_hidden) softmax_scores(key0(it + 1));
                 wgmma_wait<0>();                         // O += P V done
                 pv_done(kv_it);
-                pack_p();
+                if (!next_hidden) pack_p();              // (hidden: m, l, O unchanged)
             }
             // ---- the tile's last key tile, the epilogue, then the next tile
             last_turn();
