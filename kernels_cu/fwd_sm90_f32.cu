@@ -19,7 +19,8 @@
 // Persistent blocks of 128·(NC + 1) threads (one per SM) walk the work tiles (BM = 64·NC query
 // rows of one head of one batch):
 //   warpgroup 0, producer:
-//     thread 0 (TMA): draws work tiles from the global counter, loads each Q tile [BM, D] and its
+//     thread 0 (TMA): draws work tiles from the global counter (causal / window: the grid's
+//       last two waves longest first, longest_first_tail), loads each Q tile [BM, D] and its
 //       key tiles' K [BN, D] and V [BN, D] (raw float32) into a STAGES-deep ring;
 //     warps 1..3 (96 converter threads): split K in place (big) + k_small, transpose V into
 //       Vᵀ big / small [D, BN] (keys contiguous: the K-major B operand of O += P V), and (unless
@@ -101,6 +102,20 @@ __device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
     small = to_tf32(x - __uint_as_float(big));
 }
 
+// Causal / window work tiles differ in length (key tiles), and the grid ends with its last
+// block: the last work tiles, the query tiles of the last T (head, batch) pairs (T·M >= two
+// waves of the grid, M = query tiles per pair), are drawn longest first across those pairs (every
+// pair's last query tile, then every pair's next one, ...) instead of pair by pair. The w-th tile
+// drawn -> its index in work_tile's order (a bijection of [0, num_work)).
+__device__ __forceinline__ int longest_first_tail(const Params& p, int w, int grid) {
+    const int m = p.num_m_blocks, pairs = p.h * p.b;
+    const int tail_pairs = min(pairs, (2 * grid + m - 1) / m);
+    const int tail0 = (pairs - tail_pairs) * m;                 // the tail's first tile
+    if (w < tail0) return w;
+    const int i = w - tail0;                                    // i-th tile of the tail
+    return tail0 + (i % tail_pairs) * m + i / tail_pairs;       // pair i % T, (i / T)-th longest
+}
+
 }  // namespace sm90f32
 
 // QREG: the consumers split their own 64 Q rows (big in place, small kept in registers as the A
@@ -177,13 +192,15 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             for (int tile_i = 0;; ++tile_i) {
                 // the consumers are done with the previous tile's Q (big and small) and index
                 if (tile_i > 0) mbar_wait(q_empty, (tile_i - 1) & 1);
-                const int w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
+                const int w_drawn = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
                 ++drawn;
-                if (w >= num_work) {                  // no work left: tell everyone, stop
+                if (w_drawn >= num_work) {            // no work left: tell everyone, stop
                     *tile_smem = -1;
                     mbar_arrive(q_raw);
                     break;
                 }
+                // causal / window: the grid's tail longest first
+                const int w = WINDOW ? longest_first_tail(p, w_drawn, gridDim.x) : w_drawn;
                 const WorkTile wt = work_tile<WINDOW, false, BM, BN>(p, w);
                 *tile_smem = w;                       // published by the q_raw arrival (release)
                 if (wt.n_tiles == 0) {                // rows that see no key: nothing to load

@@ -1,0 +1,121 @@
+"""A/B timing of the float32 Hopper forward built from several kernels_cu/ directories (one
+planner and launcher, this tree's), interleaved round by round in one process so that clock
+drift hits every tree alike; SDPA memeff on float32 in the same rotation (--memeff). Each cell
+first checks every tree's out and lse against the first tree's, bit for bit (kernel changes
+that only skip masked work or reorder work tiles must give identical results).
+
+    python benchmarks/ab_f32_kernels.py --trees /path/to/main/kernels_cu kernels_cu \\
+        --head-dims 128 --seqlens 1024 2048 4096 --causal both --memeff
+
+Shapes as benchmarks/bench_f32.py (16k tokens, hidden 2048, bhsd storage). Prints per cell the
+median TFLOP/s of each tree over --rounds rounds and each tree's ratio to the first.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cupy as cp  # noqa: E402
+
+from cupyflash import _bench, _gpu, _modules  # noqa: E402
+from cupyflash._options import Options  # noqa: E402
+
+
+def compile_from(tree: Path, variant, dev_id: int, tag: int):
+    """``variant`` compiled from the sources in ``tree`` (a kernels_cu/ directory)."""
+    saved = _modules.kernels_dir
+    _modules.kernels_dir = lambda: tree
+    _modules._source.cache_clear()
+    _modules.source_hash.cache_clear()
+    try:
+        fn = _modules.get_function(variant, dev_id, (f"-DCUPYFLASH_AB_TREE={tag}",))
+    finally:
+        _modules.kernels_dir = saved
+        _modules._source.cache_clear()
+        _modules.source_hash.cache_clear()
+    return getattr(fn, "kernel", fn)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trees", nargs="+", required=True, help="kernels_cu directories")
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[128])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--causal", choices=["both", "no", "yes"], default="both")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rep", type=int, default=20, help="timed calls per tree and round")
+    ap.add_argument("--memeff", action="store_true", help="time SDPA memeff in the rotation")
+    args = ap.parse_args(argv)
+    trees = [Path(t).resolve() for t in args.trees]
+    causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
+    dev_id = cp.cuda.Device().id
+    print(f"# {_bench.device_line()}; trees: " + ", ".join(f"[{i}] {t}" for i, t in enumerate(trees)))
+    print(f"{'hd':>3} {'seqlen':>6} {'causal':>6} | " + " ".join(f"{f'[{i}]':>7}" for i in range(len(trees)))
+          + f" {'memeff':>7} | " + " ".join(f"{f'[{i}]/[0]':>7}" for i in range(1, len(trees)))
+          + f" {'last/me':>7}  identical  kernel")
+    for d in args.head_dims:
+        for s in args.seqlens:
+            for causal in causals:
+                b, h = _bench.TOKENS // s, _bench.HIDDEN // d
+                q, k, v = (cp.random.standard_normal((b, h, s, d), dtype=cp.float32).transpose(0, 2, 1, 3)
+                           for _ in range(3))
+                out = cp.empty((b, h, s, d), cp.float32).transpose(0, 2, 1, 3)
+                lse = cp.empty((b, h, s), cp.float32)
+                opts = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1)
+                name = _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")
+                ent = _gpu._launch_cache[_gpu._key(q, k, v, out, opts, "sm90")]
+                variant = _gpu._sm90_variant_by_name(name)
+                fns = [compile_from(t, variant, dev_id, i) for i, t in enumerate(trees)]
+                # ---- results of every tree against the first's, bit for bit
+                ref = None
+                same = []
+                for fn in fns:
+                    ent.fn = fn
+                    out.fill(math.nan)
+                    lse.fill(math.nan)
+                    _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")
+                    got = (out.copy(), lse.copy())
+                    if ref is None:
+                        ref = got
+                    same.append(bool(cp.array_equal(got[0], ref[0]) and cp.array_equal(got[1], ref[1])))
+                    if not same[-1]:
+                        print(f"  differs: max |out diff| {float(cp.abs(got[0] - ref[0]).max()):.3e}, "
+                              f"max |lse diff| {float(cp.abs(got[1] - ref[1]).max()):.3e}")
+                # ---- interleaved timing
+                me = None
+                if args.memeff:
+                    try:
+                        import peers
+                        me = peers.PEERS["memeff"](q, k, v, causal, "fwd")   # bshd views
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  memeff: {type(e).__name__}: {e}")
+                times = [[] for _ in fns]
+                t_me = []
+                call = lambda: _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")   # noqa: E731
+                for _ in range(args.rounds):
+                    for i, fn in enumerate(fns):
+                        ent.fn = fn
+                        times[i].append(_bench.time_ms(call, warmup=2, rep=args.rep))
+                    if me is not None:
+                        t_me.append(_bench.time_ms(me, warmup=2, rep=args.rep))
+                ent.fn = fns[-1]
+                fl = _bench.flops(b, h, s, s, d, causal, "fwd")
+                tf = [fl / statistics.median(t) / 1e9 for t in times]
+                tme = fl / statistics.median(t_me) / 1e9 if t_me else math.nan
+                print(f"{d:>3} {s:>6} {'yes' if causal else 'no':>6} | "
+                      + " ".join(f"{x:7.1f}" for x in tf) + f" {tme:7.1f} | "
+                      + " ".join(f"{x / tf[0]:7.3f}" for x in tf[1:]) + f" {tf[-1] / tme:7.2f}  "
+                      + f"{'yes' if all(same) else 'NO':>9}  {name}", flush=True)
+                del q, k, v, out, lse, me
+                cp.get_default_memory_pool().free_all_blocks()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
