@@ -79,19 +79,6 @@ struct WorkTile {
     bool rows;              // the tile has query rows (varlen: m0 < this sequence's s_q)
 };
 
-// The key tiles [t_first, t_first + n_tiles) of BN keys that rows m0 .. m_last of wt can see
-// (keys [n_lo, n_hi)); key tiles wholly outside the band are never visited. None without rows.
-template <bool WINDOW, int BN>
-__device__ __forceinline__ void band_tiles(const Params& p, WorkTile& wt) {
-    int n_lo = 0, n_hi = wt.s_k;
-    if (WINDOW) {
-        n_lo = max(0, wt.m0 + wt.diag - p.window_left);
-        n_hi = min(wt.s_k, wt.m_last + wt.diag + p.window_right + 1);
-    }
-    wt.t_first = n_lo / BN;
-    wt.n_tiles = wt.rows && n_hi > n_lo ? (n_hi + BN - 1) / BN - wt.t_first : 0;
-}
-
 template <bool WINDOW, bool VARLEN, int BM, int BN>
 __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
     WorkTile wt;
@@ -103,7 +90,14 @@ __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
     wt.m0 = m_block * BM;
     wt.rows = wt.m0 < wt.s_q;
     wt.m_last = min(wt.m0 + BM, wt.s_q) - 1;
-    band_tiles<WINDOW, BN>(p, wt);
+    // Keys the tile can see: [n_lo, n_hi); key tiles wholly outside the band are never visited.
+    int n_lo = 0, n_hi = wt.s_k;
+    if (WINDOW) {
+        n_lo = max(0, wt.m0 + wt.diag - p.window_left);
+        n_hi = min(wt.s_k, wt.m_last + wt.diag + p.window_right + 1);
+    }
+    wt.t_first = n_lo / BN;
+    wt.n_tiles = wt.rows && n_hi > n_lo ? (n_hi + BN - 1) / BN - wt.t_first : 0;
     return wt;
 }
 

@@ -19,8 +19,7 @@
 // Persistent blocks of 128·(NC + 1) threads (one per SM) walk the work tiles (BM = 64·NC query
 // rows of one head of one batch):
 //   warpgroup 0, producer:
-//     thread 0 (TMA): draws work tiles from the global counter (causal / window: the grid's
-//       last two waves longest first, longest_first_tail), loads each Q tile [BM, D] and its
+//     thread 0 (TMA): draws work tiles from the global counter, loads each Q tile [BM, D] and its
 //       key tiles' K [BN, D] and V [BN, D] (raw float32) into a STAGES-deep ring;
 //     warps 1..3 (96 converter threads): split K in place (big) + k_small, transpose V into
 //       Vᵀ big / small [D, BN] (keys contiguous: the K-major B operand of O += P V), and (unless
@@ -32,9 +31,7 @@
 //     k-step, P from registers). With NC = 2 the
 //     consumers take turns on the tensor cores as in fwd_sm90.cu (pingpong); every consumer
 //     issues S of key tile j + 1 with O += P V of key tile j and runs the softmax of j + 1 while
-//     O += P V is still on the tensor cores. A key tile masked for all 64 rows of a consumer
-//     (causal: the right half of the diagonal's key tiles for consumer 0) costs that consumer
-//     no product and no softmax, only its turns; masks are decided per consumer's rows.
+//     O += P V is still on the tensor cores.
 //
 // Shared memory: 128-byte swizzled panels of 32 float columns (128 bytes per row: the 16-bit
 // kernel's byte geometry; one TMA box per panel; 1024-byte aligned). A k-step of 8 TF32 values is
@@ -362,7 +359,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
 
     int kv_it = 0;             // K/V ring position of the current key tile (runs on across tiles)
     int tile_i = 0;            // work tiles taken so far (the Q barriers' phase)
-    WorkTile wt{};             // the current work tile
+    WorkTile wt;               // the current work tile
     float o_acc[NO];           // O [64, D] of this warpgroup, fp32
     float m_run[2] = {-CF_INF, -CF_INF};   // running row max (raw scores)
     float l_run[2] = {0.f, 0.f};           // running denominators (this lane's columns only)
@@ -403,77 +400,28 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
         named_bar_sync(WG_BAR + cw, 128);      // every warp of the warpgroup has written its rows
     };
 
-    auto key0 = [&](int it) { return (wt.t_first + wt.n_tiles - 1 - it) * BN; };   // right to left
-    // Work tile wt seen from this warpgroup's 64 rows alone (m0, m_last, rows and the band of
-    // key tiles narrowed): masks are decided per warpgroup, and key tiles masked for all our
-    // rows (causal: the diagonal tiles right of our last row; window: also those left of our
-    // first row's band) are not ours: we skip their products and softmax
-    auto our_rows = [&]() {
-        WorkTile wc = wt;
-        wc.m0 = wt.m0 + cw * WG_ROWS;
-        wc.rows = wc.m0 < wt.s_q;
-        wc.m_last = min(wc.m0 + WG_ROWS - 1, wt.m_last);
-        band_tiles<WINDOW, BN>(p, wc);
-        return wc;
-    };
-    // Our first and last key tile of wt (right to left: it0 <= it1 when we have any)
-    auto our_first = [&]() {
-        const WorkTile wc = our_rows();
-        return wt.t_first + wt.n_tiles - (wc.t_first + wc.n_tiles);
-    };
-    auto our_last = [&]() { return our_first() + our_rows().n_tiles - 1; };
-
-    // Turn-taking on the tensor cores (NC = 2: named barrier TURN_BAR + c is consumer c's turn;
-    // one consumer alone needs none). Turn j of work tile wt (n_tiles + 1 per consumer) issues S
-    // of key tile j (j < n_tiles) and O += P V of key tile j − 1 (j > 0).
-    auto turn_begin = [&]() { if constexpr (NC > 1) named_bar_sync(TURN_BAR + cw, 256); };
-    auto turn_end = [&]() { if constexpr (NC > 1) named_bar_arrive(next_turn, 256); };
-    // A key tile not ours: release its K stage (ring position kv; and the Q tile after the work
-    // tile's last S, key tile j = n_tiles − 1) or its Vᵀ stage unread, once converted, as our
-    // products would have
-    auto pass_k = [&](int kv, int j) {
-        mbar_wait(k_full + 8 * (kv % STAGES), (kv / STAGES) & 1);
-        if (t == 0) mbar_arrive(k_empty + 8 * (kv % STAGES));
-        if (t == 0 && j == wt.n_tiles - 1) mbar_arrive(q_empty);
-    };
-    auto pass_v = [&](int kv) {
-        mbar_wait(v_full + 8 * (kv % STAGES), (kv / STAGES) & 1);
-        if (t == 0) mbar_arrive(v_empty + 8 * (kv % STAGES));
-    };
-    // Turn j without a product of ours: key tile j's K stage at ring position kv, key tile
-    // j − 1's Vᵀ stage at kv − 1 passed on
-    auto empty_turn = [&](int kv, int j) {
-        turn_begin();
-        if (j < wt.n_tiles) pass_k(kv, j);
-        if (j > 0) pass_v(kv - 1);
-        turn_end();
-    };
-
-    // Wait for work tile tile_i (index published, Q split). Tiles in which our rows see no key
-    // are finished right here (out = 0, lse = -inf; our turns of it taken empty). False when no
-    // work is left.
+    // Wait for work tile tile_i (index published, Q split). Tiles whose rows see no key are
+    // finished right here (out = 0, lse = -inf). False when no work is left.
     auto fetch_tile = [&]() -> bool {
         for (;; ++tile_i) {
             mbar_wait(QREG ? q_raw : q_full, tile_i & 1);
             const int w = *tile_smem;
             if (w < 0) return false;
             wt = work_tile<WINDOW, false, BM, BN>(p, w);
-            const int ours = wt.n_tiles > 0 ? our_rows().n_tiles : 0;
-            if (ours > 0) {
+            if (wt.n_tiles > 0) {
                 if constexpr (QREG) split_q();
                 return true;
             }
-            for (int j = 0; wt.n_tiles > 0 && j <= wt.n_tiles; ++j) empty_turn(kv_it + j, j);
-            kv_it += wt.n_tiles;
             float* o_bh = out_rows<float>(p, wt);           // [s_q, d_v]
             const int r0 = wt.m0 + cw * WG_ROWS;
             for (int i = t; i < WG_ROWS * D; i += 128)
                 if (r0 + i / D < wt.s_q) o_bh[(r0 + i / D) * p.o_stride_s + i % D] = 0.f;
             if (t < WG_ROWS && r0 + t < wt.s_q) lse_rows<false>(p, wt)[r0 + t] = -CF_INF;
             named_bar_sync(WG_BAR + cw, 128);   // the whole warpgroup has read the tile index
-            if (t == 0 && wt.n_tiles == 0) mbar_arrive(q_empty);   // (else: the empty turns did)
+            if (t == 0) mbar_arrive(q_empty);
         }
     };
+    auto key0 = [&](int it) { return (wt.t_first + wt.n_tiles - 1 - it) * BN; };   // right to left
 
     // ---- S = Q Kᵀ  [64, BN], fp32, of the key tile in ring position kv: k-steps of 8 columns
     //      (32 bytes) through the D / 32 panels; per k-step q_small·k_big + q_big·k_small +
@@ -550,7 +498,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     // running max m, P = exp2(s·scale·log2e − shift), denominator l, and the factors alpha that
     // rescale O (applied by pack_p, once the previous O += P V has completed): fwd_sm90.cu's
     auto softmax_scores = [&](int n0) {
-        online_softmax<NS, BN, WINDOW>(s_acc, m_run, l_run, alpha, p, our_rows(), n0,
+        online_softmax<NS, BN, WINDOW>(s_acc, m_run, l_run, alpha, p, wt, n0,
                                        wt.m0 + cw * WG_ROWS + row_in_wg, col_in_8, sl2);
     };
     // O rescale by alpha, and P split into the TF32 A fragments of the next O += P V (the
@@ -570,10 +518,10 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             }
         }
     };
-    // Our first key tile it of work tile wt, whose S has completed: fresh O, m, l, then its softmax
-    auto start_tile = [&](int it) {
+    // The first key tile of work tile wt, whose S has completed: fresh O, m, l, then its softmax
+    auto start_tile = [&]() {
         reset_rows<NO>(o_acc, m_run, l_run);
-        softmax_scores(key0(it));
+        softmax_scores(key0(0));
         pack_p();
     };
     // ---- final O / l and lse of work tile wt (rows past s_q are not stored): float32 out
@@ -581,37 +529,32 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
         store_rows<E, NO, false>(p, wt, o_acc, m_run, l_run, sl2, wt.m0 + cw * WG_ROWS + row_in_wg,
                                  col_in_8, t % 4 == 0);
     };
-    // Our first turns: empty ones before our first key tile it0, then its S alone (no O += P V
-    // in flight; key tile it0 − 1, not ours, passed on)
+    // Turn-taking on the tensor cores (NC = 2: named barrier TURN_BAR + c is consumer c's turn;
+    // one consumer alone needs none)
+    auto turn_begin = [&]() { if constexpr (NC > 1) named_bar_sync(TURN_BAR + cw, 256); };
+    auto turn_end = [&]() { if constexpr (NC > 1) named_bar_arrive(next_turn, 256); };
+    // A turn with the S of the current tile's first key tile alone (no O += P V in flight)
     auto first_turn = [&]() {
-        const int it0 = our_first();
-        for (int j = 0; j < it0; ++j, ++kv_it) empty_turn(kv_it, j);
         turn_begin();
         issue_s(kv_it);
         turn_end();
-        if (it0 > 0) pass_v(kv_it - 1);
         wgmma_wait<0>();
-        s_done(kv_it, it0 == wt.n_tiles - 1);
-        start_tile(it0);
+        s_done(kv_it, wt.n_tiles == 1);
+        start_tile();
     };
-    // Our last turns: the O += P V of our last key tile it1 alone (key tile it1 + 1, not ours,
-    // passed on), then empty ones to the work tile's end
+    // A turn with the last O += P V of the current tile alone
     auto last_turn = [&]() {
-        const int it1 = our_last();
         turn_begin();
         issue_pv(kv_it);
         turn_end();
-        if (it1 + 1 < wt.n_tiles) pass_k(kv_it + 1, it1 + 1);
         wgmma_wait<0>();
         pv_done(kv_it);
         ++kv_it;
-        for (int j = it1 + 2; j <= wt.n_tiles; ++j, ++kv_it) empty_turn(kv_it + 1, j);
     };
 
     // Pingpong (NC = 2), as fwd_sm90.cu: consumer 0 takes the very first turn (its own arrival
     // here plus its first sync complete barrier TURN_BAR); every consumer walks the same work
-    // tiles and takes the same n_tiles + 1 turns per tile (empty ones outside its key tiles), so
-    // the order holds across tiles.
+    // tiles and takes the same n_tiles + 1 turns per tile, so the order holds across tiles.
     if constexpr (NC > 1) {
         if (cw == 0) named_bar_arrive(TURN_BAR, 256);
     }
@@ -619,23 +562,23 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     if (fetch_tile()) {
         first_turn();
         for (;;) {
-            // ---- our key tiles but the last: in our turn S of key tile it + 1, then O += P V
+            // ---- every key tile but the last: in our turn S of key tile it + 1, then O += P V
             //      of key tile it; the softmax of S(it + 1) runs while O += P V is on the tensor
             //      cores (unconditional waits, the last O += P V peeled off: fwd_sm90.cu)
-            const int last = our_last();
-            for (int it = our_first(); it < last; ++it, ++kv_it) {
+            const int last = wt.n_tiles - 1;
+            for (int it = 0; it < last; ++it, ++kv_it) {
                 turn_begin();
                 issue_s(kv_it + 1);
                 issue_pv(kv_it);
                 turn_end();
                 wgmma_wait<1>();                         // S done (O += P V may still run)
-                s_done(kv_it + 1, it + 1 == wt.n_tiles - 1);
+                s_done(kv_it + 1, it + 1 == last);
                 softmax_scores(key0(it + 1));
                 wgmma_wait<0>();                         // O += P V done
                 pv_done(kv_it);
                 pack_p();
             }
-            // ---- our last key tile, the epilogue, then the next tile
+            // ---- the tile's last key tile, the epilogue, then the next tile
             last_turn();
             store_tile();
             ++tile_i;
