@@ -99,20 +99,6 @@ __device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
     small = to_tf32(x - __uint_as_float(big));
 }
 
-// Causal / window work tiles differ in length (key tiles), and the grid ends with its last
-// block: the last work tiles, the query tiles of the last T (head, batch) pairs (T·M >= two
-// waves of the grid, M = query tiles per pair), are drawn longest first across those pairs (every
-// pair's last query tile, then every pair's next one, ...) instead of pair by pair. The w-th tile
-// drawn -> its index in work_tile's order (a bijection of [0, num_work)).
-__device__ __forceinline__ int longest_first_tail(const Params& p, int w, int grid) {
-    const int m = p.num_m_blocks, pairs = p.h * p.b;
-    const int tail_pairs = min(pairs, (2 * grid + m - 1) / m);
-    const int tail0 = (pairs - tail_pairs) * m;                 // the tail's first tile
-    if (w < tail0) return w;
-    const int i = w - tail0;                                    // i-th tile of the tail
-    return tail0 + (i % tail_pairs) * m + i / tail_pairs;       // pair i % T, (i / T)-th longest
-}
-
 }  // namespace sm90f32
 
 // QREG: the consumers split their own 64 Q rows (big in place, small kept in registers as the A

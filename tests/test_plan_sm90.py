@@ -469,3 +469,34 @@ def test_tma_tensor_float32_box():
     # a row pitch of 130 floats (520 bytes) is not a 16-byte multiple; 132 floats is
     assert "strides" in _unsupported("float32", tensors=[((1, 10, 1, 128), (1300, 130, 130, 1))])
     assert _unsupported("float32", tensors=[((1, 10, 2, 128), (2640, 264, 132, 1))]) is None
+
+
+def _longest_first_tail(m, pairs, grid, w):
+    """Mirror of fwd_sm90.cu: longest_first_tail (the w-th work tile drawn -> its index)."""
+    tail_pairs = min(pairs, (2 * grid + m - 1) // m)
+    tail0 = (pairs - tail_pairs) * m
+    if w < tail0:
+        return w
+    i = w - tail0
+    return tail0 + (i % tail_pairs) * m + i // tail_pairs
+
+
+@pytest.mark.parametrize("m,pairs,grid", [(4, 1024, 132), (8, 256, 132), (16, 64, 132),
+                                          (64, 32, 132), (1, 5, 132), (16, 3, 132), (7, 100, 1)],
+                         ids=["s512_hd64", "s1k", "s2k", "s8k", "one_tile", "few_pairs", "grid1"])
+def test_longest_first_tail_order(m, pairs, grid):
+    """The causal / window forwards' draw order is a permutation of the work tiles: pair by pair
+    up to the last two waves, then every pair's longest remaining query tile first (the
+    kernel's index w % m = j is the pair's j-th longest tile)."""
+    src = (ROOT / "kernels_cu" / "fwd_sm90.cu").read_text()
+    for line in ("const int tail_pairs = min(pairs, (2 * grid + m - 1) / m);",
+                 "const int tail0 = (pairs - tail_pairs) * m;",
+                 "return tail0 + (i % tail_pairs) * m + i / tail_pairs;"):
+        assert line in src, line
+    order = [_longest_first_tail(m, pairs, grid, w) for w in range(m * pairs)]
+    assert sorted(order) == list(range(m * pairs))
+    tail_pairs = min(pairs, -(-2 * grid // m))
+    head, tail = order[:(pairs - tail_pairs) * m], order[(pairs - tail_pairs) * m:]
+    assert head == list(range(len(head)))
+    assert len(tail) >= min(2 * grid, m * pairs)
+    assert [w % m for w in tail] == sorted(w % m for w in tail)

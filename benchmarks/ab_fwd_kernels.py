@@ -1,10 +1,11 @@
-"""A/B timing of the float32 Hopper forward built from several kernels_cu/ directories (one
-planner and launcher, this tree's), interleaved round by round in one process so that clock
-drift hits every tree alike; SDPA memeff on float32 in the same rotation (--memeff). Each cell
+"""A/B timing of the Hopper forward (float32 or bfloat16: --dtype) built from several kernels_cu/
+directories (one planner and launcher, this tree's), interleaved round by round in one process so
+that clock drift hits every tree alike; a PyTorch SDPA peer in the same rotation (--peer memeff,
+cudnn or flash; --memeff is --peer memeff). Each cell
 first checks every tree's out and lse against the first tree's, bit for bit (kernel changes
 that only skip masked work or reorder work tiles must give identical results).
 
-    python benchmarks/ab_f32_kernels.py --trees /path/to/main/kernels_cu kernels_cu \\
+    python benchmarks/ab_fwd_kernels.py --trees /path/to/main/kernels_cu kernels_cu \\
         --head-dims 128 --seqlens 1024 2048 4096 --causal both --memeff
 
 Shapes as benchmarks/bench_f32.py (16k tokens, hidden 2048, bhsd storage). Prints per cell the
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupy as cp  # noqa: E402
+import ml_dtypes  # noqa: E402
 
 from cupyflash import _bench, _gpu, _modules  # noqa: E402
 from cupyflash._options import Options  # noqa: E402
@@ -50,22 +52,26 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", choices=["both", "no", "yes"], default="both")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep", type=int, default=20, help="timed calls per tree and round")
-    ap.add_argument("--memeff", action="store_true", help="time SDPA memeff in the rotation")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--peer", choices=["memeff", "cudnn", "flash"], help="SDPA peer in the rotation")
+    ap.add_argument("--memeff", action="store_true", help="the same as --peer memeff")
     args = ap.parse_args(argv)
+    peer = "memeff" if args.memeff else args.peer
+    dtype = cp.float32 if args.dtype == "float32" else ml_dtypes.bfloat16
     trees = [Path(t).resolve() for t in args.trees]
     causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
     dev_id = cp.cuda.Device().id
     print(f"# {_bench.device_line()}; trees: " + ", ".join(f"[{i}] {t}" for i, t in enumerate(trees)))
     print(f"{'hd':>3} {'seqlen':>6} {'causal':>6} | " + " ".join(f"{f'[{i}]':>7}" for i in range(len(trees)))
-          + f" {'memeff':>7} | " + " ".join(f"{f'[{i}]/[0]':>7}" for i in range(1, len(trees)))
-          + f" {'last/me':>7}  identical  kernel")
+          + f" {peer or 'peer':>7} | " + " ".join(f"{f'[{i}]/[0]':>7}" for i in range(1, len(trees)))
+          + f" {'last/pr':>7}  identical  kernel")
     for d in args.head_dims:
         for s in args.seqlens:
             for causal in causals:
                 b, h = _bench.TOKENS // s, _bench.HIDDEN // d
-                q, k, v = (cp.random.standard_normal((b, h, s, d), dtype=cp.float32).transpose(0, 2, 1, 3)
-                           for _ in range(3))
-                out = cp.empty((b, h, s, d), cp.float32).transpose(0, 2, 1, 3)
+                q, k, v = (cp.random.standard_normal((b, h, s, d), dtype=cp.float32).astype(dtype)
+                           .transpose(0, 2, 1, 3) for _ in range(3))
+                out = cp.empty((b, h, s, d), dtype).transpose(0, 2, 1, 3)
                 lse = cp.empty((b, h, s), cp.float32)
                 opts = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1)
                 name = _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")
@@ -89,12 +95,12 @@ def main(argv=None) -> int:
                               f"max |lse diff| {float(cp.abs(got[1] - ref[1]).max()):.3e}")
                 # ---- interleaved timing
                 me = None
-                if args.memeff:
+                if peer:
                     try:
                         import peers
-                        me = peers.PEERS["memeff"](q, k, v, causal, "fwd")   # bshd views
+                        me = peers.PEERS[peer](q, k, v, causal, "fwd")   # bshd views
                     except Exception as e:  # noqa: BLE001
-                        print(f"  memeff: {type(e).__name__}: {e}")
+                        print(f"  {peer}: {type(e).__name__}: {e}")
                 times = [[] for _ in fns]
                 t_me = []
                 call = lambda: _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")   # noqa: E731
