@@ -1,0 +1,631 @@
+// cupyflash: Hopper (sm_90a) float32 attention backward, main kernel: dK, dV (and dQ through a
+// float32 accumulator) at float32 accuracy, 3xTF32 on wgmma. PROTOTYPE: compiled (NVRTC, sm_90a),
+// never run on a GPU; not routed by the planner (docs/f32-backward-design.md).
+//
+//   Every product A·B is small_A·big_B + big_A·small_B + big_A·big_B in fp32, with
+//   big = rna_tf32(x), small = rna_tf32(x − big) (fwd_sm90_f32.cu's split).
+//
+// Why this shape (docs/f32-backward-design.md, "What does not fit"): wgmma .tf32 reads both
+// shared-memory operands K-major only and every operand needs a big and a small copy, so the
+// 16-bit kernel's tiles (128 keys x 64-row steps) need 360-410 KB. Here: BN = 128 keys per work
+// tile (two consumers of 64 keys), BM = 32 query rows per step, one step buffer, hd 64 only.
+//
+// Persistent blocks of 384 threads (one per SM) walk the work tiles (key tile, kv head, batch;
+// key tiles fastest, drawn from p.sched as in bwd_sm90.cu); the steps of a tile are every query
+// head of the kv head's group x every 32-row query tile that sees the key tile.
+//   warpgroup 0, producer (setmaxnreg 56):
+//     thread 0 (TMA): draws work tiles (two-deep ring of indices in shared memory); per tile K, V
+//       raw [BN, D] into k_big / v_big; per step Q, dO raw [BM, D] into the landing buffers;
+//     warps 1..3 (96 converter threads): per tile, K split in place (k_big) + k_small; per step,
+//       once the consumers released the previous one: Q and dO big / small in their own layout
+//       (B of Sᵀ, dPᵀ), Qᵀ and dOᵀ big / small [D, BM] with the queries permuted inside each
+//       8-query k-step (B of dK, dV: fwd_sm90_f32.cu's Vᵀ transposition), lse·log2 e and D rows.
+//   warpgroups 1, 2, consumers (setmaxnreg 224): keys n0 + 64·cw .. + 63 each; per tile, split
+//     their V rows (big in place, small kept as TF32 A fragments: 32 registers); per step:
+//       Sᵀ  = K Qᵀ   [64 keys, BM]    (3 x SS per k-step)
+//       dPᵀ = V dOᵀ  [64 keys, BM]    (2 x SS + 1 x RS, v_small from registers)
+//       Pᵀ  = exp2(Sᵀ·scale·log2 e − lse·log2 e) (masked), dSᵀ = Pᵀ ∘ (dPᵀ − D)·scale
+//       dSᵀ big / small -> this consumer's dS tile [BM queries, 64 keys] (keys contiguous)
+//       dV += Pᵀ dO, dK += dSᵀ Q       (A = P / dS fragments from registers, B = dOᵀ / Qᵀ)
+//       dQᵀ_c [D, BM] = Kᵀ_c dSᵀ_c over its 64 keys (A = Kᵀ fragments loaded from k_big /
+//         k_small, B = its dS tile), stored transposed into its float32 dQ tile [BM, D]
+//         (chunk-swizzled rows, bwd_sm90.cu's dq_swizzle) and added to the accumulator with one
+//         cp.reduce.async.bulk .add.f32 (each consumer adds its own partial).
+//
+// Covered by this prototype: float32 (E = f32x3_t), d = d_v = 64, dense (no varlen / bias /
+// softcap / ALiBi), causal / window (WINDOW), GQA / MQA, any s_q, s_k, scale > 0, atomic dQ.
+// Tensor maps: boxes of 32 float columns x BM rows (q, dout) and x BN rows (k, v).
+#include "bwd_sm90.cu"
+
+namespace sm90bf {
+
+constexpr int BN = 128;              // keys per work tile: two consumers x 64
+constexpr int BM = 32;               // query rows per step
+constexpr int THREADS = 384;
+constexpr int PRODUCER_REGS = 56;
+constexpr int CONSUMER_REGS = 224;   // 56·128 + 224·256 <= 64K registers per SM
+constexpr int PANEL = 32;            // 32 floats = one 128-byte swizzle row
+constexpr int CONV_THREADS = 96;     // producer warps 1..3
+constexpr int CONV_BAR = 3;          // named barrier of the converters
+constexpr int WG_BAR = 4;            // named barriers 4, 5: the 128 threads of consumer 0, 1
+constexpr int TILE_RING = 2;
+constexpr int TILE_READERS = 2 * 4 + 3;   // consumer warps + converter warps
+
+// Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
+// cupyflash/_gpu_bwd_sm90_f32.py: smem_bytes.
+template <int D>
+struct Layout {
+    static constexpr int KV_PANEL = BN * 128;                // [BN, 32] panel of K / V
+    static constexpr int KVT = BN * D * 4;                   // one K / V tile part
+    static constexpr int Q_PANEL = BM * 128;                 // [BM, 32] panel of Q / dO
+    static constexpr int QT = BM * D * 4;                    // one Q / dO tile part
+    static constexpr int T_PANEL = D * 128;                  // [D, 32 queries] panel of Qᵀ / dOᵀ
+    static constexpr int DS_PANEL = BM * 128;                // [BM, 32 keys] panel of dS
+    static constexpr int DS_PART = 2 * DS_PANEL;             // [BM, 64 keys]: one consumer's part
+    static constexpr int DQ_TILE = BM * D * 4;               // [BM, D] float32
+    static constexpr int KB = 0;                             // k_big [D/32][BN][32] (TMA, then big)
+    static constexpr int KS = KB + KVT;                      // k_small [D/32][BN][32]
+    static constexpr int VB = KS + KVT;                      // v_big [D/32][BN][32] (TMA, then big)
+    static constexpr int QB = VB + KVT;                      // q_big [D/32][BM][32]
+    static constexpr int QS = QB + QT;                       // q_small
+    static constexpr int DOB = QS + QT;                      // do_big
+    static constexpr int DOS = DOB + QT;                     // do_small
+    static constexpr int QTB = DOS + QT;                     // qT_big [BM/32][D][32] (queries permuted)
+    static constexpr int QTS = QTB + QT;                     // qT_small
+    static constexpr int DOTB = QTS + QT;                    // doT_big
+    static constexpr int DOTS = DOTB + QT;                   // doT_small
+    static constexpr int RAWQ = DOTS + QT;                   // q raw [D/32][BM][32] (TMA landing)
+    static constexpr int RAWDO = RAWQ + QT;                  // dO raw
+    static constexpr int DS = RAWDO + QT;                    // ds [2 consumers][big, small][2][BM][32]
+    static constexpr int DQ = DS + 2 * 2 * DS_PART;          // dq tile [2 consumers][BM][D] float32
+    static constexpr int ROWS = DQ + 2 * DQ_TILE;            // [lse·log2 e, D][BM] of the step
+    static constexpr int TILE = ROWS + 2 * BM * 4;           // tile_smem [TILE_RING] int (+ pad)
+    static constexpr int BARS = TILE + 16;                   // 11 mbarriers (see the kernel)
+    static constexpr int BYTES = BARS + 8 * 11;
+};
+
+// Work tile w = n_block + num_n · (kv_head + h_k · batch) (dense; bwd_sm90.cu's order)
+struct WorkTile {
+    int n0, kv_head, batch;   // keys n0 .. n0 + BN of kv head kv_head in batch `batch`
+    int m_first, m_count;     // the BM-row query tiles that see them
+    int steps;                // m_count x the query heads of the group
+};
+template <bool WINDOW>
+__device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
+    const int num_n = (p.s_k + BN - 1) / BN;
+    WorkTile wt;
+    wt.n0 = (w % num_n) * BN;
+    wt.kv_head = (w / num_n) % p.h_k;
+    wt.batch = w / num_n / p.h_k;
+    // rows i with i + diag - left <= j <= i + diag + right for some key j of the tile
+    const int n_rows = min(BN, p.s_k - wt.n0);
+    int i_lo = 0, i_hi = p.s_q - 1;
+    if (WINDOW) {
+        i_lo = max(0, wt.n0 - p.diag_offset - p.window_right);
+        i_hi = min(p.s_q - 1, wt.n0 + n_rows - 1 - p.diag_offset + p.window_left);
+    }
+    wt.m_first = i_lo / BM;
+    wt.m_count = i_hi >= i_lo ? i_hi / BM - i_lo / BM + 1 : 0;
+    wt.steps = wt.m_count * p.h_per_hk;
+    return wt;
+}
+__device__ __forceinline__ int step_head(const Params& p, const WorkTile& wt, int st) {
+    return wt.kv_head * p.h_per_hk + st / wt.m_count;
+}
+__device__ __forceinline__ int step_m0(const WorkTile& wt, int st) {
+    return (wt.m_first + st % wt.m_count) * BM;
+}
+
+// 16-byte shared-memory load / store
+__device__ __forceinline__ void lds128(u32 addr, float* x) {
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void sts128(u32 addr, const u32* x) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
+                 :: "r"(addr), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]) : "memory");
+}
+__device__ __forceinline__ float lds32(u32 addr) {
+    float x;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(x) : "r"(addr) : "memory");
+    return x;
+}
+__device__ __forceinline__ void sts32(u32 addr, u32 x) {
+    asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(x) : "memory");
+}
+// x = big + small: big = rna_tf32(x), small = rna_tf32(x − big) (x − big is exact in fp32)
+__device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
+    big = to_tf32(x);
+    small = to_tf32(x - __uint_as_float(big));
+}
+// Byte offset of element (row, col) in a [rows, 32·k] float tile stored as 128-byte swizzled
+// panels of 32 columns, `panel` bytes apart (16-byte chunk index XOR row mod 8)
+__device__ __forceinline__ u32 swz(int row, int col, int panel) {
+    return (col / PANEL) * panel + row * 128 + ((((col % PANEL) / 4) ^ (row % 8)) << 4) + 4 * (col % 4);
+}
+
+}  // namespace sm90bf
+
+template <typename E, int D, bool WINDOW>
+__global__ void __launch_bounds__(sm90bf::THREADS, 1)
+flash_bwd_sm90_f32(const __grid_constant__ Params p) {
+    using namespace sm90bf;
+    // bwd_sm90.cu's helpers (fence_proxy_async, dq_swizzle, bulk reduce); its constants, Layout
+    // and WorkTile are named with their namespace where both exist (sm90bf's are used here)
+    using sm90b::fence_proxy_async;
+    using sm90b::dq_swizzle;
+    using sm90b::bulk_reduce_add_f32;
+    using sm90b::bulk_commit;
+    using sm90b::bulk_wait_read;
+    using sm90b::bulk_wait;
+    using L = sm90bf::Layout<D>;
+    static_assert(Elem<E>::split && !Elem<E>::is16, "float32 at float32 accuracy (f32x3_t)");
+    static_assert(D == 64, "hd 64 only: hd 128 fits no layout (docs/f32-backward-design.md)");
+    constexpr int NS = BM / 2;       // Sᵀ / dPᵀ accumulator registers per lane: [64 keys, BM]
+    constexpr int NKV = D / 2;       // dK / dV accumulator registers per lane: [64 keys, D]
+    constexpr int NQ = BM / 2;       // dQᵀ accumulator registers per lane: [D, BM]
+
+    extern __shared__ unsigned char smem_raw[];
+    u32 smem_given;   // the launcher sizes the launch: stop loudly if it disagrees with Layout
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_given));
+    if (smem_given < L::BYTES + 1024) __trap();
+    const u32 smem = (smem_addr(smem_raw) + 1023u) & ~1023u;   // swizzled panels: 1024-aligned
+    unsigned char* smem_gen = smem_raw + (smem - smem_addr(smem_raw));
+    float* rows_smem = (float*)(smem_gen + L::ROWS);                  // [2][BM]: lse·log2 e, D
+    volatile int* tile_smem = (volatile int*)(smem_gen + L::TILE);   // [TILE_RING], -1: none left
+    const u32 tile_full = smem + L::BARS;               // [TILE_RING]: tile_smem slot written
+    const u32 tile_empty = tile_full + 8 * TILE_RING;   // [TILE_RING]: every reader has read it
+    const u32 kv_raw = tile_empty + 8 * TILE_RING;      // K, V of the tile landed (TMA)
+    const u32 kv_full = kv_raw + 8;                     // K split: the consumers may read it
+    const u32 kv_empty = kv_full + 8;                   // both consumers are done with K, V
+    const u32 raw_full = kv_empty + 8;                  // Q, dO of the next step landed (TMA)
+    const u32 raw_empty = raw_full + 8;                 // the converters have read the landing buffers
+    const u32 step_full = raw_empty + 8;                // the step's parts, transposes, rows written
+    const u32 step_empty = step_full + 8;               // both consumers' dV, dK of the step done
+    const int num_work = (p.s_k + BN - 1) / BN * p.h_k * p.b;
+
+    const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < TILE_RING; ++s) {
+            mbar_init(tile_full + 8 * s, 1);             // the scheduling thread
+            mbar_init(tile_empty + 8 * s, TILE_READERS);
+        }
+        mbar_init(kv_raw, 1);                            // TMA thread's expect_tx arrival (+ bytes)
+        mbar_init(kv_full, 1);                           // converter leader
+        mbar_init(kv_empty, 2);                          // one arrival per consumer
+        mbar_init(raw_full, 1);                          // TMA thread (+ bytes)
+        mbar_init(raw_empty, 1);                         // converter leader
+        mbar_init(step_full, 1);                         // converter leader
+        mbar_init(step_empty, 2);                        // one arrival per consumer
+        mbar_fence_init();
+    }
+    __syncthreads();   // barriers initialised before anyone waits on them
+
+    if (wg == 0) {
+        // ================================ producer ================================
+        regs_release<PRODUCER_REGS>();
+        if (t == 0) {
+            // ---- TMA thread: work tiles, K / V per tile, Q / dO per step
+            tma_prefetch_desc(&p.tma_q);
+            tma_prefetch_desc(&p.tma_k);
+            tma_prefetch_desc(&p.tma_v);
+            tma_prefetch_desc(&p.tma_do);
+            int kv_it = 0, q_it = 0, drawn = 0;
+            for (int tile_i = 0;; ++tile_i) {
+                const int ts = tile_i % TILE_RING;
+                // every reader has taken the slot's previous index
+                if (tile_i >= TILE_RING) mbar_wait(tile_empty + 8 * ts, ((tile_i / TILE_RING) - 1) & 1);
+                const int w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
+                ++drawn;
+                tile_smem[ts] = w < num_work ? w : -1;
+                mbar_arrive(tile_full + 8 * ts);           // publishes tile_smem[ts] (release)
+                if (w >= num_work) break;
+                const WorkTile wt = work_tile<WINDOW>(p, w);
+                int head = wt.kv_head * p.h_per_hk, mi = 0;
+                for (int st = 0; st < wt.steps; ++st, ++q_it) {
+                    // Q, dO [BM, D] of the step into the landing buffers, once the converters have
+                    // read the previous step's
+                    const int m0 = (wt.m_first + mi) * BM;
+                    if (++mi == wt.m_count) mi = 0;
+                    if (q_it > 0) mbar_wait(raw_empty, (q_it - 1) & 1);
+                    mbar_arrive_expect_tx(raw_full, 2 * BM * D * 4);
+#pragma unroll
+                    for (int c = 0; c < D / PANEL; ++c) {
+                        tma_load_4d(smem + L::RAWQ + c * L::Q_PANEL, &p.tma_q, raw_full, c * PANEL, m0,
+                                    head, wt.batch);
+                        tma_load_4d(smem + L::RAWDO + c * L::Q_PANEL, &p.tma_do, raw_full, c * PANEL, m0,
+                                    head, wt.batch);
+                    }
+                    if (mi == 0) ++head;
+                    if (st == 0) {
+                        // K, V [BN, D] of the tile, behind its first step's Q / dO, once both
+                        // consumers are done with the previous tile's
+                        if (kv_it > 0) mbar_wait(kv_empty, (kv_it - 1) & 1);
+                        mbar_arrive_expect_tx(kv_raw, 2 * BN * D * 4);
+#pragma unroll
+                        for (int c = 0; c < D / PANEL; ++c) {
+                            tma_load_4d(smem + L::KB + c * L::KV_PANEL, &p.tma_k, kv_raw, c * PANEL, wt.n0,
+                                        wt.kv_head, wt.batch);
+                            tma_load_4d(smem + L::VB + c * L::KV_PANEL, &p.tma_v, kv_raw, c * PANEL, wt.n0,
+                                        wt.kv_head, wt.batch);
+                        }
+                        ++kv_it;
+                    }
+                }
+            }
+            if (p.sched) sched_finish(p.sched);   // this block has drawn its last work tile
+        } else if (t >= 32) {
+            // ---- converters (96 threads)
+            const int cu = t - 32;
+            // Hand converted data on: each thread's shared writes fenced for the async proxy, all
+            // 96 done (barrier), one arrival on each barrier given
+            auto release = [&](u32 bar, u32 bar2) {
+                fence_proxy_async();
+                named_bar_sync(CONV_BAR, CONV_THREADS);
+                if (cu == 0) {
+                    mbar_arrive(bar);
+                    if (bar2) mbar_arrive(bar2);
+                }
+            };
+            // [rows, D] tile at `src` -> big at `big` (may be src: in place), small at `small`;
+            // elementwise, so the swizzled layout is kept (16-byte chunks)
+            auto split_tile = [&](u32 src, u32 big, u32 small, int chunks) {
+                for (int i = cu; i < chunks; i += CONV_THREADS) {
+                    float x[4];
+                    u32 b[4], s[4];
+                    lds128(src + 16 * i, x);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) split_tf32(x[e], b[e], s[e]);
+                    sts128(big + 16 * i, b);
+                    sts128(small + 16 * i, s);
+                }
+            };
+            // Xᵀ of a raw [BM, D] step tile (query rows, swizzled [D/32][BM][32]) -> big / small
+            // [BM/32][D][32] (row = column d, queries permuted inside each 8-query k-step: query
+            // 2c -> slot c, 2c + 1 -> slot c + 4, matching the P / dS A fragments). One item = 4
+            // queries x 4 columns: fwd_sm90_f32.cu's transpose_v with BN := BM (bank-conflict-free
+            // phases, checked by tests/test_sm90_f32_layout.py for its shapes)
+            auto transpose = [&](u32 src, u32 dst_b, u32 dst_s) {
+                constexpr int ITEMS = BM * D / 16;
+                for (int i = cu; i < ITEMS; i += CONV_THREADS) {
+                    const int b = i % 8, o = i / 8;
+                    const int rot = o % 4, dc0 = (o / 4) % 2, kgq = (o / 8) % (BM / 32);
+                    const int dcq = o / (8 * (BM / 32));
+                    const int par = b & 1, q4 = b >> 1;
+                    const int dc8 = dc0 + 2 * ((q4 + rot) & 3);      // dc % 8
+                    const int kg = 4 * kgq + q4;                    // 8-query step in the tile
+                    float v[4][4];                                   // v[ii][e] = X[query ii][4·dc + e]
+#pragma unroll
+                    for (int ii = 0; ii < 4; ++ii) {
+                        const int r = 8 * kg + par + 2 * ii;         // query row of the raw tile
+                        lds128(src + dcq * L::Q_PANEL + r * 128 + ((dc8 ^ (r % 8)) * 16), v[ii]);
+                    }
+                    const int pc = 2 * q4 + par;                     // 16-byte chunk in the Xᵀ row
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int d = 4 * (8 * dcq + dc8) + e;       // Xᵀ row
+                        const u32 off = kgq * L::T_PANEL + d * 128 + ((pc ^ (d % 8)) * 16);
+                        u32 big[4], small[4];
+#pragma unroll
+                        for (int ii = 0; ii < 4; ++ii) split_tf32(v[ii][e], big[ii], small[ii]);
+                        sts128(dst_b + off, big);
+                        sts128(dst_s + off, small);
+                    }
+                }
+            };
+            int kv_it = 0, q_it = 0;
+            for (int tile_i = 0;; ++tile_i) {
+                const int ts = tile_i % TILE_RING;
+                mbar_wait(tile_full + 8 * ts, (tile_i / TILE_RING) & 1);
+                const int w = tile_smem[ts];
+                __syncwarp();                                 // every lane has read the slot
+                if (cu % 32 == 0) mbar_arrive(tile_empty + 8 * ts);
+                if (w < 0) break;
+                const WorkTile wt = work_tile<WINDOW>(p, w);
+                for (int st = 0; st < wt.steps; ++st, ++q_it) {
+                    const int head = step_head(p, wt, st), m0 = step_m0(wt, st);
+                    mbar_wait(raw_full, q_it & 1);            // Q, dO of the step landed
+                    if (q_it > 0) mbar_wait(step_empty, (q_it - 1) & 1);   // the last step's buffers are free
+                    // ---- Q, dO: big / small as stored (B of Sᵀ, dPᵀ), and transposed (B of dK, dV)
+                    split_tile(smem + L::RAWQ, smem + L::QB, smem + L::QS, BM * D / 4);
+                    split_tile(smem + L::RAWDO, smem + L::DOB, smem + L::DOS, BM * D / 4);
+                    transpose(smem + L::RAWQ, smem + L::QTB, smem + L::QTS);
+                    transpose(smem + L::RAWDO, smem + L::DOTB, smem + L::DOTS);
+                    // ---- lse·log2 e and D of the step's rows: rows past s_q and rows that saw no
+                    //      key in the forward (lse = -inf) get +inf, so their P is 0
+                    const i64 bh_row = ((i64)wt.batch * p.h + head) * p.s_q;
+                    for (int r = cu; r < BM; r += CONV_THREADS) {
+                        const int i = m0 + r;
+                        const float lse = i < p.s_q ? p.lse[bh_row + i] : CF_INF;
+                        rows_smem[r] = lse == -CF_INF ? CF_INF : lse * CF_LOG2E;
+                        rows_smem[BM + r] = i < p.s_q ? p.dsum[bh_row + i] : 0.f;
+                    }
+                    release(step_full, raw_empty);            // (and the landing buffers are read)
+                    if (st == 0) {
+                        // ---- K of the tile: big in place, small (A of Sᵀ; Kᵀ fragments of dQᵀ)
+                        mbar_wait(kv_raw, kv_it & 1);
+                        split_tile(smem + L::KB, smem + L::KB, smem + L::KS, BN * D / 4);
+                        release(kv_full, 0);
+                        ++kv_it;
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    // ================================ consumers ================================
+    regs_acquire<CONSUMER_REGS>();
+    const int cw = wg - 1;                                 // consumer 0 or 1: keys n0 + 64·cw ..
+    const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8
+    const int c4 = t % 4;
+    const int col_in_8 = 2 * c4;                           // accumulator columns col_in_8, +1 (of 8)
+    const u32 k_wg = smem + L::KB + cw * 64 * 128;         // this consumer's 64 rows of k_big
+    const u32 ks_wg = smem + L::KS + cw * 64 * 128;        // ... of k_small
+    const u32 v_wg = smem + L::VB + cw * 64 * 128;         // ... of v_big
+    const u32 ds_big = smem + L::DS + cw * 2 * L::DS_PART; // dS [BM, 64 keys] big, then small
+    const u32 ds_small = ds_big + L::DS_PART;
+    const u32 dq_tile = smem + L::DQ + cw * L::DQ_TILE;    // dQ partial [BM, D] float32
+    const float* lse_smem = rows_smem;                     // [BM] lse·log2 e of the step
+    const float* dsum_smem = rows_smem + BM;               // [BM] D of the step
+
+    float dk_acc[NKV], dv_acc[NKV];   // dK, dV [64 keys, D], fp32
+    u32 vs_frag[D / 2];               // V small [64 keys, D] as TF32 A fragments (4 per k-step)
+
+    int q_it = 0, kv_it = 0;          // steps and K/V tiles consumed so far (barrier phases)
+    for (int tile_i = 0;; ++tile_i) {
+        const int ts = tile_i % TILE_RING;
+        mbar_wait(tile_full + 8 * ts, (tile_i / TILE_RING) & 1);
+        const int w = tile_smem[ts];
+        __syncwarp();                                      // every lane of the warp has read the slot
+        if (t % 32 == 0) mbar_arrive(tile_empty + 8 * ts);
+        if (w < 0) break;
+        const WorkTile wt = work_tile<WINDOW>(p, w);
+        const int n0 = wt.n0;
+        const int key0 = n0 + cw * 64 + row_in_wg;         // this lane's keys: key0, key0 + 8
+
+#pragma unroll
+        for (int i = 0; i < NKV; ++i) dk_acc[i] = dv_acc[i] = 0.f;
+        if (wt.steps > 0) {
+            mbar_wait(kv_full, kv_it & 1);                 // K split, V landed
+            // ---- V rows of this consumer: big back in place (the shared operand of v_big·do_big,
+            //      v_big·do_small), small kept in vs_frag. Per 8-column k-step kk the A fragment is
+            //      V(r, 8kk + c), V(r + 8, 8kk + c), V(r, 8kk + c + 4), V(r + 8, 8kk + c + 4)
+            //      (r = row_in_wg, c = t % 4)
+#pragma unroll
+            for (int kk = 0; kk < D / 8; ++kk) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = row_in_wg + 8 * (e % 2), x = 8 * kk + c4 + 4 * (e / 2);
+                    const u32 a = v_wg + swz(r, x, L::KV_PANEL);
+                    u32 big;
+                    split_tf32(lds32(a), big, vs_frag[4 * kk + e]);
+                    sts32(a, big);
+                }
+            }
+            fence_proxy_async();                   // the big part is read by wgmma (async proxy)
+            named_bar_sync(WG_BAR + cw, 128);      // every warp of the warpgroup has written its rows
+        }
+
+        for (int st = 0; st < wt.steps; ++st, ++q_it) {
+            const int m0 = step_m0(wt, st);
+            const int head = step_head(p, wt, st);
+            mbar_wait(step_full, q_it & 1);                // Q, dO parts, transposes, rows written
+
+            // ---- Sᵀ = K Qᵀ  [64 keys, BM]: k-steps of 8 columns (32 bytes) through the D / 32
+            //      panels; per k-step k_small·q_big + k_big·q_small + k_big·q_big (all SS)
+            float s_acc[NS], dp_acc[NS];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < D / 8; ++kk) {
+                const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
+                const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
+                wgmma_ss_tf32<BM>(s_acc, smem_desc(ks_wg + k_off, 16, 1024),
+                                  smem_desc(smem + L::QB + q_off, 16, 1024), kk > 0);
+                wgmma_ss_tf32<BM>(s_acc, smem_desc(k_wg + k_off, 16, 1024),
+                                  smem_desc(smem + L::QS + q_off, 16, 1024), 1);
+                wgmma_ss_tf32<BM>(s_acc, smem_desc(k_wg + k_off, 16, 1024),
+                                  smem_desc(smem + L::QB + q_off, 16, 1024), 1);
+            }
+            wgmma_commit();
+            // ---- dPᵀ = V dOᵀ  [64 keys, BM]: v_big·do_big (first: it overwrites), v_big·do_small,
+            //      v_small·do_big (registers); its own group, so Pᵀ starts when Sᵀ is done
+#pragma unroll
+            for (int kk = 0; kk < D / 8; ++kk) {
+                const u32 v_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
+                const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
+                wgmma_ss_tf32<BM>(dp_acc, smem_desc(v_wg + v_off, 16, 1024),
+                                  smem_desc(smem + L::DOB + q_off, 16, 1024), kk > 0);
+                wgmma_ss_tf32<BM>(dp_acc, smem_desc(v_wg + v_off, 16, 1024),
+                                  smem_desc(smem + L::DOS + q_off, 16, 1024), 1);
+                wgmma_rs_tf32<BM>(dp_acc, vs_frag + 4 * kk, smem_desc(smem + L::DOB + q_off, 16, 1024));
+            }
+            wgmma_commit();
+            wgmma_wait<1>();                               // Sᵀ done (dPᵀ may still run)
+            fence_regs<NS>(s_acc);
+
+            // ---- Pᵀ = exp2(Sᵀ·scale·log2 e − lse·log2 e), masked, in place in s_acc
+            bool need_mask = n0 + BN > p.s_k;
+            if (WINDOW)
+                need_mask |= n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
+                             n0 < m0 + BM - 1 + p.diag_offset - p.window_left;
+#pragma unroll
+            for (int i = 0; i < NS; ++i) {
+                const int col = (i / 4) * 8 + col_in_8 + (i % 2);   // query row m0 + col
+                const int key = key0 + ((i % 4) >= 2 ? 8 : 0);
+                float pe = fast_exp2(s_acc[i] * p.scale_log2 - lse_smem[col]);
+                if (need_mask) {
+                    const int diag = m0 + col + p.diag_offset;
+                    bool keep = key < p.s_k;
+                    if (WINDOW) keep = keep && key <= diag + p.window_right && key >= diag - p.window_left;
+                    if (!keep) pe = 0.f;
+                }
+                s_acc[i] = pe;
+            }
+            wgmma_wait<0>();                               // dPᵀ done
+            fence_regs<NS>(dp_acc);
+            fence_regs<D / 2>(vs_frag);                    // read by dPᵀ until here
+
+            // ---- dSᵀ = Pᵀ ∘ (dPᵀ − D)·scale; Pᵀ and dSᵀ split into TF32 A fragments. Accumulator
+            //      registers 4kk .. 4kk + 3 of query step kk hold (key r, query 2c), (r, 2c + 1),
+            //      (r + 8, 2c), (r + 8, 2c + 1); fragment slots c, c + 4 are queries 2c, 2c + 1
+            //      (Qᵀ / dOᵀ are stored to match): a = {x[4kk], x[4kk + 2], x[4kk + 1], x[4kk + 3]}
+            u32 p_big[NS], p_small[NS], ds_bigf[NS], ds_smallf[NS];
+#pragma unroll
+            for (int kk = 0; kk < BM / 8; ++kk) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = 4 * kk + (e == 1 ? 2 : e == 2 ? 1 : e);
+                    const int col = kk * 8 + col_in_8 + (i % 2);
+                    const float ds = s_acc[i] * (dp_acc[i] - dsum_smem[col]) * p.scale;
+                    split_tf32(s_acc[i], p_big[4 * kk + e], p_small[4 * kk + e]);
+                    split_tf32(ds, ds_bigf[4 * kk + e], ds_smallf[4 * kk + e]);
+                }
+            }
+
+            // ---- dS big / small -> this consumer's dS tile [BM queries, 64 keys] (keys
+            //      contiguous, 128-byte swizzle, panels of 32 keys): the B operand of dQᵀ = Kᵀ dSᵀ.
+            //      Slot e of step kk is key row_in_wg + 8(e % 2), query 8kk + 2c + e / 2.
+#pragma unroll
+            for (int kk = 0; kk < BM / 8; ++kk) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int kl = row_in_wg + 8 * (e % 2), q = 8 * kk + col_in_8 + e / 2;
+                    const u32 off = swz(q, kl, L::DS_PANEL);
+                    sts32(ds_big + off, ds_bigf[4 * kk + e]);
+                    sts32(ds_small + off, ds_smallf[4 * kk + e]);
+                }
+            }
+            fence_proxy_async();   // for the dQᵀ product (before the dV / dK group: ptxas 12.9)
+
+            // ---- dV += Pᵀ dO, dK += dSᵀ Q  [64 keys, D]: B = dOᵀ / Qᵀ [D, BM] K-major, 8 queries
+            //      (32 bytes) per k-step; per k-step small·big + big·small + big·big
+            fence_regs<NKV>(dv_acc);
+            fence_regs<NKV>(dk_acc);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BM / 8; ++kk) {
+                const u32 off = (kk / 4) * L::T_PANEL + (kk % 4) * 32;
+                wgmma_rs_tf32<D>(dv_acc, p_small + 4 * kk, smem_desc(smem + L::DOTB + off, 16, 1024));
+                wgmma_rs_tf32<D>(dv_acc, p_big + 4 * kk, smem_desc(smem + L::DOTS + off, 16, 1024));
+                wgmma_rs_tf32<D>(dv_acc, p_big + 4 * kk, smem_desc(smem + L::DOTB + off, 16, 1024));
+            }
+#pragma unroll
+            for (int kk = 0; kk < BM / 8; ++kk) {
+                const u32 off = (kk / 4) * L::T_PANEL + (kk % 4) * 32;
+                wgmma_rs_tf32<D>(dk_acc, ds_smallf + 4 * kk, smem_desc(smem + L::QTB + off, 16, 1024));
+                wgmma_rs_tf32<D>(dk_acc, ds_bigf + 4 * kk, smem_desc(smem + L::QTS + off, 16, 1024));
+                wgmma_rs_tf32<D>(dk_acc, ds_bigf + 4 * kk, smem_desc(smem + L::QTB + off, 16, 1024));
+            }
+            wgmma_commit();
+            // every warp of this consumer has stored its dS rows (for dQᵀ below)
+            named_bar_sync(WG_BAR + cw, 128);
+            wgmma_wait<0>();                               // dV, dK done: fragments free
+            fence_regs<NKV>(dv_acc);
+            fence_regs<NKV>(dk_acc);
+            fence_regs<NS>(p_big);
+            fence_regs<NS>(p_small);
+            fence_regs<NS>(ds_bigf);
+            fence_regs<NS>(ds_smallf);
+            if (t == 0) mbar_arrive(step_empty);           // Q, dO parts, transposes, rows no longer needed
+
+            // ---- dQᵀ_c [D, BM] = Kᵀ_c dSᵀ_c over this consumer's 64 keys: A = Kᵀ fragments
+            //      (d rows r, r + 8; keys 8kk + c, + 4) from k_big / k_small, B = its dS tile [BM,
+            //      64 keys] K-major (k-steps of 8 keys = 32 bytes); kt_small·ds_big first (dq_acc
+            //      zeroed: register-A products always accumulate), kt_big·ds_small, kt_big·ds_big
+            float dq_acc[NQ];
+#pragma unroll
+            for (int i = 0; i < NQ; ++i) dq_acc[i] = 0.f;
+            u32 kt_big[D / 2], kt_small[D / 2];
+#pragma unroll
+            for (int kk = 0; kk < 64 / 8; ++kk) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int d = row_in_wg + 8 * (e % 2), kl = 8 * kk + c4 + 4 * (e / 2);
+                    const u32 off = swz(kl, d, L::KV_PANEL);
+                    kt_big[4 * kk + e] = __float_as_uint(lds32(k_wg + off));
+                    kt_small[4 * kk + e] = __float_as_uint(lds32(ks_wg + off));
+                }
+            }
+            fence_regs<NQ>(dq_acc);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 64 / 8; ++kk) {
+                const u32 off = (kk / 4) * L::DS_PANEL + (kk % 4) * 32;
+                wgmma_rs_tf32<BM>(dq_acc, kt_small + 4 * kk, smem_desc(ds_big + off, 16, 1024));
+                wgmma_rs_tf32<BM>(dq_acc, kt_big + 4 * kk, smem_desc(ds_small + off, 16, 1024));
+                wgmma_rs_tf32<BM>(dq_acc, kt_big + 4 * kk, smem_desc(ds_big + off, 16, 1024));
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs<NQ>(dq_acc);
+            fence_regs<D / 2>(kt_big);
+            fence_regs<D / 2>(kt_small);
+
+            // ---- dQᵀ_c -> dq_tile [BM, D] (transposed: lane holds (d, query), (d, query + 1);
+            //      rows chunk-swizzled: chunk XOR query mod 8, m0 % 8 = 0), then one bulk reduce-add
+            //      of the tile into the accumulator rows m0 .. (this consumer's partial)
+            if (t == 0) bulk_wait_read<0>();               // the last step's tile was read out
+            named_bar_sync(WG_BAR + cw, 128);
+#pragma unroll
+            for (int i = 0; i < NQ; ++i) {
+                const int d = row_in_wg + ((i % 4) >= 2 ? 8 : 0);
+                const int q = (i / 4) * 8 + col_in_8 + (i % 2);
+                asm volatile("st.shared.f32 [%0], %1;"
+                             :: "r"(dq_tile + q * D * 4 + 4 * dq_swizzle(q, d)), "f"(dq_acc[i]) : "memory");
+            }
+            fence_proxy_async();                           // generic stores -> the bulk reduce
+            named_bar_sync(WG_BAR + cw, 128);
+            if (t == 0) {
+                float* dq_bh = p.dq_accum + ((i64)wt.batch * p.h + head) * p.s_q * D;
+                bulk_reduce_add_f32(dq_bh + (i64)m0 * D, dq_tile, (u32)(min(BM, p.s_q - m0) * D * 4));
+                bulk_commit();
+            }
+        }
+        if (wt.steps > 0) {
+            // this consumer's last reads of K (Kᵀ fragments, Sᵀ) and V (dPᵀ) have completed
+            if (t == 0) mbar_arrive(kv_empty);
+            ++kv_it;
+        }
+
+        // ---- dK, dV of this consumer's 64 keys (GQA: summed over the group's query heads;
+        //      zeros for a tile that no query sees), float32 pairs
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int key = key0 + 8 * r;
+            if (key < p.s_k) {
+                float* dk_row = (float*)p.dk + wt.batch * p.dk_stride_b + (i64)key * p.dk_stride_s +
+                                wt.kv_head * p.dk_stride_h;
+                float* dv_row = (float*)p.dv + wt.batch * p.dv_stride_b + (i64)key * p.dv_stride_s +
+                                wt.kv_head * p.dv_stride_h;
+#pragma unroll
+                for (int i = 0; i < NKV; i += 4) {
+                    const int col = (i / 4) * 8 + col_in_8;
+                    *(float2*)(dk_row + col) = make_float2(dk_acc[i + 2 * r], dk_acc[i + 2 * r + 1]);
+                    *(float2*)(dv_row + col) = make_float2(dv_acc[i + 2 * r], dv_acc[i + 2 * r + 1]);
+                }
+            }
+        }
+    }
+    if (t == 0) bulk_wait<0>();   // the dQ additions landed before the block ends
+}
+
+// dq = float32(dQ accumulator), one thread per 16-byte accumulator chunk read from its
+// chunk-swizzled place (chunk c of row i sits at c XOR i mod 8); grid (row blocks, h, b)
+template <int D>
+__global__ void __launch_bounds__(256)
+flash_bwd_dq_sm90_f32(const Params p) {
+    constexpr int CHUNKS = D / 4;            // 16-byte chunks per accumulator row
+    constexpr int ROWS = 256 / CHUNKS;       // rows per block
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int i = blockIdx.x * ROWS + threadIdx.x / CHUNKS;   // query row
+    const int c = threadIdx.x % CHUNKS;                       // columns 4c .. 4c + 3
+    if (i >= p.s_q) return;
+    const i64 row = ((i64)batch * p.h + head) * p.s_q + i;    // [b, h, s_q]
+    const float4 a = *(const float4*)(p.dq_accum + row * D + 4 * (c ^ (i & 7)));
+    float* dq_el = (float*)p.dq + batch * p.dq_stride_b + (i64)i * p.dq_stride_s + head * p.dq_stride_h + 4 * c;
+    dq_el[0] = a.x;
+    dq_el[1] = a.y;
+    dq_el[2] = a.z;
+    dq_el[3] = a.w;
+}
