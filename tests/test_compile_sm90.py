@@ -110,3 +110,20 @@ def test_backward_bias_and_varlen_variants_no_ptxas_warnings():
     for v in [x for x in _gpu_bwd_sm90.variants() if (x.bias or x.varlen) and x.elem == "bf16_t"]:
         warnings = _ptxas_warnings(_gpu_bwd_sm90.program([v]), "bwd_sm90.cu")
         assert not warnings, v.name + ": " + "\n".join(warnings)
+
+
+def test_float32_backward_prototype_compiles_without_spills():
+    """The float32 backward prototype (bwd_sm90_f32.cu, _gpu_bwd_sm90_f32.variants(); not routed,
+    never run on a GPU): 0 spills and no ptxas warning in its variants and helper kernels."""
+    from cupyflash import _gpu_bwd_sm90_f32
+
+    vs = _gpu_bwd_sm90_f32.variants()
+    res = _modules.nvrtc_reports([("sm_90a", _gpu_bwd_sm90_f32.program, vs, "bwd_sm90_f32.cu")])["sm_90a"]
+    print("\nsm_90a: registers / spill bytes per float32 Hopper backward variant")
+    for n, (regs, spill) in sorted(res.items()):
+        print(f"  {n:55s} {regs:4d} regs {spill:6d} B spill")
+    assert {v.name_expression for v in vs} <= set(res)
+    bad = [f"{n}: {r}" for n, r in res.items() if r[1] > 0]
+    assert not bad, "\n".join(bad)
+    warnings = _ptxas_warnings(_gpu_bwd_sm90_f32.program(vs), "bwd_sm90_f32.cu")
+    assert not warnings, "\n".join(warnings)

@@ -1,0 +1,274 @@
+"""CPU (NumPy) models of the float32 Hopper backward prototype (kernels_cu/bwd_sm90_f32.cu), checked
+without a GPU:
+
+* the shared-memory map (Layout) against its Python mirror and the 232,448-byte limit;
+* the products whose layouts it shares with the float32 forward (tests/test_sm90_f32_layout.py's
+  models, instantiated with this kernel's shapes): Sᵀ = K Qᵀ (A = a consumer's 64 rows of the
+  128-key K tile, B = the 32-row Q tile), dV += Pᵀ dO through the converters' transposition of dO
+  with BN := BM = 32, the consumers' V split (QREG addressing with 128 rows);
+* what is new here: the dS tile [32 queries, 64 keys] the consumers store from their Sᵀ-shaped
+  registers (every element once, no bank conflict) and dQᵀ = Kᵀ dSᵀ through it (A = Kᵀ fragments
+  loaded from the K tile, B = the dS tile through a K-major descriptor); the transposed stores of
+  dQᵀ into the chunk-swizzled dQ tile and the conversion kernel's read-back;
+* the work decomposition (work tiles of 128 keys, 32-row steps over the GQA group, the masks'
+  need_mask shortcut) as a float64 NumPy backward against reference.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupyflash import _gpu_bwd_sm90_f32 as f32b
+from cupyflash import reference
+
+from test_sm90_f32_layout import (a_frag_pos, acc_pos, staged_q_k, swz, test_pv_product_through_the_layouts,
+                                  test_s_product_through_the_layouts, test_split_q_fragments_and_s_product,
+                                  test_transpose_covers_and_has_no_bank_conflicts, tma_store)
+
+BM, BN, D = f32b.BM, f32b.BN, 64
+
+
+def layout(d):
+    """sm90bf::Layout<D> of bwd_sm90_f32.cu, transcribed."""
+    kvt, qt = BN * d * 4, BM * d * 4
+    off, o = {}, 0
+    for name, size in (("KB", kvt), ("KS", kvt), ("VB", kvt), ("QB", qt), ("QS", qt), ("DOB", qt),
+                       ("DOS", qt), ("QTB", qt), ("QTS", qt), ("DOTB", qt), ("DOTS", qt), ("RAWQ", qt),
+                       ("RAWDO", qt), ("DS", 2 * 2 * 2 * BM * 128), ("DQ", 2 * BM * d * 4),
+                       ("ROWS", 2 * BM * 4), ("TILE", 16), ("BARS", 8 * 11)):
+        off[name] = o
+        o += size
+    off["BYTES"] = o
+    return off
+
+
+def test_layout_fits_and_matches_the_mirror():
+    off = layout(D)
+    assert off["BYTES"] + 1024 == f32b.smem_bytes(D) == f32b.Sm90F32BwdVariant(D, False).smem_bytes
+    assert f32b.smem_bytes(D) <= 232_448
+    for name in ("KB", "KS", "VB", "QB", "QS", "DOB", "DOS", "QTB", "QTS", "DOTB", "DOTS", "RAWQ",
+                 "RAWDO", "DS", "DQ"):
+        assert off[name] % 1024 == 0, name   # swizzled panels: 1024-byte aligned
+
+
+def test_shared_products_with_this_kernels_shapes():
+    """Sᵀ = K Qᵀ: the forward's S model with 'Q' = the 128-key K tile (two consumers' 64 rows) and
+    'K' = the 32-row Q tile; dV += Pᵀ dO: the forward's P V model with BN := BM = 32 (the
+    converters' transposition of dO with the query permutation); the consumers' V split: the
+    forward's QREG model (its 128-row tile is the K / V tile here)."""
+    test_s_product_through_the_layouts(BM, D)
+    test_transpose_covers_and_has_no_bank_conflicts(BM, D)
+    test_pv_product_through_the_layouts(BM, D)
+    test_split_q_fragments_and_s_product(D)
+
+
+def ds_store_offset(t, kk, e):
+    """Consumer lane t's dS store of fragment slot e of query step kk: (byte offset in its dS part,
+    key row, query) as bwd_sm90_f32.cu computes it (swz(q, kl, DS_PANEL))."""
+    row_in_wg = (t // 32) * 16 + (t % 32) // 4
+    kl, q = row_in_wg + 8 * (e % 2), 8 * kk + 2 * (t % 4) + e // 2
+    off = (kl // 32) * BM * 128 + q * 128 + 16 * (((kl % 32) // 4) ^ (q % 8)) + 4 * (kl % 4)
+    return off, kl, q
+
+
+def kt_load_offset(t, kk, e):
+    """Consumer lane t's Kᵀ A-fragment load of slot e of key step kk: (byte offset from the
+    consumer's 64 rows of the K tile, d, key)."""
+    row_in_wg = (t // 32) * 16 + (t % 32) // 4
+    d, kl = row_in_wg + 8 * (e % 2), 8 * kk + t % 4 + 4 * (e // 2)
+    off = (d // 32) * BN * 128 + kl * 128 + 16 * (((d % 32) // 4) ^ (kl % 8)) + 4 * (d % 4)
+    return off, d, kl
+
+
+def test_ds_slots_are_the_accumulator_registers():
+    """The fragment slot order a = {x[4kk], x[4kk+2], x[4kk+1], x[4kk+3]} names the accumulator
+    positions the dS stores claim (key, query)."""
+    for t in range(128):
+        for kk in range(BM // 8):
+            for e in range(4):
+                i = 4 * kk + (0, 2, 1, 3)[e]
+                _, kl, q = ds_store_offset(t, kk, e)
+                assert acc_pos(t, i) == (kl, q)
+
+
+def test_ds_stores_cover_the_tile_without_bank_conflicts():
+    seen = np.zeros(BM * 64, int)
+    for kk in range(BM // 8):
+        for e in range(4):
+            for w in range(4):
+                offs = [ds_store_offset(t, kk, e)[0] for t in range(32 * w, 32 * w + 32)]
+                assert len({(o // 4) % 32 for o in offs}) == 32   # one warp store: 32 banks
+                for o in offs:
+                    seen[o // 4] += 1
+    assert (seen == 1).all()
+
+
+def test_dq_product_through_the_ds_tile_and_kt_fragments():
+    """dQᵀ_c = Kᵀ_c dSᵀ_c with A = Kᵀ fragments read from the TMA-swizzled K tile (rows = keys)
+    and B = the dS tile through the descriptor (start + (kk/4)·panel + (kk%4)·32, rows of 128
+    bytes: query n, key k), summed over both consumers = (dS K)ᵀ."""
+    rng = np.random.default_rng(5)
+    K = rng.standard_normal((BN, D))
+    dS = rng.standard_normal((BM, BN))
+    k_smem = np.full(BN * D, np.nan)
+    tma_store(k_smem, 0, K)
+    total = np.zeros((D, BM))
+    conflicts = 0
+    for cw in range(2):
+        ds_tile = np.full(BM * 64, np.nan)
+        for t in range(128):
+            row_in_wg = (t // 32) * 16 + (t % 32) // 4
+            for kk in range(BM // 8):
+                for e in range(4):
+                    off, kl, q = ds_store_offset(t, kk, e)
+                    ds_tile[off // 4] = dS[q, 64 * cw + kl]
+        assert not np.isnan(ds_tile).any()
+        part = np.zeros((D, BM))
+        for kk in range(64 // 8):
+            A = np.full((64, 8), np.nan)
+            for t in range(128):
+                for v in range(4):
+                    off, d, kl = kt_load_offset(t, kk, v)
+                    A[a_frag_pos(t, v)] = k_smem[(cw * 64 * 128 + off) // 4]
+                    assert a_frag_pos(t, v) == (d, kl % 8)
+            for w in range(4):
+                for v in range(4):
+                    banks = [(kt_load_offset(t, kk, v)[0] // 4) % 32 for t in range(32 * w, 32 * w + 32)]
+                    conflicts = max(conflicts, max(np.bincount(banks)))
+            start = (kk // 4) * BM * 128 + (kk % 4) * 32
+            B = np.array([[ds_tile[swz(start + n * 128 + 4 * k) // 4] for n in range(BM)] for k in range(8)])
+            part += A @ B
+        np.testing.assert_allclose(part, K[64 * cw:64 * cw + 64].T @ dS[:, 64 * cw:64 * cw + 64].T,
+                                   rtol=1e-12, atol=1e-12)
+        total += part
+    np.testing.assert_allclose(total, (dS @ K).T, rtol=1e-12, atol=1e-12)
+    assert conflicts == 2   # the Kᵀ fragment loads: 2-way bank conflicts (docs/f32-backward-design.md)
+
+
+def test_dq_tile_stores_and_conversion():
+    """dQᵀ accumulator registers -> dq tile [BM, D] (chunk-swizzled rows): each element once, no
+    bank conflict per warp store; the conversion kernel's read (chunk c of row i at c XOR i % 8)
+    gives dQ back; m0 % 8 == 0, so the tile's swizzle is the accumulator's."""
+    rng = np.random.default_rng(6)
+    dQ = rng.standard_normal((BM, D))
+    tile = np.full(BM * D, np.nan)
+
+    def dq_swizzle(i, c):
+        return (((c >> 2) ^ (i & 7)) << 2) | (c & 3)
+
+    for i in range(BM // 2):
+        for w in range(4):
+            banks = []
+            for t in range(32 * w, 32 * w + 32):
+                row_in_wg = (t // 32) * 16 + (t % 32) // 4
+                d = row_in_wg + (8 if (i % 4) >= 2 else 0)
+                q = (i // 4) * 8 + 2 * (t % 4) + (i % 2)
+                assert acc_pos(t, i) == (d, q)
+                addr = q * D * 4 + 4 * dq_swizzle(q, d)
+                tile[addr // 4] = dQ[q, d]
+                banks.append((addr // 4) % 32)
+            assert len(set(banks)) == 32
+    assert not np.isnan(tile).any()
+    back = np.zeros((BM, D))
+    for i in range(BM):
+        for c in range(D // 4):
+            back[i, 4 * c:4 * c + 4] = tile[i * D + 4 * (c ^ (i & 7)):i * D + 4 * (c ^ (i & 7)) + 4]
+    np.testing.assert_array_equal(back, dQ)
+
+
+# ---- the work decomposition, as a float64 NumPy backward -----------------------------------------
+
+def work_tile(w, s_q, s_k, h_k, h_per_hk, diag_offset, window, left, right):
+    num_n = -(-s_k // BN)
+    n0 = (w % num_n) * BN
+    kv_head = (w // num_n) % h_k
+    batch = w // num_n // h_k
+    n_rows = min(BN, s_k - n0)
+    i_lo, i_hi = 0, s_q - 1
+    if window:
+        i_lo = max(0, n0 - diag_offset - right)
+        i_hi = min(s_q - 1, n0 + n_rows - 1 - diag_offset + left)
+    m_first = i_lo // BM
+    m_count = i_hi // BM - i_lo // BM + 1 if i_hi >= i_lo else 0
+    return n0, kv_head, batch, m_first, m_count, m_count * h_per_hk
+
+
+def model_backward(dout, q, k, v, scale, causal=False, window=None):
+    """The kernel's loops (work tiles, steps, need_mask) in float64; bottom-right alignment."""
+    b, s_q, h, d = q.shape
+    s_k, h_k = k.shape[1], k.shape[2]
+    hp = h // h_k
+    diag_offset = s_k - s_q
+    left, right = (window if window else (s_q + s_k, s_q + s_k))
+    if causal:
+        right = 0
+    win = causal or window is not None
+    out, lse = reference.attention(q, k, v, scale=scale, causal=causal, window=window, return_lse=True)
+    dsum = np.einsum("bihd,bihd->bhi", dout, out)
+    dq = np.zeros((b, h, s_q, d))
+    dk = np.full(k.shape, np.nan)
+    dv = np.full(v.shape, np.nan)
+    num_work = -(-s_k // BN) * h_k * b
+    for w in range(num_work):
+        n0, kvh, bb, m_first, m_count, steps = work_tile(w, s_q, s_k, h_k, hp, diag_offset, win, left, right)
+        dk_t = np.zeros((BN, d))
+        dv_t = np.zeros((BN, d))
+        K = np.zeros((BN, d))
+        V = np.zeros((BN, d))
+        K[:min(BN, s_k - n0)] = k[bb, n0:n0 + BN, kvh]   # TMA: zeros past s_k
+        V[:min(BN, s_k - n0)] = v[bb, n0:n0 + BN, kvh]
+        for st in range(steps):
+            head = kvh * hp + st // m_count
+            m0 = (m_first + st % m_count) * BM
+            Q = np.zeros((BM, d))
+            dO = np.zeros((BM, d))
+            rows = min(BM, s_q - m0)
+            Q[:rows] = q[bb, m0:m0 + rows, head]
+            dO[:rows] = dout[bb, m0:m0 + rows, head]
+            l2 = np.full(BM, np.inf)
+            dd = np.zeros(BM)
+            ls = lse[bb, head, m0:m0 + rows]
+            l2[:rows] = np.where(ls == -np.inf, np.inf, ls)
+            dd[:rows] = dsum[bb, head, m0:m0 + rows]
+            St = K @ Q.T                                   # [BN keys, BM]
+            dPt = V @ dO.T
+            Pt = np.exp(St * scale - l2[None, :])
+            need_mask = n0 + BN > s_k
+            if win:
+                need_mask |= (n0 + BN - 1 > m0 + diag_offset + right) or (n0 < m0 + BM - 1 + diag_offset - left)
+            if need_mask:
+                key = n0 + np.arange(BN)[:, None]
+                diag = m0 + np.arange(BM)[None, :] + diag_offset
+                keep = key < s_k
+                if win:
+                    keep = keep & (key <= diag + right) & (key >= diag - left)
+                Pt = np.where(keep, Pt, 0.0)
+            dSt = Pt * (dPt - dd[None, :]) * scale
+            dv_t += Pt @ dO
+            dk_t += dSt @ Q
+            dq[bb, head, m0:m0 + rows] += (dSt.T @ K)[:rows]
+        n = min(BN, s_k - n0)
+        dk[bb, n0:n0 + n, kvh] = dk_t[:n]
+        dv[bb, n0:n0 + n, kvh] = dv_t[:n]
+    return dq.transpose(0, 2, 1, 3), dk, dv
+
+
+@pytest.mark.parametrize("s_q,s_k,h,h_k,causal,window", [
+    (33, 200, 2, 1, False, None),
+    (200, 33, 2, 2, True, None),
+    (100, 300, 4, 2, True, None),
+    (300, 100, 1, 1, False, (40, 7)),
+    (1, 129, 2, 1, True, None),
+])
+def test_work_decomposition_matches_the_reference(s_q, s_k, h, h_k, causal, window):
+    rng = np.random.default_rng(7)
+    d = 16   # the decomposition does not depend on d
+    q = rng.standard_normal((2, s_q, h, d))
+    k = rng.standard_normal((2, s_k, h_k, d))
+    v = rng.standard_normal((2, s_k, h_k, d))
+    dout = rng.standard_normal((2, s_q, h, d))
+    scale = d ** -0.5
+    dq, dk, dv = model_backward(dout, q, k, v, scale, causal, window)
+    rq, rk, rv, _ = reference.attention_backward(dout, q, k, v, scale=scale, causal=causal, window=window)
+    for got, ref in ((dq, rq), (dk, rk), (dv, rv)):
+        np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
