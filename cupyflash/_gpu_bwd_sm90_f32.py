@@ -8,7 +8,7 @@ and ``flash_bwd_dq_sm90_f32<64>`` (dq = the accumulator, rows chunk-swizzled).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 BN = 128           # keys per work tile
 BM = 32            # query rows per step
@@ -77,4 +77,92 @@ def program(variants_):
     return _gpu_bwd.program(variants_)
 
 
-__all__ = ["Sm90F32BwdVariant", "variants", "smem_bytes", "program", "BN", "BM", "THREADS"]
+def get_functions(variant: Sm90F32BwdVariant, device_id: int):
+    """(main, pre, dq) kernels of ``variant`` on ``device_id`` (lazy)."""
+    from . import _gpu_bwd
+    return _gpu_bwd.get_functions(variant, device_id)
+
+
+def unsupported(dtype_name: str, d: int, d_v: int, *, allow_tf32: bool, scale: float,
+                softcap: float, has_alibi: bool, has_bias: bool, has_mask: bool,
+                deterministic: bool, window_left: int, window_right: int, cc: int,
+                smem_optin: int, tensors=()) -> Optional[str]:
+    """None when the prototype covers the call, else the reason (the caller raises it: the
+    prototype only ever runs when forced)."""
+    from . import _plan
+    if allow_tf32:
+        return "allow_tf32 (the prototype computes 3xTF32 only)"
+    if softcap or has_alibi or has_bias or has_mask:
+        return "softcap / ALiBi / bias / mask (not in the prototype)"
+    if deterministic:
+        return "deterministic mode (the prototype adds dQ with float atomics)"
+    if not scale > 0:
+        return f"scale {scale} (the prototype needs scale > 0)"
+    return _plan.sm90_common_unsupported(dtype_name, d, d_v, HEAD_DIMS, cc=cc,
+                                         smem_need=smem_bytes(d), smem_optin=smem_optin,
+                                         tensors=tensors, dtypes=("float32",))
+
+
+def launch(variant: Sm90F32BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
+           num_sms: int) -> Optional[str]:
+    """Run bwd.cu's pre kernel (D, zeroed accumulator), the prototype main kernel and the dQ
+    conversion with the Params record ``prm`` (filled by _gpu_bwd.backward). None, launching
+    nothing, when a base address is not 16-byte aligned or dk / dv rows are not 8-byte pairs."""
+    from . import _gpu, _plan, _tma
+
+    ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr)
+    if any(p_ % _plan.TMA_ALIGN for p_ in ptrs):
+        return None
+    for t in ("dk", "dv"):   # float2 stores of dK, dV
+        if int(prm[t]) % 8 or any(int(prm[f"{t}_stride_{a}"]) % 2 for a in "bsh"):
+            return None
+    b, s_q, h, _ = q.shape
+    s_k, h_k = k.shape[1], k.shape[2]
+    if h > 65535:   # the dQ conversion's grid.y
+        return None
+    for field, a, rows in (("tma_q", q, BM), ("tma_k", k, BN), ("tma_v", v, BN),
+                           ("tma_do", dout, BM)):
+        dims, byte_strides, box = _plan.tma_tensor(a.shape, _gpu._elem_strides(a, field), 4, rows)
+        prm[field] = _tma.encode("float32", a.data.ptr, dims, byte_strides, box)
+    prm["sched"] = _gpu._sched_counter(dev_id, _gpu._current_stream().ptr)
+    main, pre, conv = get_functions(variant, dev_id)
+    rec = prm.reshape(1)[0]
+    num_work = -(-s_k // BN) * h_k * b
+    pre(pre_grid, (256, 1, 1), (rec,))
+    main((min(num_sms, num_work), 1, 1), (THREADS, 1, 1), (rec,), shared_mem=variant.smem_bytes)
+    conv((-(-s_q // (256 // (variant.d // 4))), h, b), (256, 1, 1), (rec,))
+    return variant.name
+
+
+def launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms):
+    """``hopper(prm)`` for _gpu_bwd._fill_and_launch with the prototype (kernel="sm90_f32");
+    ValueError naming the reason where it cannot run the call."""
+    from . import _gpu
+
+    cc = _gpu._info(dev_id)[0]
+    why = unsupported(
+        name, q.shape[3], v.shape[3], allow_tf32=bool(opts.allow_tf32), scale=float(opts.scale),
+        softcap=float(opts.softcap or 0.0), has_alibi=opts.alibi_slopes is not None,
+        has_bias=opts.bias is not None, has_mask=opts.mask is not None,
+        deterministic=bool(opts.deterministic), window_left=int(opts.window_left),
+        window_right=int(opts.window_right), cc=cc, smem_optin=smem,
+        tensors=[(a.shape, _gpu._elem_strides(a, t))
+                 for a, t in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"))])
+    if why is not None:
+        raise ValueError(f"kernel='sm90_f32': the float32 Hopper backward prototype cannot run "
+                         f"this call: {why}")
+    window = int(opts.window_left) >= 0 or int(opts.window_right) >= 0
+    variant = Sm90F32BwdVariant(q.shape[3], window)
+
+    def hopper(prm):
+        ran = launch(variant, prm, plan.pre_grid, q, k, v, dout, dev_id, num_sms)
+        if ran is None:
+            raise ValueError("kernel='sm90_f32': a base address is not 16-byte aligned, or dk / dv "
+                             "rows are not 8-byte aligned pairs")
+        return ran
+
+    return hopper
+
+
+__all__ = ["Sm90F32BwdVariant", "variants", "smem_bytes", "program", "get_functions",
+           "unsupported", "launch", "launcher", "BN", "BM", "THREADS"]

@@ -272,3 +272,33 @@ def test_work_decomposition_matches_the_reference(s_q, s_k, h, h_k, causal, wind
     rq, rk, rv, _ = reference.attention_backward(dout, q, k, v, scale=scale, causal=causal, window=window)
     for got, ref in ((dq, rq), (dk, rk), (dv, rv)):
         np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def _why(dtype="float32", d=64, cc=90, **kw):
+    args = dict(allow_tf32=False, scale=0.125, softcap=0.0, has_alibi=False, has_bias=False,
+                has_mask=False, deterministic=False, window_left=-1, window_right=-1, cc=cc,
+                smem_optin=232_448)
+    args.update(kw)
+    return f32b.unsupported(dtype, d, d, **args)
+
+
+def test_prototype_coverage_rules():
+    """What kernel="sm90_f32" (forced only) accepts: float32, hd 64, cc 9.0, no extras."""
+    assert _why() is None
+    assert _why(window_left=10, window_right=0) is None
+    assert "dtype" in _why("bfloat16")
+    assert "head dims" in _why(d=128)
+    assert "compute capability" in _why(cc=80)
+    assert "allow_tf32" in _why(allow_tf32=True)
+    assert "deterministic" in _why(deterministic=True)
+    assert "softcap" in _why(softcap=30.0)
+    assert "shared memory" in _why(smem_optin=227 * 1024 - 10_000)
+
+
+def test_prototype_is_never_planned():
+    """The planner's Hopper backward variants are 16-bit only; the float32 prototype is reached
+    through kernel="sm90_f32" alone."""
+    from cupyflash import _gpu_bwd_sm90
+    assert all(v.elem in ("f16_t", "bf16_t") for v in _gpu_bwd_sm90.variants())
+    assert _gpu_bwd_sm90.unsupported("float32", 64, 64, scale=0.125, softcap=0.0, has_alibi=False,
+                                     deterministic=False, cc=90, smem_optin=232_448) is not None
