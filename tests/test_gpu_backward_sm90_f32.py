@@ -1,0 +1,72 @@
+"""Float32 Hopper backward PROTOTYPE (kernels_cu/bwd_sm90_f32.cu, forced with kernel="sm90_f32")
+against the float64 reference: tests/test_gpu_backward.py's harness and float32 criterion
+(NaN-poisoned gradients, fresh random inputs, max error / max(1, max|ref|) <= 5e-5).
+Skipped on GPUs other than compute capability 9.0. NOT YET RUN ON A GPU (written with the
+prototype; docs/f32-backward-design.md, "Test and device plan").
+"""
+from __future__ import annotations
+
+import pytest
+
+from gpu_util import cp, hopper_only  # noqa: E402,F401  (skips without CuPy)
+from test_gpu_backward import run_case  # noqa: E402  (pytest puts tests/ on sys.path)
+
+pytestmark = [pytest.mark.gpu, hopper_only]
+
+
+def f32(rng, *args, **kw):
+    name = run_case(rng, "float32", *args, kernel="sm90_f32", **kw)
+    assert name.startswith("bwd90_f32_d64"), name
+    return name
+
+
+def test_one_tile(rng):
+    """The first case to look at: one work tile (128 keys), four 32-row steps, one head."""
+    f32(rng, 1, 128, 128, 1, 1, 64)
+
+
+SEQLENS = [(1, 1), (1, 239), (239, 1), (7, 33), (113, 203), (1023, 1024), (1024, 1023),
+           (128, 128), (64, 300), (700, 129), (2048, 2048)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("s_q,s_k", SEQLENS)
+def test_seqlens(rng, s_q, s_k, causal):
+    f32(rng, 1, s_q, s_k, 2, 1, 64, causal=causal)
+
+
+OPTION_SETS = {
+    "window": dict(window=(32, 16)),
+    "window_left_only": dict(window=(50, -1)),
+    "causal_top_left": dict(causal=True, bottom_right=False),
+    "causal_window": dict(causal=True, window=(40, -1)),
+    "scale": dict(scale=0.37),
+}
+
+
+@pytest.mark.parametrize("opt", list(OPTION_SETS))
+def test_options(rng, opt):
+    f32(rng, 2, 157, 411, 4, 2, 64, **OPTION_SETS[opt])
+
+
+@pytest.mark.parametrize("h,h_k", [(8, 1), (8, 2), (6, 3)])
+def test_gqa_mqa(rng, h, h_k):
+    f32(rng, 2, 130, 290, h, h_k, 64, causal=True)
+
+
+@pytest.mark.parametrize("layout,pad", [("bhsd", 0), ("padded", 8), ("sstride", 0)])
+def test_strided_views(rng, layout, pad):
+    f32(rng, 2, 150, 170, 4, 2, 64, causal=True, layout=layout, pad=pad)
+
+
+def test_fully_masked_rows(rng):
+    f32(rng, 1, 300, 100, 2, 1, 64, causal=True)
+    f32(rng, 1, 260, 110, 2, 2, 64, window=(0, 0))
+
+
+def test_refusals(rng):
+    """hd 128 and allow_tf32 are not in the prototype: a ValueError naming why."""
+    with pytest.raises(ValueError, match="sm90_f32.*head dims"):
+        run_case(rng, "float32", 1, 64, 64, 1, 1, 128, kernel="sm90_f32")
+    with pytest.raises(ValueError, match="sm90_f32.*allow_tf32"):
+        run_case(rng, "float32", 1, 64, 64, 1, 1, 64, kernel="sm90_f32", allow_tf32=True)
