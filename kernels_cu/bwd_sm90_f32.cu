@@ -387,7 +387,11 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
 #pragma unroll
         for (int i = 0; i < NKV; ++i) dk_acc[i] = dv_acc[i] = 0.f;
         if (wt.steps > 0) {
-            mbar_wait(kv_full, kv_it & 1);                 // K split, V landed
+            mbar_wait(kv_full, kv_it & 1);                 // K split (the converters saw K, V land)
+            mbar_wait(kv_raw, kv_it & 1);                  // V landed: waited here too, so the TMA
+                                                           // writes are visible to these threads
+                                                           // directly (the phase cannot move on
+                                                           // before this consumer's kv_empty)
             // ---- V rows of this consumer: big back in place (the shared operand of v_big·do_big,
             //      v_big·do_small), small kept in vs_frag. Per 8-column k-step kk the A fragment is
             //      V(r, 8kk + c), V(r + 8, 8kk + c), V(r, 8kk + c + 4), V(r + 8, 8kk + c + 4)
