@@ -50,6 +50,7 @@ constexpr int CONV_BAR = 3;          // named barrier of the converters
 constexpr int WG_BAR = 4;            // named barriers 4, 5: the 128 threads of consumer 0, 1
 constexpr int TILE_RING = 2;
 constexpr int TILE_READERS = 2 * 4 + 3;   // consumer warps + converter warps
+constexpr int CONSUMER_WARPS = 2 * 4;
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
 // cupyflash/_gpu_bwd_sm90_f32.py: smem_bytes.
@@ -80,8 +81,8 @@ struct Layout {
     static constexpr int DQ = DS + 2 * 2 * DS_PART;          // dq tile [2 consumers][BM][D] float32
     static constexpr int ROWS = DQ + 2 * DQ_TILE;            // [lse·log2 e, D][BM] of the step
     static constexpr int TILE = ROWS + 2 * BM * 4;           // tile_smem [TILE_RING] int (+ pad)
-    static constexpr int BARS = TILE + 16;                   // 11 mbarriers (see the kernel)
-    static constexpr int BYTES = BARS + 8 * 11;
+    static constexpr int BARS = TILE + 16;                   // 13 mbarriers (see the kernel)
+    static constexpr int BYTES = BARS + 8 * 13;
 };
 
 // Work tile w = n_block + num_n · (kv_head + h_k · batch) (dense; bwd_sm90.cu's order)
@@ -180,8 +181,11 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
     const u32 kv_empty = kv_full + 8;                   // both consumers are done with K, V
     const u32 raw_full = kv_empty + 8;                  // Q, dO of the next step landed (TMA)
     const u32 raw_empty = raw_full + 8;                 // the converters have read the landing buffers
-    const u32 step_full = raw_empty + 8;                // the step's parts, transposes, rows written
-    const u32 step_empty = step_full + 8;               // both consumers' dV, dK of the step done
+    // A step's buffers in two halves, so the converters prepare step j + 1 while step j runs:
+    const u32 nat_full = raw_empty + 8;                 // Q, dO big / small (as stored) and rows written
+    const u32 nat_empty = nat_full + 8;                 // every consumer warp is past Sᵀ, dPᵀ, dSᵀ
+    const u32 t_full = nat_empty + 8;                   // Qᵀ, dOᵀ big / small written
+    const u32 t_empty = t_full + 8;                     // both consumers' dV, dK of the step done
     const int num_work = (p.s_k + BN - 1) / BN * p.h_k * p.b;
 
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
@@ -195,8 +199,10 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
         mbar_init(kv_empty, 2);                          // one arrival per consumer
         mbar_init(raw_full, 1);                          // TMA thread (+ bytes)
         mbar_init(raw_empty, 1);                         // converter leader
-        mbar_init(step_full, 1);                         // converter leader
-        mbar_init(step_empty, 2);                        // one arrival per consumer
+        mbar_init(nat_full, 1);                          // converter leader
+        mbar_init(nat_empty, CONSUMER_WARPS);            // one arrival per consumer warp (rows read)
+        mbar_init(t_full, 1);                            // converter leader
+        mbar_init(t_empty, 2);                           // one arrival per consumer
         mbar_fence_init();
     }
     __syncthreads();   // barriers initialised before anyone waits on them
@@ -280,12 +286,12 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     sts128(small + 16 * i, s);
                 }
             };
-            // Xᵀ of a raw [BM, D] step tile (query rows, swizzled [D/32][BM][32]) -> big / small
-            // [BM/32][D][32] (row = column d, queries permuted inside each 8-query k-step: query
+            // Xᵀ of one part (big or small) of a [BM, D] step tile (query rows, swizzled
+            // [D/32][BM][32]) -> [BM/32][D][32] (row = column d, queries permuted inside each 8-query k-step: query
             // 2c -> slot c, 2c + 1 -> slot c + 4, matching the P / dS A fragments). One item = 4
             // queries x 4 columns: fwd_sm90_f32.cu's transpose_v with BN := BM (bank-conflict-free
             // phases, checked by tests/test_sm90_f32_layout.py for its shapes)
-            auto transpose = [&](u32 src, u32 dst_b, u32 dst_s) {
+            auto transpose = [&](u32 src, u32 dst) {
                 constexpr int ITEMS = BM * D / 16;
                 for (int i = cu; i < ITEMS; i += CONV_THREADS) {
                     const int b = i % 8, o = i / 8;
@@ -305,11 +311,9 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     for (int e = 0; e < 4; ++e) {
                         const int d = 4 * (8 * dcq + dc8) + e;       // Xᵀ row
                         const u32 off = kgq * L::T_PANEL + d * 128 + ((pc ^ (d % 8)) * 16);
-                        u32 big[4], small[4];
-#pragma unroll
-                        for (int ii = 0; ii < 4; ++ii) split_tf32(v[ii][e], big[ii], small[ii]);
-                        sts128(dst_b + off, big);
-                        sts128(dst_s + off, small);
+                        const u32 x[4] = {__float_as_uint(v[0][e]), __float_as_uint(v[1][e]),
+                                          __float_as_uint(v[2][e]), __float_as_uint(v[3][e])};
+                        sts128(dst + off, x);
                     }
                 }
             };
@@ -325,12 +329,10 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
                     const int head = step_head(p, wt, st), m0 = step_m0(wt, st);
                     mbar_wait(raw_full, q_it & 1);            // Q, dO of the step landed
-                    if (q_it > 0) mbar_wait(step_empty, (q_it - 1) & 1);   // the last step's buffers are free
-                    // ---- Q, dO: big / small as stored (B of Sᵀ, dPᵀ), and transposed (B of dK, dV)
+                    if (q_it > 0) mbar_wait(nat_empty, (q_it - 1) & 1);   // the last step's Sᵀ, dPᵀ, rows done
+                    // ---- Q, dO: big / small as stored (B of Sᵀ, dPᵀ)
                     split_tile(smem + L::RAWQ, smem + L::QB, smem + L::QS, BM * D / 4);
                     split_tile(smem + L::RAWDO, smem + L::DOB, smem + L::DOS, BM * D / 4);
-                    transpose(smem + L::RAWQ, smem + L::QTB, smem + L::QTS);
-                    transpose(smem + L::RAWDO, smem + L::DOTB, smem + L::DOTS);
                     // ---- lse·log2 e and D of the step's rows: rows past s_q and rows that saw no
                     //      key in the forward (lse = -inf) get +inf, so their P is 0
                     const i64 bh_row = ((i64)wt.batch * p.h + head) * p.s_q;
@@ -340,7 +342,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                         rows_smem[r] = lse == -CF_INF ? CF_INF : lse * CF_LOG2E;
                         rows_smem[BM + r] = i < p.s_q ? p.dsum[bh_row + i] : 0.f;
                     }
-                    release(step_full, raw_empty);            // (and the landing buffers are read)
+                    release(nat_full, raw_empty);             // (and the landing buffers are read)
                     if (st == 0) {
                         // ---- K of the tile: big in place, small (A of Sᵀ; Kᵀ fragments of dQᵀ)
                         mbar_wait(kv_raw, kv_it & 1);
@@ -348,6 +350,16 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                         release(kv_full, 0);
                         ++kv_it;
                     }
+                    // ---- Qᵀ, dOᵀ big / small (B of dK, dV) from the parts just written (read
+                    //      after release's converter barrier; natural parts are rewritten only
+                    //      after the next release, below in program order), once the last step's
+                    //      dV, dK are done
+                    if (q_it > 0) mbar_wait(t_empty, (q_it - 1) & 1);
+                    transpose(smem + L::QB, smem + L::QTB);
+                    transpose(smem + L::QS, smem + L::QTS);
+                    transpose(smem + L::DOB, smem + L::DOTB);
+                    transpose(smem + L::DOS, smem + L::DOTS);
+                    release(t_full, 0);
                 }
             }
         }
@@ -414,7 +426,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
         for (int st = 0; st < wt.steps; ++st, ++q_it) {
             const int m0 = step_m0(wt, st);
             const int head = step_head(p, wt, st);
-            mbar_wait(step_full, q_it & 1);                // Q, dO parts, transposes, rows written
+            mbar_wait(nat_full, q_it & 1);                 // Q, dO parts and rows written
 
             // ---- Sᵀ = K Qᵀ  [64 keys, BM]: k-steps of 8 columns (32 bytes) through the D / 32
             //      panels; per k-step k_small·q_big + k_big·q_small + k_big·q_big (all SS)
@@ -486,6 +498,8 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     split_tf32(ds, ds_bigf[4 * kk + e], ds_smallf[4 * kk + e]);
                 }
             }
+            __syncwarp();                                  // every lane of the warp has read the rows
+            if (t % 32 == 0) mbar_arrive(nat_empty);       // Sᵀ, dPᵀ done: Q, dO parts and rows free
 
             // ---- dS big / small -> this consumer's dS tile [BM queries, 64 keys] (keys
             //      contiguous, 128-byte swizzle, panels of 32 keys): the B operand of dQᵀ = Kᵀ dSᵀ.
@@ -506,6 +520,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             //      (32 bytes) per k-step; per k-step small·big + big·small + big·big
             fence_regs<NKV>(dv_acc);
             fence_regs<NKV>(dk_acc);
+            mbar_wait(t_full, q_it & 1);                   // Qᵀ, dOᵀ parts written
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BM / 8; ++kk) {
@@ -531,7 +546,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             fence_regs<NS>(p_small);
             fence_regs<NS>(ds_bigf);
             fence_regs<NS>(ds_smallf);
-            if (t == 0) mbar_arrive(step_empty);           // Q, dO parts, transposes, rows no longer needed
+            if (t == 0) mbar_arrive(t_empty);              // Qᵀ, dOᵀ parts no longer needed
 
             // ---- dQᵀ_c [D, BM] = Kᵀ_c dSᵀ_c over this consumer's 64 keys: A = Kᵀ fragments
             //      (d rows r, r + 8; keys 8kk + c, + 4) from k_big / k_small, B = its dS tile [BM,

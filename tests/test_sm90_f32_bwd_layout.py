@@ -35,7 +35,7 @@ def layout(d):
     for name, size in (("KB", kvt), ("KS", kvt), ("VB", kvt), ("QB", qt), ("QS", qt), ("DOB", qt),
                        ("DOS", qt), ("QTB", qt), ("QTS", qt), ("DOTB", qt), ("DOTS", qt), ("RAWQ", qt),
                        ("RAWDO", qt), ("DS", 2 * 2 * 2 * BM * 128), ("DQ", 2 * BM * d * 4),
-                       ("ROWS", 2 * BM * 4), ("TILE", 16), ("BARS", 8 * 11)):
+                       ("ROWS", 2 * BM * 4), ("TILE", 16), ("BARS", 8 * 13)):
         off[name] = o
         o += size
     off["BYTES"] = o
