@@ -63,7 +63,6 @@ struct Layout {
     static constexpr int T_PANEL = D * 128;                  // [D, 32 queries] panel of Qᵀ / dOᵀ
     static constexpr int DS_PANEL = BM * 128;                // [BM, 32 keys] panel of dS
     static constexpr int DS_PART = 2 * DS_PANEL;             // [BM, 64 keys]: one consumer's part
-    static constexpr int DQ_TILE = BM * D * 4;               // [BM, D] float32
     static constexpr int KB = 0;                             // k_big [D/32][BN][32] (TMA, then big)
     static constexpr int KS = KB + KVT;                      // k_small [D/32][BN][32]
     static constexpr int VB = KS + KVT;                      // v_big [D/32][BN][32] (TMA, then big)
@@ -78,8 +77,7 @@ struct Layout {
     static constexpr int RAWQ = DOTS + QT;                   // q raw [D/32][BM][32] (TMA landing)
     static constexpr int RAWDO = RAWQ + QT;                  // dO raw
     static constexpr int DS = RAWDO + QT;                    // ds [2 consumers][big, small][2][BM][32]
-    static constexpr int DQ = DS + 2 * 2 * DS_PART;          // dq tile [2 consumers][BM][D] float32
-    static constexpr int ROWS = DQ + 2 * DQ_TILE;            // [lse·log2 e, D][BM] of the step
+    static constexpr int ROWS = DS + 2 * 2 * DS_PART;        // [lse·log2 e, D][BM] of the step
     static constexpr int TILE = ROWS + 2 * BM * 4;           // tile_smem [TILE_RING] int (+ pad)
     static constexpr int BARS = TILE + 16;                   // 13 mbarriers (see the kernel)
     static constexpr int BYTES = BARS + 8 * 13;
@@ -126,6 +124,9 @@ __device__ __forceinline__ void sts128(u32 addr, const u32* x) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
                  :: "r"(addr), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]) : "memory");
 }
+__device__ __forceinline__ void lds64(u32 addr, u32& x, u32& y) {
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(x), "=r"(y) : "r"(addr) : "memory");
+}
 __device__ __forceinline__ float lds32(u32 addr) {
     float x;
     asm volatile("ld.shared.f32 %0, [%1];" : "=f"(x) : "r"(addr) : "memory");
@@ -139,6 +140,13 @@ __device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
     big = to_tf32(x);
     small = to_tf32(x - __uint_as_float(big));
 }
+// Key order inside each 8-key k-step of dQᵀ = Kᵀ dSᵀ (a contraction: any order both operands
+// share). Slot s holds key (s % 2)·4 + s / 2, so a k-step's A fragment columns c and c + 4 of the
+// four lanes c = 0..3 are keys {0, 4, 1, 5} and {2, 6, 3, 7}: two per 16-byte-chunk band of K's
+// 128-byte swizzle, and the Kᵀ fragment loads below are free of bank conflicts.
+__device__ __forceinline__ int key_of_slot(int s) { return 8 * (s / 8) + (s % 2) * 4 + (s % 8) / 2; }
+__device__ __forceinline__ int slot_of_key(int k) { return 8 * (k / 8) + 2 * (k % 4) + (k % 8) / 4; }
+
 // Byte offset of element (row, col) in a [rows, 32·k] float tile stored as 128-byte swizzled
 // panels of 32 columns, `panel` bytes apart (16-byte chunk index XOR row mod 8)
 __device__ __forceinline__ u32 swz(int row, int col, int panel) {
@@ -155,10 +163,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
     // and WorkTile are named with their namespace where both exist (sm90bf's are used here)
     using sm90b::fence_proxy_async;
     using sm90b::dq_swizzle;
-    using sm90b::bulk_reduce_add_f32;
-    using sm90b::bulk_commit;
-    using sm90b::bulk_wait_read;
-    using sm90b::bulk_wait;
+    using sm90b::red_add_v2;
     using L = sm90bf::Layout<D>;
     static_assert(Elem<E>::split && !Elem<E>::is16, "float32 at float32 accuracy (f32x3_t)");
     static_assert(D == 64, "hd 64 only: hd 128 fits no layout (docs/f32-backward-design.md)");
@@ -377,7 +382,6 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
     const u32 v_wg = smem + L::VB + cw * 64 * 128;         // ... of v_big
     const u32 ds_big = smem + L::DS + cw * 2 * L::DS_PART; // dS [BM, 64 keys] big, then small
     const u32 ds_small = ds_big + L::DS_PART;
-    const u32 dq_tile = smem + L::DQ + cw * L::DQ_TILE;    // dQ partial [BM, D] float32
     const float* lse_smem = rows_smem;                     // [BM] lse·log2 e of the step
     const float* dsum_smem = rows_smem + BM;               // [BM] D of the step
 
@@ -502,14 +506,14 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             if (t % 32 == 0) mbar_arrive(nat_empty);       // Sᵀ, dPᵀ done: Q, dO parts and rows free
 
             // ---- dS big / small -> this consumer's dS tile [BM queries, 64 keys] (keys
-            //      contiguous, 128-byte swizzle, panels of 32 keys): the B operand of dQᵀ = Kᵀ dSᵀ.
-            //      Slot e of step kk is key row_in_wg + 8(e % 2), query 8kk + 2c + e / 2.
+            //      contiguous in slot order, 128-byte swizzle, panels of 32 keys): the B operand of
+            //      dQᵀ = Kᵀ dSᵀ. Slot e of step kk is key row_in_wg + 8(e % 2), query 8kk + 2c + e / 2.
 #pragma unroll
             for (int kk = 0; kk < BM / 8; ++kk) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int kl = row_in_wg + 8 * (e % 2), q = 8 * kk + col_in_8 + e / 2;
-                    const u32 off = swz(q, kl, L::DS_PANEL);
+                    const u32 off = swz(q, slot_of_key(kl), L::DS_PANEL);
                     sts32(ds_big + off, ds_bigf[4 * kk + e]);
                     sts32(ds_small + off, ds_smallf[4 * kk + e]);
                 }
@@ -548,22 +552,25 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             fence_regs<NS>(ds_smallf);
             if (t == 0) mbar_arrive(t_empty);              // Qᵀ, dOᵀ parts no longer needed
 
-            // ---- dQᵀ_c [D, BM] = Kᵀ_c dSᵀ_c over this consumer's 64 keys: A = Kᵀ fragments
-            //      (d rows r, r + 8; keys 8kk + c, + 4) from k_big / k_small, B = its dS tile [BM,
-            //      64 keys] K-major (k-steps of 8 keys = 32 bytes); kt_small·ds_big first (dq_acc
-            //      zeroed: register-A products always accumulate), kt_big·ds_small, kt_big·ds_big
+            // ---- dQᵀ_c [D, BM] = Kᵀ_c dSᵀ_c over this consumer's 64 keys: A = Kᵀ fragments from
+            //      k_big / k_small, B = its dS tile [BM, 64 key slots] K-major (k-steps of 8 slots =
+            //      32 bytes); kt_small·ds_big first (dq_acc zeroed: register-A products always
+            //      accumulate), kt_big·ds_small, kt_big·ds_big. The fragment rows r, r + 8 are
+            //      columns d0, d0 + 1 of K (d0 = 16·warp + 2·(lane / 4): a permutation of dQᵀ's rows,
+            //      undone at the store), so each pair is one 8-byte load; columns c, c + 4 are the
+            //      keys in slots c, c + 4.
             float dq_acc[NQ];
 #pragma unroll
             for (int i = 0; i < NQ; ++i) dq_acc[i] = 0.f;
+            const int d0 = 16 * (t / 32) + 2 * ((t % 32) / 4);
             u32 kt_big[D / 2], kt_small[D / 2];
 #pragma unroll
             for (int kk = 0; kk < 64 / 8; ++kk) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int d = row_in_wg + 8 * (e % 2), kl = 8 * kk + c4 + 4 * (e / 2);
-                    const u32 off = swz(kl, d, L::KV_PANEL);
-                    kt_big[4 * kk + e] = __float_as_uint(lds32(k_wg + off));
-                    kt_small[4 * kk + e] = __float_as_uint(lds32(ks_wg + off));
+                for (int h = 0; h < 2; ++h) {
+                    const u32 off = swz(key_of_slot(8 * kk + c4 + 4 * h), d0, L::KV_PANEL);
+                    lds64(k_wg + off, kt_big[4 * kk + 2 * h], kt_big[4 * kk + 2 * h + 1]);
+                    lds64(ks_wg + off, kt_small[4 * kk + 2 * h], kt_small[4 * kk + 2 * h + 1]);
                 }
             }
             fence_regs<NQ>(dq_acc);
@@ -580,25 +587,21 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             fence_regs<NQ>(dq_acc);
             fence_regs<D / 2>(kt_big);
             fence_regs<D / 2>(kt_small);
-
-            // ---- dQᵀ_c -> dq_tile [BM, D] (transposed: lane holds (d, query), (d, query + 1);
-            //      rows chunk-swizzled: chunk XOR query mod 8, m0 % 8 = 0), then one bulk reduce-add
-            //      of the tile into the accumulator rows m0 .. (this consumer's partial)
-            if (t == 0) bulk_wait_read<0>();               // the last step's tile was read out
+            // every warp's dQᵀ product has read its dS tile before the next step's stores
             named_bar_sync(WG_BAR + cw, 128);
+
+            // ---- dQ rows m0 .. += dQᵀ_cᵀ: this consumer's partial, straight from registers; register
+            //      i holds (d0 or d0 + 1 for i % 4 < 2 or >= 2, query (i / 4)·8 + 2c + i % 2), so
+            //      (dq_acc[i], dq_acc[i + 2]) are two adjacent columns: one red.global.add.v2.f32
+            //      each (accumulator rows chunk-swizzled: dq_swizzle, m0 % 8 = 0; rows past s_q
+            //      skipped)
+            float* dq_bh = p.dq_accum + ((i64)wt.batch * p.h + head) * p.s_q * D;
 #pragma unroll
             for (int i = 0; i < NQ; ++i) {
-                const int d = row_in_wg + ((i % 4) >= 2 ? 8 : 0);
+                if (i % 4 >= 2) continue;
                 const int q = (i / 4) * 8 + col_in_8 + (i % 2);
-                asm volatile("st.shared.f32 [%0], %1;"
-                             :: "r"(dq_tile + q * D * 4 + 4 * dq_swizzle(q, d)), "f"(dq_acc[i]) : "memory");
-            }
-            fence_proxy_async();                           // generic stores -> the bulk reduce
-            named_bar_sync(WG_BAR + cw, 128);
-            if (t == 0) {
-                float* dq_bh = p.dq_accum + ((i64)wt.batch * p.h + head) * p.s_q * D;
-                bulk_reduce_add_f32(dq_bh + (i64)m0 * D, dq_tile, (u32)(min(BM, p.s_q - m0) * D * 4));
-                bulk_commit();
+                if (m0 + q < p.s_q)
+                    red_add_v2(dq_bh + (i64)(m0 + q) * D + dq_swizzle(q, d0), dq_acc[i], dq_acc[i + 2]);
             }
         }
         if (wt.steps > 0) {
@@ -626,7 +629,6 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             }
         }
     }
-    if (t == 0) bulk_wait<0>();   // the dQ additions landed before the block ends
 }
 
 // dq = float32(dQ accumulator), one thread per 16-byte accumulator chunk read from its

@@ -8,8 +8,9 @@ without a GPU:
   with BN := BM = 32, the consumers' V split (QREG addressing with 128 rows);
 * what is new here: the dS tile [32 queries, 64 keys] the consumers store from their Sᵀ-shaped
   registers (every element once, no bank conflict) and dQᵀ = Kᵀ dSᵀ through it (A = Kᵀ fragments
-  loaded from the K tile, B = the dS tile through a K-major descriptor); the transposed stores of
-  dQᵀ into the chunk-swizzled dQ tile and the conversion kernel's read-back;
+  loaded from the K tile as 8-byte pairs of d columns with the keys in slot order, B = the dS
+  tile through a K-major descriptor); dQᵀ's reductions from registers into the chunk-swizzled
+  accumulator (every element once, adjacent pairs) and the conversion kernel's read-back;
 * the work decomposition (work tiles of 128 keys, 32-row steps over the GQA group, the masks'
   need_mask shortcut) as a float64 NumPy backward against reference.py.
 """
@@ -34,7 +35,7 @@ def layout(d):
     off, o = {}, 0
     for name, size in (("KB", kvt), ("KS", kvt), ("VB", kvt), ("QB", qt), ("QS", qt), ("DOB", qt),
                        ("DOS", qt), ("QTB", qt), ("QTS", qt), ("DOTB", qt), ("DOTS", qt), ("RAWQ", qt),
-                       ("RAWDO", qt), ("DS", 2 * 2 * 2 * BM * 128), ("DQ", 2 * BM * d * 4),
+                       ("RAWDO", qt), ("DS", 2 * 2 * 2 * BM * 128),
                        ("ROWS", 2 * BM * 4), ("TILE", 16), ("BARS", 8 * 13)):
         off[name] = o
         o += size
@@ -47,7 +48,7 @@ def test_layout_fits_and_matches_the_mirror():
     assert off["BYTES"] + 1024 == f32b.smem_bytes(D) == f32b.Sm90F32BwdVariant(D, False).smem_bytes
     assert f32b.smem_bytes(D) <= 232_448
     for name in ("KB", "KS", "VB", "QB", "QS", "DOB", "DOS", "QTB", "QTS", "DOTB", "DOTS", "RAWQ",
-                 "RAWDO", "DS", "DQ"):
+                 "RAWDO", "DS"):
         assert off[name] % 1024 == 0, name   # swizzled panels: 1024-byte aligned
 
 
@@ -62,22 +63,49 @@ def test_shared_products_with_this_kernels_shapes():
     test_split_q_fragments_and_s_product(D)
 
 
+def key_of_slot(s):
+    """bwd_sm90_f32.cu's key_of_slot: the key in slot s of the dS tile (8-key k-steps)."""
+    return 8 * (s // 8) + (s % 2) * 4 + (s % 8) // 2
+
+
+def slot_of_key(k):
+    return 8 * (k // 8) + 2 * (k % 4) + (k % 8) // 4
+
+
+def test_key_slots_are_a_permutation_inside_each_k_step():
+    assert sorted(key_of_slot(s) for s in range(64)) == list(range(64))
+    for s in range(64):
+        assert slot_of_key(key_of_slot(s)) == s and key_of_slot(s) // 8 == s // 8
+
+
 def ds_store_offset(t, kk, e):
     """Consumer lane t's dS store of fragment slot e of query step kk: (byte offset in its dS part,
-    key row, query) as bwd_sm90_f32.cu computes it (swz(q, kl, DS_PANEL))."""
+    key row, query) as bwd_sm90_f32.cu computes it (swz(q, slot_of_key(kl), DS_PANEL))."""
     row_in_wg = (t // 32) * 16 + (t % 32) // 4
     kl, q = row_in_wg + 8 * (e % 2), 8 * kk + 2 * (t % 4) + e // 2
-    off = (kl // 32) * BM * 128 + q * 128 + 16 * (((kl % 32) // 4) ^ (q % 8)) + 4 * (kl % 4)
+    sl = slot_of_key(kl)
+    off = (sl // 32) * BM * 128 + q * 128 + 16 * (((sl % 32) // 4) ^ (q % 8)) + 4 * (sl % 4)
     return off, kl, q
 
 
-def kt_load_offset(t, kk, e):
-    """Consumer lane t's Kᵀ A-fragment load of slot e of key step kk: (byte offset from the
-    consumer's 64 rows of the K tile, d, key)."""
-    row_in_wg = (t // 32) * 16 + (t % 32) // 4
-    d, kl = row_in_wg + 8 * (e % 2), 8 * kk + t % 4 + 4 * (e // 2)
+def d0_of(t):
+    """The even K column of consumer lane t's Kᵀ fragment rows r, r + 8 (and of its dQᵀ rows)."""
+    return 16 * (t // 32) + 2 * ((t % 32) // 4)
+
+
+def kt_load_offset(t, kk, h):
+    """Consumer lane t's 8-byte Kᵀ A-fragment load h (fragment slots 2h, 2h + 1) of key step kk:
+    (byte offset from the consumer's 64 rows of the K tile, d of the first word, key)."""
+    d, kl = d0_of(t), key_of_slot(8 * kk + t % 4 + 4 * h)
     off = (d // 32) * BN * 128 + kl * 128 + 16 * (((d % 32) // 4) ^ (kl % 8)) + 4 * (d % 4)
     return off, d, kl
+
+
+def d_of_row(m):
+    """dQᵀ / Kᵀ-fragment row m of the 64-row product -> column d of K (rows r, r + 8 of a lane
+    are d0, d0 + 1)."""
+    w, i = m // 16, m % 16
+    return 16 * w + 2 * (i % 8) + i // 8
 
 
 def test_ds_slots_are_the_accumulator_registers():
@@ -123,56 +151,62 @@ def test_dq_product_through_the_ds_tile_and_kt_fragments():
                     off, kl, q = ds_store_offset(t, kk, e)
                     ds_tile[off // 4] = dS[q, 64 * cw + kl]
         assert not np.isnan(ds_tile).any()
-        part = np.zeros((D, BM))
+        part = np.zeros((D, BM))   # rows in fragment order: row m is column d_of_row(m)
         for kk in range(64 // 8):
             A = np.full((64, 8), np.nan)
             for t in range(128):
-                for v in range(4):
-                    off, d, kl = kt_load_offset(t, kk, v)
-                    A[a_frag_pos(t, v)] = k_smem[(cw * 64 * 128 + off) // 4]
-                    assert a_frag_pos(t, v) == (d, kl % 8)
+                for h in range(2):
+                    off, d, kl = kt_load_offset(t, kk, h)
+                    assert off % 8 == 0
+                    for j in range(2):   # the pair's words: fragment slots 2h + j
+                        v = 2 * h + j
+                        A[a_frag_pos(t, v)] = k_smem[(cw * 64 * 128 + off) // 4 + j]
+                        m, col = a_frag_pos(t, v)
+                        assert (d_of_row(m), key_of_slot(8 * kk + col)) == (d + j, kl)
             for w in range(4):
-                for v in range(4):
-                    banks = [(kt_load_offset(t, kk, v)[0] // 4) % 32 for t in range(32 * w, 32 * w + 32)]
-                    conflicts = max(conflicts, max(np.bincount(banks)))
+                for h in range(2):   # one 8-byte load per lane: 64 words, each bank twice at best
+                    words = [kt_load_offset(t, kk, h)[0] // 4 + j for t in range(32 * w, 32 * w + 32)
+                             for j in range(2)]
+                    conflicts = max(conflicts, max(np.bincount([x % 32 for x in words])))
             start = (kk // 4) * BM * 128 + (kk % 4) * 32
             B = np.array([[ds_tile[swz(start + n * 128 + 4 * k) // 4] for n in range(BM)] for k in range(8)])
             part += A @ B
+        part = part[np.argsort([d_of_row(m) for m in range(64)])]
         np.testing.assert_allclose(part, K[64 * cw:64 * cw + 64].T @ dS[:, 64 * cw:64 * cw + 64].T,
                                    rtol=1e-12, atol=1e-12)
         total += part
     np.testing.assert_allclose(total, (dS @ K).T, rtol=1e-12, atol=1e-12)
-    assert conflicts == 2   # the Kᵀ fragment loads: 2-way bank conflicts (docs/f32-backward-design.md)
+    assert conflicts == 2   # two wavefronts per 8-byte warp load: no bank conflict
 
 
-def test_dq_tile_stores_and_conversion():
-    """dQᵀ accumulator registers -> dq tile [BM, D] (chunk-swizzled rows): each element once, no
-    bank conflict per warp store; the conversion kernel's read (chunk c of row i at c XOR i % 8)
-    gives dQ back; m0 % 8 == 0, so the tile's swizzle is the accumulator's."""
+def test_dq_reductions_and_conversion():
+    """dQᵀ accumulator registers -> red.global.add.v2.f32 into the chunk-swizzled accumulator rows:
+    each (query, d) element once per consumer, the pairs (dq_acc[i], dq_acc[i + 2]) adjacent and
+    8-byte aligned; the conversion kernel's read (chunk c of row i at c XOR i % 8) gives dQ back;
+    m0 % 8 == 0, so the local row's swizzle is the accumulator's."""
     rng = np.random.default_rng(6)
     dQ = rng.standard_normal((BM, D))
-    tile = np.full(BM * D, np.nan)
+    acc = np.full(BM * D, np.nan)
 
     def dq_swizzle(i, c):
         return (((c >> 2) ^ (i & 7)) << 2) | (c & 3)
 
-    for i in range(BM // 2):
-        for w in range(4):
-            banks = []
-            for t in range(32 * w, 32 * w + 32):
-                row_in_wg = (t // 32) * 16 + (t % 32) // 4
-                d = row_in_wg + (8 if (i % 4) >= 2 else 0)
-                q = (i // 4) * 8 + 2 * (t % 4) + (i % 2)
-                assert acc_pos(t, i) == (d, q)
-                addr = q * D * 4 + 4 * dq_swizzle(q, d)
-                tile[addr // 4] = dQ[q, d]
-                banks.append((addr // 4) % 32)
-            assert len(set(banks)) == 32
-    assert not np.isnan(tile).any()
+    for t in range(128):
+        d0 = d0_of(t)
+        for i in range(BM // 2):
+            m, q = acc_pos(t, i)
+            assert d_of_row(m) == d0 + (1 if i % 4 >= 2 else 0)
+            if i % 4 >= 2:
+                continue
+            assert acc_pos(t, i + 2) == (m + 8, q)
+            w = q * D + dq_swizzle(q, d0)
+            assert w % 2 == 0 and np.isnan(acc[w:w + 2]).all()
+            acc[w], acc[w + 1] = dQ[q, d0], dQ[q, d0 + 1]
+    assert not np.isnan(acc).any()
     back = np.zeros((BM, D))
     for i in range(BM):
         for c in range(D // 4):
-            back[i, 4 * c:4 * c + 4] = tile[i * D + 4 * (c ^ (i & 7)):i * D + 4 * (c ^ (i & 7)) + 4]
+            back[i, 4 * c:4 * c + 4] = acc[i * D + 4 * (c ^ (i & 7)):i * D + 4 * (c ^ (i & 7)) + 4]
     np.testing.assert_array_equal(back, dQ)
 
 
@@ -292,7 +326,7 @@ def test_prototype_coverage_rules():
     assert "allow_tf32" in _why(allow_tf32=True)
     assert "deterministic" in _why(deterministic=True)
     assert "softcap" in _why(softcap=30.0)
-    assert "shared memory" in _why(smem_optin=227 * 1024 - 10_000)
+    assert "shared memory" in _why(smem_optin=f32b.smem_bytes(64) - 1)
 
 
 def test_prototype_is_never_planned():
