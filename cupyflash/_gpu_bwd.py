@@ -70,7 +70,7 @@ class BwdVariant(NamedTuple):
 
     @property
     def name_expression(self) -> str:
-        b = lambda x: "true" if x else "false"  # noqa: E731
+        b = _plan.cpp_bool
         gen = ", true" if self.general else ""   # the template's default is false
         return (f"flash_bwd<{self.elem}, {self.d}, {self.bm}, {self.nw}, {self.wd}, "
                 f"{self.nbuf}, {b(self.window)}, {b(self.score_mod)}{gen}>")

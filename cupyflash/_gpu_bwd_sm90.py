@@ -68,9 +68,9 @@ class Sm90BwdVariant(NamedTuple):
 
     @property
     def name_expression(self) -> str:
-        tf = {True: "true", False: "false"}
-        return (f"flash_bwd_sm90<{self.elem}, {self.d}, {tf[self.window]}, {tf[self.dq_bulk]}, "
-                f"{self.kvbuf}, {tf[self.varlen]}, {self.bias}>")
+        b = _plan.cpp_bool
+        return (f"flash_bwd_sm90<{self.elem}, {self.d}, {b(self.window)}, {b(self.dq_bulk)}, "
+                f"{self.kvbuf}, {b(self.varlen)}, {self.bias}>")
 
     @property
     def pre_expression(self) -> str:

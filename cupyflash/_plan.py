@@ -57,6 +57,12 @@ GEN_VARLEN, GEN_BIAS_MASK = 1, 2
 GEN_ALL = GEN_VARLEN | GEN_BIAS_MASK
 
 
+
+def cpp_bool(x) -> str:
+    """A C++ template argument for a flag: "true" / "false" (name expressions)."""
+    return "true" if x else "false"
+
+
 class Variant(NamedTuple):
     """One template instantiation of flash_fwd."""
 
@@ -72,7 +78,7 @@ class Variant(NamedTuple):
 
     @property
     def name_expression(self) -> str:
-        b = lambda x: "true" if x else "false"  # noqa: E731
+        b = cpp_bool
         gen = f", {int(self.general)}" if self.general else ""   # the template's default is 0
         return (f"flash_fwd<{self.elem}, {self.d}, {self.bm}, {self.bn}, {self.nw}, "
                 f"{self.stages}, {b(self.window)}, {b(self.score_mod)}{gen}>")
@@ -343,7 +349,7 @@ class Sm90Variant(NamedTuple):
 
     @property
     def name_expression(self) -> str:
-        b = lambda x: "true" if x else "false"  # noqa: E731
+        b = cpp_bool
         return (f"flash_fwd_sm90<{self.elem}, {self.d}, {self.bn}, {self.stages}, {self.nc}, "
                 f"{b(self.window)}, {b(self.softcap)}, {b(self.varlen)}, {self.bias}>")
 
@@ -407,7 +413,7 @@ class Sm90F32Variant(NamedTuple):
 
     @property
     def name_expression(self) -> str:
-        b = lambda x: "true" if x else "false"  # noqa: E731
+        b = cpp_bool
         return (f"flash_fwd_sm90_f32<{self.elem}, {self.d}, {self.bn}, {self.stages}, "
                 f"{self.nc}, {b(self.window)}, {b(self.qreg)}>")
 

@@ -97,7 +97,6 @@ def test_long_sequence(rng):
     sm90(rng, "float16", 1, 1500, 3001, 2, 2, 64, causal=True)
 
 
-
 #: Key-tile widths at hd 128 that are not powers of two (FlashAttention-3 takes 176), forced
 #: through an explicit Sm90Variant: ragged key tails, band edges that cut a tile anywhere.
 WIDE_BN = [160, 176]

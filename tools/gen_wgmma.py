@@ -35,45 +35,44 @@ def _acc(n):
     return regs, ops
 
 
-def _ss(tag, ptx, n, fname, trans):
+def _ss(spec, n, shape, imm):
+    """A shared-shared product: ``spec`` the specialization (e.g. "wgmma_ss<bf16_t, 64>"),
+    ``shape`` "m64nNkK.f32.T.T", ``imm`` the immediates after the predicate (scales, transposes)."""
     regs, ops = _acc(n)
     k = n // 2
     return [
-        f"template <> __device__ __forceinline__ void {fname}<{tag}, {n}>(float* d, u64 a_desc, u64 b_desc, int accumulate) {{",
+        f"template <> __device__ __forceinline__ void {spec}(float* d, u64 a_desc, u64 b_desc, int accumulate) {{",
         '    asm volatile("{\\n.reg .pred p;\\n"',
         f'                 "setp.ne.b32 p, %{k + 2}, 0;\\n"',
-        f'                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "',
+        f'                 "wgmma.mma_async.sync.aligned.{shape} "',
         f'                 "{{{regs}}}, "',
-        f'                 "%{k}, %{k + 1}, p, 1, 1, {trans};\\n}}\\n"',
+        f'                 "%{k}, %{k + 1}, p, {imm};\\n}}\\n"',
         f"                 : {ops}",
         '                 : "l"(a_desc), "l"(b_desc), "r"(accumulate));',
+        "}",
+    ]
+
+
+def _rs(spec, n, shape, imm):
+    """A register-shared product (A: 4 registers per lane); arguments as _ss."""
+    regs, ops = _acc(n)
+    k = n // 2
+    return [
+        f"template <> __device__ __forceinline__ void {spec}(float* d, const u32* a, u64 b_desc) {{",
+        f'    asm volatile("wgmma.mma_async.sync.aligned.{shape} "',
+        f'                 "{{{regs}}}, "',
+        f'                 "{{%{k}, %{k + 1}, %{k + 2}, %{k + 3}}}, %{k + 4}, {imm};\\n"',
+        f"                 : {ops}",
+        '                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));',
         "}",
     ]
 
 
 def _tf32(n):
     """The m64n{n}k8 TF32 products: shared-shared (accumulate flag) and register-shared."""
-    regs, ops = _acc(n)
-    k = n // 2
-    return [
-        f"template <> __device__ __forceinline__ void wgmma_ss_tf32<{n}>(float* d, u64 a_desc, u64 b_desc, int accumulate) {{",
-        '    asm volatile("{\\n.reg .pred p;\\n"',
-        f'                 "setp.ne.b32 p, %{k + 2}, 0;\\n"',
-        f'                 "wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32 "',
-        f'                 "{{{regs}}}, "',
-        f'                 "%{k}, %{k + 1}, p, 1, 1;\\n}}\\n"',
-        f"                 : {ops}",
-        '                 : "l"(a_desc), "l"(b_desc), "r"(accumulate));',
-        "}",
-        f"template <> __device__ __forceinline__ void wgmma_rs_tf32<{n}>(float* d, const u32* a, u64 b_desc) {{",
-        f'    asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32 "',
-        f'                 "{{{regs}}}, "',
-        f'                 "{{%{k}, %{k + 1}, %{k + 2}, %{k + 3}}}, %{k + 4}, 1, 1, 1;\\n"',
-        f"                 : {ops}",
-        '                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));',
-        "}",
-        "",
-    ]
+    shape = f"m64n{n}k8.f32.tf32.tf32"
+    return (_ss(f"wgmma_ss_tf32<{n}>", n, shape, "1, 1")
+            + _rs(f"wgmma_rs_tf32<{n}>", n, shape, "1, 1, 1") + [""])
 
 
 def render() -> str:
@@ -102,20 +101,10 @@ def render() -> str:
     ]
     for tag, ptx in TYPES:
         for n in NS:
-            regs, ops = _acc(n)
-            k = n // 2
-            parts += _ss(tag, ptx, n, "wgmma_ss", "0, 0") + (
-                _ss(tag, ptx, n, "wgmma_ss_tt", "1, 1") if n in NS_TT else [])
-            parts += [
-                f"template <> __device__ __forceinline__ void wgmma_rs<{tag}, {n}>(float* d, const u32* a, u64 b_desc) {{",
-                f'    asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "',
-                f'                 "{{{regs}}}, "',
-                f'                 "{{%{k}, %{k + 1}, %{k + 2}, %{k + 3}}}, %{k + 4}, 1, 1, 1, 1;\\n"',
-                f"                 : {ops}",
-                '                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));',
-                "}",
-                "",
-            ]
+            shape = f"m64n{n}k16.f32.{ptx}.{ptx}"
+            parts += _ss(f"wgmma_ss<{tag}, {n}>", n, shape, "1, 1, 0, 0") + (
+                _ss(f"wgmma_ss_tt<{tag}, {n}>", n, shape, "1, 1, 1, 1") if n in NS_TT else [])
+            parts += _rs(f"wgmma_rs<{tag}, {n}>", n, shape, "1, 1, 1, 1") + [""]
     for n in NS_TF32:
         parts += _tf32(n)
     return "\n".join(parts)
