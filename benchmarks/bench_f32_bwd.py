@@ -1,13 +1,13 @@
-"""float32 attention backward on the H200: the Hopper 3xTF32 prototype (bwd_sm90_f32.cu, forced with
-kernel="sm90_f32"), the portable 3xTF32 backward (bwd.cu) and PyTorch SDPA's memory-efficient
-backend on float32 (when torch imports); FlashAttention's shapes (16k tokens, hidden 2048),
-tensors stored bhsd. NOT YET RUN (written with the prototype, docs/f32-backward-design.md).
+"""float32 attention backward on the H200: the Hopper 3xTF32 backward (bwd_sm90_f32.cu, forced with
+kernel="sm90"; hd 64 only: other head dims print the refusal), the portable 3xTF32 backward
+(bwd.cu) and PyTorch SDPA's memory-efficient backend on float32 (when torch imports);
+FlashAttention's shapes (16k tokens, hidden 2048), tensors stored bhsd.
 
     python benchmarks/bench_f32_bwd.py                          # hd 64, s 1k / 4k / 16k, both
     python benchmarks/bench_f32_bwd.py --seqlens 4096 --causal no
 
 TFLOP/s = 2.5 · 4·b·h·s²·d (halved for causal) / median time of the backward alone (the
-forward's out / lse computed once beforehand). Each cell also prints the prototype's largest
+forward's out / lse computed once beforehand). Each cell also prints the Hopper kernel's largest
 norm-wise relative difference to the portable kernel over dq, dk, dv (both float32-accurate:
 expect ~1e-6). Stops adding cells after --budget seconds.
 """
@@ -42,7 +42,7 @@ def _memeff_bwd(q, k, v, causal):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="float32 attention backward: Hopper prototype vs portable vs SDPA memeff")
+    ap = argparse.ArgumentParser(description="float32 attention backward: Hopper vs portable vs SDPA memeff")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--causal", choices=["both", "no", "yes"], default="both")
@@ -79,8 +79,8 @@ def main(argv=None) -> int:
                     return _gpu_bwd.backward(dout, q, k, v, out, lse, *g, opts, kernel=kernel)
 
                 try:
-                    name = run("sm90_f32", g_h)
-                    res["sm90_f32"] = _time(lambda: run("sm90_f32", g_h))
+                    name = run("sm90", g_h)
+                    res["sm90_f32"] = _time(lambda: run("sm90", g_h))
                 except Exception as e:  # noqa: BLE001
                     print(f"  sm90_f32: {type(e).__name__}: {e}")
                 res["portable"] = _time(lambda: run("portable", g_p))

@@ -166,9 +166,11 @@ def precompile(args) -> int:
     fwd = _modules.precompile(fwd, args.workers)
     bwd = _gpu_bwd.precompile([v for v in _gpu_bwd.all_variants(smem) if wanted(v)], args.workers)
     if hopper:
-        from cupyflash import _gpu_bwd_sm90
+        from cupyflash import _gpu_bwd_sm90, _gpu_bwd_sm90_f32
         bwd += _modules.precompile([v for v in _gpu_bwd_sm90.variants() if wanted(v)],
                                    args.workers, program_fn=_gpu_bwd_sm90.program)
+        bwd += _modules.precompile([v for v in _gpu_bwd_sm90_f32.variants() if wanted(v)],
+                                   args.workers, program_fn=_gpu_bwd_sm90_f32.program)
     print(f"compiled {len(fwd)} forward and {len(bwd)} backward variants in "
           f"{time.perf_counter() - t0:.1f} s ({args.workers} processes)")
     return 0

@@ -468,6 +468,15 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, for
     from . import _gpu
     from . import _gpu_bwd_sm90 as h90
 
+    if name == "float32":   # bwd_sm90_f32.cu: dense calls without a bias only
+        from . import _gpu_bwd_sm90_f32
+        if varlen is None and bias_operand is None:
+            return _gpu_bwd_sm90_f32.launcher(plan, name, dout, q, k, v, opts, dev_id, smem,
+                                              num_sms, forced)
+        if forced:
+            raise ValueError("kernel='sm90': the Hopper backward cannot run this call: float32 "
+                             "with a bias or packed sequences (bwd_sm90_f32.cu is dense only)")
+        return None
     cc = _gpu._info(dev_id)[0]
     why = h90.unsupported(
         name, q.shape[3], v.shape[3], scale=float(opts.scale),
@@ -520,9 +529,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
     q, k, v's shapes and dtype (any strides). Current device and stream. ``kernel``: None or
     "auto" (the planner: the Hopper main kernel, _gpu_bwd_sm90, on compute capability 9.0 where
     it covers the call, else the portable one), "portable", "sm90" (ValueError where it cannot
-    run), or a BwdVariant to force (tuning, benchmarks); "sm90_f32" forces the float32 Hopper
-    backward prototype (bwd_sm90_f32.cu: float32, hd 64; not planned, not yet run on a GPU:
-    docs/f32-backward-design.md); anything else is a ValueError.
+    run), or a BwdVariant to force (tuning, benchmarks); anything else is a ValueError. On
+    float32 the Hopper main kernel is bwd_sm90_f32.cu (_gpu_bwd_sm90_f32: 3xTF32, hd 64, dense,
+    no softcap / ALiBi / bias / mask, not deterministic); other float32 calls run bwd.cu.
     With ``opts.bias`` / ``opts.mask`` the GENERAL variant runs (a bias without a mask: the Hopper
     kernel's BIAS variant on compute capability 9.0 where it covers the call); ``dbias`` (a CuPy
     array of opts.bias's 4-D shape, any float dtype) then receives dS summed over the bias's
@@ -534,10 +543,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
 
     if kernel == "auto":
         kernel = None
-    if not (kernel is None or kernel in ("portable", "sm90", "sm90_f32")
-            or isinstance(kernel, BwdVariant)):
+    if not (kernel is None or kernel in ("portable", "sm90") or isinstance(kernel, BwdVariant)):
         raise ValueError(f"kernel={kernel!r}: accepted None / 'auto', 'sm90', 'portable' or a "
-                         "BwdVariant ('sm90_f32': the float32 Hopper prototype, forced only)")
+                         "BwdVariant")
     name = _checks(dout, q, k, v, out, lse, dq, dk, dv)
     bias = opts.bias
     if bias is not None and dbias is None:
@@ -566,10 +574,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
                          "mask (not in the Hopper backward)")
     hopper = None
     operand = None   # _gpu.bias_operand(bias, q.dtype), once made
-    if kernel == "sm90_f32":   # the float32 Hopper prototype (bwd_sm90_f32.cu): never planned
-        from . import _gpu_bwd_sm90_f32
-        hopper = _gpu_bwd_sm90_f32.launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms)
-    elif (kernel is None or kernel == "sm90") and (not plan.variant.general or bias is not None):
+    if (kernel is None or kernel == "sm90") and (not plan.variant.general or bias is not None):
         if bias is not None:
             from . import _gpu
             operand = _gpu.bias_operand(bias, q.dtype)

@@ -1,5 +1,6 @@
-"""Hopper (sm_90a) float32 backward, PROTOTYPE (kernels_cu/bwd_sm90_f32.cu): variants, shared-memory
-size and compilation. Never run on a GPU; nothing routes to it (docs/f32-backward-design.md).
+"""Hopper (sm_90a) float32 backward (kernels_cu/bwd_sm90_f32.cu): variants, shared-memory size,
+coverage, compilation and launch. _gpu_bwd's planner runs it for float32 calls it covers on
+compute capability 9.0 (docs/f32-backward-design.md).
 
 ``flash_bwd_sm90_f32<f32x3_t, 64, WINDOW>``: dK, dV and (through the float32 accumulator) dQ at
 float32 accuracy, 3xTF32 on wgmma; work tiles of 128 keys (two 64-key consumers), steps of 32 query
@@ -33,7 +34,8 @@ class Sm90F32BwdVariant(NamedTuple):
 
     @property
     def name_expression(self) -> str:
-        return f"flash_bwd_sm90_f32<{self.elem}, {self.d}, {'true' if self.window else 'false'}>"
+        from . import _plan
+        return f"flash_bwd_sm90_f32<{self.elem}, {self.d}, {_plan.cpp_bool(self.window)}>"
 
     @property
     def pre_expression(self) -> str:
@@ -67,7 +69,7 @@ def smem_bytes(d: int) -> int:
 
 
 def variants():
-    """Every Sm90F32BwdVariant of the prototype (compiled by the harness for sm_90a)."""
+    """Every Sm90F32BwdVariant (compiled by the harness for sm_90a)."""
     return [Sm90F32BwdVariant(d, w) for d in HEAD_DIMS for w in (False, True)]
 
 
@@ -87,17 +89,17 @@ def unsupported(dtype_name: str, d: int, d_v: int, *, allow_tf32: bool, scale: f
                 softcap: float, has_alibi: bool, has_bias: bool, has_mask: bool,
                 deterministic: bool, window_left: int, window_right: int, cc: int,
                 smem_optin: int, tensors=()) -> Optional[str]:
-    """None when the prototype covers the call, else the reason (the caller raises it: the
-    prototype only ever runs when forced)."""
+    """None when bwd_sm90_f32.cu covers the call, else the reason (the planner then runs the
+    portable backward; kernel="sm90" raises it)."""
     from . import _plan
     if allow_tf32:
-        return "allow_tf32 (the prototype computes 3xTF32 only)"
+        return "allow_tf32 (this kernel computes 3xTF32 only; the portable one has the one-pass mode)"
     if softcap or has_alibi or has_bias or has_mask:
-        return "softcap / ALiBi / bias / mask (not in the prototype)"
+        return "softcap / ALiBi / bias / mask (not in the float32 Hopper backward)"
     if deterministic:
-        return "deterministic mode (the prototype adds dQ with float atomics)"
+        return "deterministic mode (this kernel adds dQ with float atomics)"
     if not scale > 0:
-        return f"scale {scale} (the prototype needs scale > 0)"
+        return f"scale {scale} (this kernel needs scale > 0)"
     return _plan.sm90_common_unsupported(dtype_name, d, d_v, HEAD_DIMS, cc=cc,
                                          smem_need=smem_bytes(d), smem_optin=smem_optin,
                                          tensors=tensors, dtypes=("float32",))
@@ -105,7 +107,7 @@ def unsupported(dtype_name: str, d: int, d_v: int, *, allow_tf32: bool, scale: f
 
 def launch(variant: Sm90F32BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
            num_sms: int) -> Optional[str]:
-    """Run bwd.cu's pre kernel (D, zeroed accumulator), the prototype main kernel and the dQ
+    """Run bwd.cu's pre kernel (D, zeroed accumulator), the main kernel and the dQ
     conversion with the Params record ``prm`` (filled by _gpu_bwd.backward). None, launching
     nothing, when a base address is not 16-byte aligned or dk / dv rows are not 8-byte pairs."""
     from . import _gpu, _plan, _tma
@@ -134,9 +136,11 @@ def launch(variant: Sm90F32BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
     return variant.name
 
 
-def launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms):
-    """``hopper(prm)`` for _gpu_bwd._fill_and_launch with the prototype (kernel="sm90_f32");
-    ValueError naming the reason where it cannot run the call."""
+def launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, forced):
+    """``hopper(prm)`` for _gpu_bwd._fill_and_launch with bwd_sm90_f32.cu where it covers the
+    float32 call, else None; ``forced`` (kernel="sm90") turns every refusal into a ValueError
+    naming the reason. ``hopper(prm)`` returns None (nothing launched: the portable kernel runs)
+    where a base address or dk / dv row is misaligned, unless forced."""
     from . import _gpu
 
     cc = _gpu._info(dev_id)[0]
@@ -149,15 +153,17 @@ def launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms):
         tensors=[(a.shape, _gpu._elem_strides(a, t))
                  for a, t in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"))])
     if why is not None:
-        raise ValueError(f"kernel='sm90_f32': the float32 Hopper backward prototype cannot run "
-                         f"this call: {why}")
+        if forced:
+            raise ValueError(f"kernel='sm90': the float32 Hopper backward cannot run this call: "
+                             f"{why}")
+        return None
     window = int(opts.window_left) >= 0 or int(opts.window_right) >= 0
     variant = Sm90F32BwdVariant(q.shape[3], window)
 
     def hopper(prm):
         ran = launch(variant, prm, plan.pre_grid, q, k, v, dout, dev_id, num_sms)
-        if ran is None:
-            raise ValueError("kernel='sm90_f32': a base address is not 16-byte aligned, or dk / dv "
+        if ran is None and forced:
+            raise ValueError("kernel='sm90': a base address is not 16-byte aligned, or dk / dv "
                              "rows are not 8-byte aligned pairs")
         return ran
 

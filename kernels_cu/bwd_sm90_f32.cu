@@ -1,6 +1,6 @@
 // cupyflash: Hopper (sm_90a) float32 attention backward, main kernel: dK, dV (and dQ through a
-// float32 accumulator) at float32 accuracy, 3xTF32 on wgmma. PROTOTYPE: compiled (NVRTC, sm_90a),
-// never run on a GPU; not routed by the planner (docs/f32-backward-design.md).
+// float32 accumulator) at float32 accuracy, 3xTF32 on wgmma (docs/f32-backward-design.md; the
+// planner runs it for the float32 calls it covers on compute capability 9.0).
 //
 //   Every product A·B is small_A·big_B + big_A·small_B + big_A·big_B in fp32, with
 //   big = rna_tf32(x), small = rna_tf32(x − big) (fwd_sm90_f32.cu's split).
@@ -8,7 +8,8 @@
 // Why this shape (docs/f32-backward-design.md, "What does not fit"): wgmma .tf32 reads both
 // shared-memory operands K-major only and every operand needs a big and a small copy, so the
 // 16-bit kernel's tiles (128 keys x 64-row steps) need 360-410 KB. Here: BN = 128 keys per work
-// tile (two consumers of 64 keys), BM = 32 query rows per step, one step buffer, hd 64 only.
+// tile (two consumers of 64 keys), BM = 32 query rows per step, one step buffer (in two halves
+// released separately), hd 64 only.
 //
 // Persistent blocks of 384 threads (one per SM) walk the work tiles (key tile, kv head, batch;
 // key tiles fastest, drawn from p.sched as in bwd_sm90.cu); the steps of a tile are every query
@@ -17,22 +18,23 @@
 //     thread 0 (TMA): draws work tiles (two-deep ring of indices in shared memory); per tile K, V
 //       raw [BN, D] into k_big / v_big; per step Q, dO raw [BM, D] into the landing buffers;
 //     warps 1..3 (96 converter threads): per tile, K split in place (k_big) + k_small; per step,
-//       once the consumers released the previous one: Q and dO big / small in their own layout
-//       (B of Sᵀ, dPᵀ), Qᵀ and dOᵀ big / small [D, BM] with the queries permuted inside each
-//       8-query k-step (B of dK, dV: fwd_sm90_f32.cu's Vᵀ transposition), lse·log2 e and D rows.
+//       once the consumers are past the previous step's Sᵀ, dPᵀ: Q and dO big / small in their
+//       own layout (B of Sᵀ, dPᵀ) and the lse·log2 e and D rows (landing buffers then free); once
+//       they are past its dV, dK: Qᵀ and dOᵀ big / small [D, BM] from those parts, the queries
+//       permuted inside each 8-query k-step (B of dK, dV: fwd_sm90_f32.cu's Vᵀ transposition).
 //   warpgroups 1, 2, consumers (setmaxnreg 224): keys n0 + 64·cw .. + 63 each; per tile, split
 //     their V rows (big in place, small kept as TF32 A fragments: 32 registers); per step:
 //       Sᵀ  = K Qᵀ   [64 keys, BM]    (3 x SS per k-step)
 //       dPᵀ = V dOᵀ  [64 keys, BM]    (2 x SS + 1 x RS, v_small from registers)
 //       Pᵀ  = exp2(Sᵀ·scale·log2 e − lse·log2 e) (masked), dSᵀ = Pᵀ ∘ (dPᵀ − D)·scale
-//       dSᵀ big / small -> this consumer's dS tile [BM queries, 64 keys] (keys contiguous)
+//       dSᵀ big / small -> this consumer's dS tile [BM queries, 64 key slots] (keys contiguous)
 //       dV += Pᵀ dO, dK += dSᵀ Q       (A = P / dS fragments from registers, B = dOᵀ / Qᵀ)
 //       dQᵀ_c [D, BM] = Kᵀ_c dSᵀ_c over its 64 keys (A = Kᵀ fragments loaded from k_big /
-//         k_small, B = its dS tile), stored transposed into its float32 dQ tile [BM, D]
-//         (chunk-swizzled rows, bwd_sm90.cu's dq_swizzle) and added to the accumulator with one
-//         cp.reduce.async.bulk .add.f32 (each consumer adds its own partial).
+//         k_small, B = its dS tile), added to the float32 accumulator (chunk-swizzled rows,
+//         bwd_sm90.cu's dq_swizzle) with red.global.add.v2.f32 from registers (each consumer
+//         adds its own partial).
 //
-// Covered by this prototype: float32 (E = f32x3_t), d = d_v = 64, dense (no varlen / bias /
+// Covered: float32 (E = f32x3_t), d = d_v = 64, dense (no varlen / bias /
 // softcap / ALiBi), causal / window (WINDOW), GQA / MQA, any s_q, s_k, scale > 0, atomic dQ.
 // Tensor maps: boxes of 32 float columns x BM rows (q, dout) and x BN rows (k, v).
 #include "bwd_sm90.cu"

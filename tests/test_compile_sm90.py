@@ -113,9 +113,9 @@ def test_backward_bias_and_varlen_variants_no_ptxas_warnings():
         assert not warnings, v.name + ": " + "\n".join(warnings)
 
 
-def test_float32_backward_prototype_compiles_without_spills():
-    """The float32 backward prototype (bwd_sm90_f32.cu, _gpu_bwd_sm90_f32.variants(); not routed,
-    never run on a GPU): 0 spills and no ptxas warning in its variants and helper kernels."""
+def test_float32_backward_compiles_without_spills():
+    """The float32 Hopper backward (bwd_sm90_f32.cu, _gpu_bwd_sm90_f32.variants()):
+    0 spills and no ptxas warning in its variants and helper kernels."""
     from cupyflash import _gpu_bwd_sm90_f32
 
     vs = _gpu_bwd_sm90_f32.variants()

@@ -1,8 +1,7 @@
-"""Float32 Hopper backward PROTOTYPE (kernels_cu/bwd_sm90_f32.cu, forced with kernel="sm90_f32")
-against the float64 reference: tests/test_gpu_backward.py's harness and float32 criterion
-(NaN-poisoned gradients, fresh random inputs, max error / max(1, max|ref|) <= 5e-5).
-Skipped on GPUs other than compute capability 9.0. NOT YET RUN ON A GPU (written with the
-prototype; docs/f32-backward-design.md, "Test and device plan").
+"""Float32 Hopper backward (kernels_cu/bwd_sm90_f32.cu, forced with kernel="sm90") against the
+float64 reference: tests/test_gpu_backward.py's harness and float32 criterion (NaN-poisoned
+gradients, fresh random inputs, max error / max(1, max|ref|) <= 5e-5); and the planner's choice of
+it for float32 calls it covers. Skipped on GPUs other than compute capability 9.0.
 """
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ pytestmark = [pytest.mark.gpu, hopper_only]
 
 
 def f32(rng, *args, **kw):
-    name = run_case(rng, "float32", *args, kernel="sm90_f32", **kw)
+    name = run_case(rng, "float32", *args, kernel="sm90", **kw)
     assert name.startswith("bwd90_f32_d64"), name
     return name
 
@@ -64,9 +63,19 @@ def test_fully_masked_rows(rng):
     f32(rng, 1, 260, 110, 2, 2, 64, window=(0, 0))
 
 
+def test_planner_picks_it_where_it_covers_the_call(rng):
+    """kernel=None (the planner): bwd_sm90_f32.cu for float32 hd 64, the portable backward for
+    float32 hd 128 and for allow_tf32."""
+    assert run_case(rng, "float32", 2, 97, 203, 4, 2, 64, causal=True, kernel=None).startswith(
+        "bwd90_f32_d64")
+    assert not run_case(rng, "float32", 1, 97, 203, 2, 1, 128, kernel=None).startswith("bwd90")
+    assert not run_case(rng, "float32", 1, 97, 203, 2, 1, 64, allow_tf32=True,
+                        kernel=None).startswith("bwd90")
+
+
 def test_refusals(rng):
-    """hd 128 and allow_tf32 are not in the prototype: a ValueError naming why."""
-    with pytest.raises(ValueError, match="sm90_f32.*head dims"):
-        run_case(rng, "float32", 1, 64, 64, 1, 1, 128, kernel="sm90_f32")
-    with pytest.raises(ValueError, match="sm90_f32.*allow_tf32"):
-        run_case(rng, "float32", 1, 64, 64, 1, 1, 64, kernel="sm90_f32", allow_tf32=True)
+    """hd 128 and allow_tf32 are not in this kernel: kernel="sm90" raises a ValueError naming why."""
+    with pytest.raises(ValueError, match="sm90.*head dims"):
+        run_case(rng, "float32", 1, 64, 64, 1, 1, 128, kernel="sm90")
+    with pytest.raises(ValueError, match="sm90.*allow_tf32"):
+        run_case(rng, "float32", 1, 64, 64, 1, 1, 64, kernel="sm90", allow_tf32=True)

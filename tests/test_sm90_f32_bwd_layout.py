@@ -1,4 +1,4 @@
-"""CPU (NumPy) models of the float32 Hopper backward prototype (kernels_cu/bwd_sm90_f32.cu), checked
+"""CPU (NumPy) models of the float32 Hopper backward (kernels_cu/bwd_sm90_f32.cu), checked
 without a GPU:
 
 * the shared-memory map (Layout) against its Python mirror and the 232,448-byte limit;
@@ -316,8 +316,8 @@ def _why(dtype="float32", d=64, cc=90, **kw):
     return f32b.unsupported(dtype, d, d, **args)
 
 
-def test_prototype_coverage_rules():
-    """What kernel="sm90_f32" (forced only) accepts: float32, hd 64, cc 9.0, no extras."""
+def test_coverage_rules():
+    """What bwd_sm90_f32.cu accepts: float32, hd 64, cc 9.0, no extras."""
     assert _why() is None
     assert _why(window_left=10, window_right=0) is None
     assert "dtype" in _why("bfloat16")
@@ -329,9 +329,9 @@ def test_prototype_coverage_rules():
     assert "shared memory" in _why(smem_optin=f32b.smem_bytes(64) - 1)
 
 
-def test_prototype_is_never_planned():
-    """The planner's Hopper backward variants are 16-bit only; the float32 prototype is reached
-    through kernel="sm90_f32" alone."""
+def test_16_bit_hopper_backward_refuses_float32():
+    """The 16-bit Hopper backward's variants are 16-bit only: float32 goes to bwd_sm90_f32.cu
+    (or the portable kernel)."""
     from cupyflash import _gpu_bwd_sm90
     assert all(v.elem in ("f16_t", "bf16_t") for v in _gpu_bwd_sm90.variants())
     assert _gpu_bwd_sm90.unsupported("float32", 64, 64, scale=0.125, softcap=0.0, has_alibi=False,
