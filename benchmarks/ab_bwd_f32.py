@@ -26,28 +26,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupy as cp  # noqa: E402
 
-from cupyflash import _bench, _gpu, _gpu_bwd, _modules  # noqa: E402
+from cupyflash import _bench, _gpu, _gpu_bwd  # noqa: E402
 from cupyflash import _gpu_bwd_sm90_f32 as f32b  # noqa: E402
 from cupyflash._options import Options  # noqa: E402
+
+from ab_fwd_kernels import kernels_tree  # noqa: E402
 
 
 def functions_from(tree: Path, variant, tag: int, smem: int):
     """(main, *helpers) of ``variant`` compiled from the sources in ``tree``."""
-    saved = _modules.kernels_dir
-    _modules.kernels_dir = lambda: tree
-    _modules._source.cache_clear()
-    _modules.source_hash.cache_clear()
-    try:
+    with kernels_tree(tree):
         src, opts, names = f32b.program([variant])
         mod = cp.RawModule(code=src, options=tuple(opts) + (f"-DCUPYFLASH_AB_TREE={tag}",),
                            name_expressions=names)
         main = mod.get_function(variant.name_expression)
         main.max_dynamic_shared_size_bytes = smem
         return (main,) + tuple(mod.get_function(n) for n in variant.helper_expressions)
-    finally:
-        _modules.kernels_dir = saved
-        _modules._source.cache_clear()
-        _modules.source_hash.cache_clear()
 
 
 def main(argv=None) -> int:

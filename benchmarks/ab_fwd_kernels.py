@@ -14,6 +14,7 @@ median TFLOP/s of each tree over --rounds rounds and each tree's ratio to the fi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 import sys
@@ -29,18 +30,25 @@ from cupyflash import _bench, _gpu, _modules  # noqa: E402
 from cupyflash._options import Options  # noqa: E402
 
 
-def compile_from(tree: Path, variant, dev_id: int, tag: int):
-    """``variant`` compiled from the sources in ``tree`` (a kernels_cu/ directory)."""
+@contextlib.contextmanager
+def kernels_tree(tree: Path):
+    """Within the block, _modules reads kernel sources (and their hash) from ``tree``."""
     saved = _modules.kernels_dir
     _modules.kernels_dir = lambda: tree
     _modules._source.cache_clear()
     _modules.source_hash.cache_clear()
     try:
-        fn = _modules.get_function(variant, dev_id, (f"-DCUPYFLASH_AB_TREE={tag}",))
+        yield
     finally:
         _modules.kernels_dir = saved
         _modules._source.cache_clear()
         _modules.source_hash.cache_clear()
+
+
+def compile_from(tree: Path, variant, dev_id: int, tag: int):
+    """``variant`` compiled from the sources in ``tree`` (a kernels_cu/ directory)."""
+    with kernels_tree(tree):
+        fn = _modules.get_function(variant, dev_id, (f"-DCUPYFLASH_AB_TREE={tag}",))
     return getattr(fn, "kernel", fn)
 
 

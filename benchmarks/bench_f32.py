@@ -42,13 +42,14 @@ def _time(fn, budget_ms=400.0):
     return _bench.time_ms(fn, warmup=2, rep=rep)
 
 
-def _memeff(q, k, v, causal):
+def _memeff(q, k, v, causal, direction="fwd"):
+    """SDPA's memory-efficient peer for ``direction`` ("fwd" / "bwd"), None where it cannot run."""
     try:
         import peers
     except ImportError:  # run from elsewhere
         from benchmarks import peers
     try:
-        return peers.PEERS["memeff"](q, k, v, causal, "fwd")
+        return peers.PEERS["memeff"](q, k, v, causal, direction)
     except Exception as e:  # noqa: BLE001  (torch missing, or the backend refuses)
         print(f"  memeff: {type(e).__name__}: {e}")
         return None

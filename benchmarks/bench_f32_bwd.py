@@ -26,19 +26,7 @@ import cupy as cp  # noqa: E402
 from cupyflash import _bench, _gpu, _gpu_bwd  # noqa: E402
 from cupyflash._options import Options  # noqa: E402
 
-from bench_f32 import _time  # noqa: E402
-
-
-def _memeff_bwd(q, k, v, causal):
-    try:
-        import peers
-    except ImportError:  # run from elsewhere
-        from benchmarks import peers
-    try:
-        return peers.PEERS["memeff"](q, k, v, causal, "bwd")
-    except Exception as e:  # noqa: BLE001  (torch missing, or the backend refuses)
-        print(f"  memeff: {type(e).__name__}: {e}")
-        return None
+from bench_f32 import _memeff, _time  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -85,7 +73,7 @@ def main(argv=None) -> int:
                     print(f"  sm90_f32: {type(e).__name__}: {e}")
                 res["portable"] = _time(lambda: run("portable", g_p))
                 if not args.no_peers:
-                    fn = _memeff_bwd(q, k, v, causal)
+                    fn = _memeff(q, k, v, causal, "bwd")
                     if fn is not None:
                         res["memeff"] = _time(fn)
                 rel = max(float(cp.linalg.norm(a - b_) / cp.linalg.norm(b_)) for a, b_ in zip(g_h, g_p)) \

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+from . import _plan
+
 BN = 128           # keys per work tile
 BM = 32            # query rows per step
 THREADS = 384
@@ -34,7 +36,6 @@ class Sm90F32BwdVariant(NamedTuple):
 
     @property
     def name_expression(self) -> str:
-        from . import _plan
         return f"flash_bwd_sm90_f32<{self.elem}, {self.d}, {_plan.cpp_bool(self.window)}>"
 
     @property
@@ -91,7 +92,6 @@ def unsupported(dtype_name: str, d: int, d_v: int, *, allow_tf32: bool, scale: f
                 smem_optin: int, tensors=()) -> Optional[str]:
     """None when bwd_sm90_f32.cu covers the call, else the reason (the planner then runs the
     portable backward; kernel="sm90" raises it)."""
-    from . import _plan
     if allow_tf32:
         return "allow_tf32 (this kernel computes 3xTF32 only; the portable one has the one-pass mode)"
     if softcap or has_alibi or has_bias or has_mask:
@@ -110,7 +110,7 @@ def launch(variant: Sm90F32BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
     """Run bwd.cu's pre kernel (D, zeroed accumulator), the main kernel and the dQ
     conversion with the Params record ``prm`` (filled by _gpu_bwd.backward). None, launching
     nothing, when a base address is not 16-byte aligned or dk / dv rows are not 8-byte pairs."""
-    from . import _gpu, _plan, _tma
+    from . import _gpu, _tma
 
     ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr)
     if any(p_ % _plan.TMA_ALIGN for p_ in ptrs):

@@ -79,3 +79,33 @@ def test_refusals(rng):
         run_case(rng, "float32", 1, 64, 64, 1, 1, 128, kernel="sm90")
     with pytest.raises(ValueError, match="sm90.*allow_tf32"):
         run_case(rng, "float32", 1, 64, 64, 1, 1, 64, kernel="sm90", allow_tf32=True)
+
+
+def test_misaligned_base_falls_back(rng):
+    """q starting 4 bytes past a 16-byte boundary: TMA cannot take it, so the planner runs the
+    portable backward (gradients still match the reference) and kernel="sm90" raises naming why."""
+    import math
+
+    import numpy as np
+
+    from cupyflash import _gpu, _gpu_bwd, reference
+    from cupyflash._options import Options
+
+    s, h, d = 70, 2, 64
+    qn, kn, vn, don = (rng.standard_normal((1, s, h, d), dtype=np.float32) for _ in range(4))
+    base = cp.empty(1 + qn.size, cp.float32)
+    q = base[1:].reshape(qn.shape)                     # 4 bytes past the allocation's start
+    q[...] = cp.asarray(qn)
+    assert q.data.ptr % 16
+    k, v, dout = (cp.asarray(x) for x in (kn, vn, don))
+    out, lse = cp.empty_like(dout), cp.empty((1, h, s), cp.float32)
+    opts = Options(scale=1 / math.sqrt(d), window_right=0)
+    _gpu.forward(q, k, v, out, lse, opts)
+    g = [cp.full(x.shape, cp.nan, cp.float32) for x in (q, k, v)]
+    name = _gpu_bwd.backward(dout, q, k, v, out, lse, *g, opts)
+    assert not name.startswith("bwd90"), name
+    ref = reference.attention_backward(don, qn, kn, vn, causal=True)[:3]
+    for a, r in zip(g, ref):
+        assert np.abs(cp.asnumpy(a) - r).max() <= 5e-5 * max(1.0, np.abs(r).max())
+    with pytest.raises(ValueError, match="sm90.*aligned"):
+        _gpu_bwd.backward(dout, q, k, v, out, lse, *g, opts, kernel="sm90")
