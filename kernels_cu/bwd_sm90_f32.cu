@@ -44,8 +44,9 @@ namespace sm90bf {
 constexpr int BN = 128;              // keys per work tile: two consumers x 64
 constexpr int BM = 32;               // query rows per step
 constexpr int THREADS = 384;
-constexpr int PRODUCER_REGS = 64;
-constexpr int CONSUMER_REGS = 224;   // 64·128 + 224·256 = 64K registers per SM
+constexpr int PRODUCER_REGS = 56;
+constexpr int CONSUMER_REGS = 224;   // 56·128 + 224·256 = 168·384: the block's own registers
+                                     // (setmaxnreg.inc takes only what the block's warps released)
 constexpr int PANEL = 32;            // 32 floats = one 128-byte swizzle row
 constexpr int CONV_THREADS = 96;     // producer warps 1..3
 constexpr int CONV_BAR = 3;          // named barrier of the converters
@@ -286,7 +287,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             // big / small parts interleave as q_big, q_small, do_big, do_small). U chunks per
             // iteration, their loads issued together (one shared-memory latency per U chunks)
             auto split_run = [&](u32 src, u32 big, u32 small, int hi, int jump) {
-                constexpr int U = 4;
+                constexpr int U = 2;
                 for (int i0 = cu; i0 < hi; i0 += U * CONV_THREADS) {
                     float x[U][4];
 #pragma unroll
