@@ -45,7 +45,8 @@ constexpr int BN = 128;              // keys per work tile: two consumers x 64
 constexpr int BM = 32;               // query rows per step
 constexpr int THREADS = 384;
 constexpr int PRODUCER_REGS = 56;
-constexpr int CONSUMER_REGS = 224;   // 56·128 + 224·256 <= 64K registers per SM
+constexpr int CONSUMER_REGS = 224;   // 56·128 + 224·256 = 168·384: the block's own registers
+                                     // (setmaxnreg.inc takes only what the block's warps released)
 constexpr int PANEL = 32;            // 32 floats = one 128-byte swizzle row
 constexpr int CONV_THREADS = 96;     // producer warps 1..3
 constexpr int CONV_BAR = 3;          // named barrier of the converters
@@ -280,17 +281,29 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     if (bar2) mbar_arrive(bar2);
                 }
             };
-            // [rows, D] tile at `src` -> big at `big` (may be src: in place), small at `small`;
-            // elementwise, so the swizzled layout is kept (16-byte chunks)
-            auto split_tile = [&](u32 src, u32 big, u32 small, int chunks) {
-                for (int i = cu; i < chunks; i += CONV_THREADS) {
-                    float x[4];
-                    u32 b[4], s[4];
-                    lds128(src + 16 * i, x);
+            // Chunks [lo, hi) of a run of 16-byte chunks -> big / small parts (elementwise, so the
+            // swizzled layout is kept). Chunk i reads src + 16·i and writes big + 16·i, small + 16·i,
+            // each shifted by `jump` bytes for i >= hi / 2 when `jump` is set (Q, dO in one run: their
+            // big / small parts interleave as q_big, q_small, do_big, do_small). U chunks per
+            // iteration, their loads issued together (one shared-memory latency per U chunks)
+            auto split_run = [&](u32 src, u32 big, u32 small, int hi, int jump) {
+                constexpr int U = 2;
+                for (int i0 = cu; i0 < hi; i0 += U * CONV_THREADS) {
+                    float x[U][4];
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) split_tf32(x[e], b[e], s[e]);
-                    sts128(big + 16 * i, b);
-                    sts128(small + 16 * i, s);
+                    for (int u = 0; u < U; ++u)
+                        if (i0 + u * CONV_THREADS < hi) lds128(src + 16 * (i0 + u * CONV_THREADS), x[u]);
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const int i = i0 + u * CONV_THREADS;
+                        if (i >= hi) break;
+                        u32 b[4], sm[4];
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) split_tf32(x[u][e], b[e], sm[e]);
+                        const u32 off = 16 * i + (jump && 2 * i >= hi ? jump : 0);
+                        sts128(big + off, b);
+                        sts128(small + off, sm);
+                    }
                 }
             };
             // Xᵀ of one part (big or small) of a [BM, D] step tile (query rows, swizzled
@@ -298,29 +311,49 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             // 2c -> slot c, 2c + 1 -> slot c + 4, matching the P / dS A fragments). One item = 4
             // queries x 4 columns: fwd_sm90_f32.cu's transpose_v with BN := BM (bank-conflict-free
             // phases, checked by tests/test_sm90_f32_layout.py for its shapes)
-            auto transpose = [&](u32 src, u32 dst) {
-                constexpr int ITEMS = BM * D / 16;
-                for (int i = cu; i < ITEMS; i += CONV_THREADS) {
-                    const int b = i % 8, o = i / 8;
-                    const int rot = o % 4, dc0 = (o / 4) % 2, kgq = (o / 8) % (BM / 32);
-                    const int dcq = o / (8 * (BM / 32));
-                    const int par = b & 1, q4 = b >> 1;
-                    const int dc8 = dc0 + 2 * ((q4 + rot) & 3);      // dc % 8
-                    const int kg = 4 * kgq + q4;                    // 8-query step in the tile
-                    float v[4][4];                                   // v[ii][e] = X[query ii][4·dc + e]
+            // Item i of part i / ITEMS: parts q_big, q_small, do_big, do_small (QT bytes apart) to
+            // qT_big, qT_small, doT_big, doT_small (also QT apart); two items per iteration, their
+            // eight loads issued together
+            auto transpose_all = [&](u32 src0, u32 dst0) {
+                constexpr int ITEMS = BM * D / 16, ALL = 4 * ITEMS, U = 1;
+                for (int i0 = cu; i0 < ALL; i0 += U * CONV_THREADS) {
+                    float v[U][4][4];                                // v[u][ii][e] = X[query ii][4·dc + e]
+                    int dcq[U], dc8[U], kgq[U], pc[U];
+                    u32 src[U], dst[U];
 #pragma unroll
-                    for (int ii = 0; ii < 4; ++ii) {
-                        const int r = 8 * kg + par + 2 * ii;         // query row of the raw tile
-                        lds128(src + dcq * L::Q_PANEL + r * 128 + ((dc8 ^ (r % 8)) * 16), v[ii]);
+                    for (int u = 0; u < U; ++u) {
+                        const int ia = i0 + u * CONV_THREADS;
+                        const int part = ia / ITEMS, i = ia % ITEMS;
+                        const int b = i % 8, o = i / 8;
+                        const int rot = o % 4, dc0 = (o / 4) % 2;
+                        kgq[u] = (o / 8) % (BM / 32);
+                        dcq[u] = o / (8 * (BM / 32));
+                        const int par = b & 1, q4 = b >> 1;
+                        dc8[u] = dc0 + 2 * ((q4 + rot) & 3);         // dc % 8
+                        const int kg = 4 * kgq[u] + q4;              // 8-query step in the tile
+                        pc[u] = 2 * q4 + par;                        // 16-byte chunk in the Xᵀ row
+                        src[u] = src0 + part * L::QT;
+                        dst[u] = dst0 + part * L::QT;
+                        if (ia < ALL) {
+#pragma unroll
+                            for (int ii = 0; ii < 4; ++ii) {
+                                const int r = 8 * kg + par + 2 * ii; // query row of the step tile
+                                lds128(src[u] + dcq[u] * L::Q_PANEL + r * 128 + ((dc8[u] ^ (r % 8)) * 16),
+                                       v[u][ii]);
+                            }
+                        }
                     }
-                    const int pc = 2 * q4 + par;                     // 16-byte chunk in the Xᵀ row
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int d = 4 * (8 * dcq + dc8) + e;       // Xᵀ row
-                        const u32 off = kgq * L::T_PANEL + d * 128 + ((pc ^ (d % 8)) * 16);
-                        const u32 x[4] = {__float_as_uint(v[0][e]), __float_as_uint(v[1][e]),
-                                          __float_as_uint(v[2][e]), __float_as_uint(v[3][e])};
-                        sts128(dst + off, x);
+                    for (int u = 0; u < U; ++u) {
+                        if (i0 + u * CONV_THREADS >= ALL) break;
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int d = 4 * (8 * dcq[u] + dc8[u]) + e;   // Xᵀ row
+                            const u32 off = kgq[u] * L::T_PANEL + d * 128 + ((pc[u] ^ (d % 8)) * 16);
+                            const u32 x[4] = {__float_as_uint(v[u][0][e]), __float_as_uint(v[u][1][e]),
+                                              __float_as_uint(v[u][2][e]), __float_as_uint(v[u][3][e])};
+                            sts128(dst[u] + off, x);
+                        }
                     }
                 }
             };
@@ -335,25 +368,31 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 const WorkTile wt = work_tile<WINDOW>(p, w);
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
                     const int head = step_head(p, wt, st), m0 = step_m0(wt, st);
+                    // ---- lse·log2 e and D of the step's rows, loaded first so the global-memory
+                    //      latency passes under the waits and the split: rows past s_q and rows that
+                    //      saw no key in the forward (lse = -inf) get +inf, so their P is 0
+                    const i64 bh_row = ((i64)wt.batch * p.h + head) * p.s_q;
+                    const int row = m0 + cu;                  // threads cu < BM: one row each
+                    float lse_row = CF_INF, dsum_row = 0.f;
+                    if (cu < BM && row < p.s_q) {
+                        lse_row = p.lse[bh_row + row];
+                        dsum_row = p.dsum[bh_row + row];
+                    }
                     mbar_wait(raw_full, q_it & 1);            // Q, dO of the step landed
                     if (q_it > 0) mbar_wait(nat_empty, (q_it - 1) & 1);   // the last step's Sᵀ, dPᵀ, rows done
-                    // ---- Q, dO: big / small as stored (B of Sᵀ, dPᵀ)
-                    split_tile(smem + L::RAWQ, smem + L::QB, smem + L::QS, BM * D / 4);
-                    split_tile(smem + L::RAWDO, smem + L::DOB, smem + L::DOS, BM * D / 4);
-                    // ---- lse·log2 e and D of the step's rows: rows past s_q and rows that saw no
-                    //      key in the forward (lse = -inf) get +inf, so their P is 0
-                    const i64 bh_row = ((i64)wt.batch * p.h + head) * p.s_q;
-                    for (int r = cu; r < BM; r += CONV_THREADS) {
-                        const int i = m0 + r;
-                        const float lse = i < p.s_q ? p.lse[bh_row + i] : CF_INF;
-                        rows_smem[r] = lse == -CF_INF ? CF_INF : lse * CF_LOG2E;
-                        rows_smem[BM + r] = i < p.s_q ? p.dsum[bh_row + i] : 0.f;
+                    // ---- Q, dO: big / small as stored (B of Sᵀ, dPᵀ), one run over both
+                    static_assert(L::RAWDO == L::RAWQ + L::QT && L::DOB == L::QS + L::QT &&
+                                  L::QS == L::QB + L::QT, "Q, dO landing buffers and parts adjacent");
+                    split_run(smem + L::RAWQ, smem + L::QB, smem + L::QS, 2 * BM * D / 4, L::QT);
+                    if (cu < BM) {
+                        rows_smem[cu] = lse_row == -CF_INF ? CF_INF : lse_row * CF_LOG2E;
+                        rows_smem[BM + cu] = dsum_row;
                     }
                     release(nat_full, raw_empty);             // (and the landing buffers are read)
                     if (st == 0) {
                         // ---- K of the tile: big in place, small (A of Sᵀ; Kᵀ fragments of dQᵀ)
                         mbar_wait(kv_raw, kv_it & 1);
-                        split_tile(smem + L::KB, smem + L::KB, smem + L::KS, BN * D / 4);
+                        split_run(smem + L::KB, smem + L::KB, smem + L::KS, BN * D / 4, 0);
                         release(kv_full, 0);
                         ++kv_it;
                     }
@@ -362,10 +401,9 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     //      after the next release, below in program order), once the last step's
                     //      dV, dK are done
                     if (q_it > 0) mbar_wait(t_empty, (q_it - 1) & 1);
-                    transpose(smem + L::QB, smem + L::QTB);
-                    transpose(smem + L::QS, smem + L::QTS);
-                    transpose(smem + L::DOB, smem + L::DOTB);
-                    transpose(smem + L::DOS, smem + L::DOTS);
+                    static_assert(L::QTS == L::QTB + L::QT && L::DOTB == L::QTS + L::QT &&
+                                  L::DOTS == L::DOTB + L::QT, "transposed parts adjacent");
+                    transpose_all(smem + L::QB, smem + L::QTB);
                     release(t_full, 0);
                 }
             }
