@@ -150,7 +150,7 @@ __device__ __forceinline__ void mma_rn(float (&c)[NC / 8][4], const float (&a_ac
                 if (dn * 8 < n_valid) {
                     const float b0 = b_smem[(j * 8 + 2 * t) * PB + dn * 8 + g];
                     const float b1 = b_smem[(j * 8 + 2 * t + 1) * PB + dn * 8 + g];
-                    mma_f32<Elem<E>::split>(c[dn], a_frag, b0, b1);
+                    mma_f32<Elem<E>::split, true>(c[dn], a_frag, b0, b1);   // dK, dV: long sums
                 }
             }
         }

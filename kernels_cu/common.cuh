@@ -182,7 +182,11 @@ __device__ __forceinline__ void mma1688_tf32(float* c, const u32* a, u32 b0, u32
 
 // float32 product on TF32 units: SPLIT=true sums big*big + big*small + small*big (3xTF32,
 // float32 accuracy); SPLIT=false is one TF32 product.
-template <bool SPLIT>
+// LONG_SUM (with SPLIT): c accumulates over many tiles (O over keys, dK / dV over queries). The
+// tensor cores' float32 accumulation rounds toward zero, which biases such sums by about
+// (products added) · 2⁻²⁴ relative (4e-5 over 4096 rows, three products per 8-wide k-step);
+// so the three products go to a zeroed fragment that is added to c in fp32 (round to nearest).
+template <bool SPLIT, bool LONG_SUM = false>
 __device__ __forceinline__ void mma_f32(float* c, const float* a, float b0, float b1) {
     u32 a_big[4], b_big0 = to_tf32(b0), b_big1 = to_tf32(b1);
 #pragma unroll
@@ -193,8 +197,16 @@ __device__ __forceinline__ void mma_f32(float* c, const float* a, float b0, floa
         for (int i = 0; i < 4; ++i) a_small[i] = to_tf32(a[i] - __uint_as_float(a_big[i]));
         u32 b_small0 = to_tf32(b0 - __uint_as_float(b_big0));
         u32 b_small1 = to_tf32(b1 - __uint_as_float(b_big1));
-        mma1688_tf32(c, a_small, b_big0, b_big1);   // small terms first
-        mma1688_tf32(c, a_big, b_small0, b_small1);
+        float part[4] = {0.f, 0.f, 0.f, 0.f};
+        float* acc = LONG_SUM ? part : c;
+        mma1688_tf32(acc, a_small, b_big0, b_big1);   // small terms first
+        mma1688_tf32(acc, a_big, b_small0, b_small1);
+        mma1688_tf32(acc, a_big, b_big0, b_big1);
+        if (LONG_SUM) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) c[i] += part[i];
+        }
+        return;
     }
     mma1688_tf32(c, a_big, b_big0, b_big1);
 }

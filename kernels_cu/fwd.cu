@@ -197,7 +197,7 @@ __device__ __forceinline__ void gemm_pv(float (&o_frag)[MT][D / 8][4], float (&s
                     const float vb0 = v_smem[(j * 8 + 2 * t) * P + dn * 8 + g];
                     const float vb1 = v_smem[(j * 8 + 2 * t + 1) * P + dn * 8 + g];
 #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) mma_f32<Elem<E>::split>(o_frag[mt][dn], p_frag[mt], vb0, vb1);
+                    for (int mt = 0; mt < MT; ++mt) mma_f32<Elem<E>::split, true>(o_frag[mt][dn], p_frag[mt], vb0, vb1);
                 }
             }
         }
