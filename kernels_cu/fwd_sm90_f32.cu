@@ -117,6 +117,11 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                   "tile shape");
     constexpr int NS = BN / 2;       // S accumulator registers per lane: [64, BN] over 128 lanes
     constexpr int NO = D / 2;        // O accumulator registers per lane: [64, D]
+    // O_RN: each key tile's P V goes to a zeroed accumulator added to O in fp32 (round to
+    // nearest; the tensor cores' accumulation rounds toward zero, so O summed over s_k keys in
+    // one accumulator drifts with s_k). Costs NO registers: 3xTF32 at d <= 64 only (d 128 spills
+    // 324-440 B: its consumers hold 64 registers of q_small)
+    constexpr bool O_RN = SPLIT && D <= 64;
 
     extern __shared__ unsigned char smem_raw[];
     // The planner (_plan.sm90_f32_smem_bytes) sizes the launch: stop loudly if it disagrees
@@ -347,6 +352,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     int tile_i = 0;            // work tiles taken so far (the Q barriers' phase)
     WorkTile wt;               // the current work tile
     float o_acc[NO];           // O [64, D] of this warpgroup, fp32
+    float pv_acc[O_RN ? NO : 1];   // O_RN: P V [64, D] of the current key tile, fp32
     float m_run[2] = {-CF_INF, -CF_INF};   // running row max (raw scores)
     float l_run[2] = {0.f, 0.f};           // running denominators (this lane's columns only)
     float alpha[2];            // O rescale factors of the current key tile
@@ -451,16 +457,21 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
         const int s = kv % STAGES;
         const u32 vb = vt_big + s * L::KVT, vs = vt_small + s * L::KVT;
         mbar_wait(v_full + 8 * s, (kv / STAGES) & 1);
-        fence_regs<NO>(o_acc);
+        float* acc = O_RN ? pv_acc : o_acc;               // O_RN: a fresh P V, added by pv_done
+        if constexpr (O_RN) {
+#pragma unroll
+            for (int i = 0; i < NO; ++i) pv_acc[i] = 0.f;
+        }
+        fence_regs<NO>(acc);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 8; ++kk) {
             const u32 off = (kk / 4) * L::VT_PANEL + (kk % 4) * 32;
             if constexpr (SPLIT) {
-                wgmma_rs_tf32<D>(o_acc, p_small + 4 * kk, smem_desc(vb + off, 16, 1024));
-                wgmma_rs_tf32<D>(o_acc, p_big + 4 * kk, smem_desc(vs + off, 16, 1024));
+                wgmma_rs_tf32<D>(acc, p_small + 4 * kk, smem_desc(vb + off, 16, 1024));
+                wgmma_rs_tf32<D>(acc, p_big + 4 * kk, smem_desc(vs + off, 16, 1024));
             }
-            wgmma_rs_tf32<D>(o_acc, p_big + 4 * kk, smem_desc(vb + off, 16, 1024));
+            wgmma_rs_tf32<D>(acc, p_big + 4 * kk, smem_desc(vb + off, 16, 1024));
         }
         wgmma_commit();
     };
@@ -475,6 +486,11 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     // O += P V of ring position kv has completed: release its Vᵀ stage
     auto pv_done = [&](int kv) {
         fence_regs<NO>(o_acc);
+        if constexpr (O_RN) {
+            fence_regs<NO>(pv_acc);
+#pragma unroll
+            for (int i = 0; i < NO; ++i) o_acc[i] += pv_acc[i];   // O += P V, rounded to nearest
+        }
         fence_regs<NS>(p_big);           // P stayed untouched while the product read it
         if constexpr (SPLIT) fence_regs<NS>(p_small);
         if (t == 0) mbar_arrive(v_empty + 8 * (kv % STAGES));

@@ -46,7 +46,9 @@ def _naive(q, k, v, dtype, scale, keep, softcap, alibi, diag):
 
 def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False, window=None,
              bottom_right=True, softcap=0.0, alibi=None, scale=None, layout="bshd", pad=0,
-             allow_tf32=False, kernel="portable"):
+             allow_tf32=False, kernel="portable", out_tol=None):
+    """One forward call against the float64 reference; returns the variant name. ``out_tol``
+    (float32 only) replaces the out bound that grows with s_k by a fixed norm-wise bound."""
     d_v = d if d_v is None else d_v
     dtype = DTYPES[dtype_name]
     qn = rng.standard_normal((b, s_q, h, d), dtype=np.float32).astype(dtype)
@@ -101,6 +103,8 @@ def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False,
         # with s_k beyond; lse (summed in registers) keeps 1e-5
         tol = 5e-3 if allow_tf32 else 1e-5
         tol_out = tol * max(1.0, s_k / 1024) if not allow_tf32 else tol
+        if out_tol is not None:
+            tol_out = out_tol
         rel = np.linalg.norm(got_out - ref_out) / max(np.linalg.norm(ref_out), 1e-30)
         assert rel <= tol_out, f"{name}: out relative error {rel:.3g} > {tol_out}"
         ref_l = ref_lse[live]
@@ -162,6 +166,16 @@ SEQLENS = [(1, 239), (239, 1), (113, 203), (1023, 1024), (1024, 1023), (128, 128
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_seqlens(rng, dtype, d, s_q, s_k, causal):
     run_case(rng, dtype, 1, s_q, s_k, 2, 2, d, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_float32_long_sums(rng, d, causal):
+    """O sums 8192 keys: the portable kernel adds each k-step's P V product to O in fp32 (round to
+    nearest), so out stays within 2e-5 norm-wise (H200: 5-10e-6 at 16k keys); summed in the tensor
+    cores' accumulator alone (which rounds toward zero) it was ~6e-5 at 8k keys
+    (benchmarks/f32_error_growth.py)."""
+    run_case(rng, "float32", 1, 256, 8192, 2, 1, d, causal=causal, kernel="portable", out_tol=2e-5)
 
 
 @pytest.mark.parametrize("s_q,s_k", [(1023, 1024), (1, 239), (239, 1)])
