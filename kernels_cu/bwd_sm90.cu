@@ -197,9 +197,6 @@ __device__ __forceinline__ int dq_swizzle(int i, int c) {
     return (((c >> 2) ^ (i & 7)) << 2) | (c & 3);
 }
 
-__device__ __forceinline__ void fence_proxy_async() {   // generic smem writes -> visible to wgmma
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
 // dst_gmem[0 .. bytes/4) += src_smem[..] (float32), done by the TMA unit; counted in this
 // thread's bulk group (bulk_commit / bulk_wait*)
 __device__ __forceinline__ void bulk_reduce_add_f32(float* dst_gmem, u32 src_smem, u32 bytes) {

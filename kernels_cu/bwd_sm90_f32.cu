@@ -118,31 +118,6 @@ __device__ __forceinline__ int step_m0(const WorkTile& wt, int st) {
     return (wt.m_first + st % wt.m_count) * BM;
 }
 
-// 16-byte shared-memory load / store
-__device__ __forceinline__ void lds128(u32 addr, float* x) {
-    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "r"(addr) : "memory");
-}
-__device__ __forceinline__ void sts128(u32 addr, const u32* x) {
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
-                 :: "r"(addr), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]) : "memory");
-}
-__device__ __forceinline__ void lds64(u32 addr, u32& x, u32& y) {
-    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(x), "=r"(y) : "r"(addr) : "memory");
-}
-__device__ __forceinline__ float lds32(u32 addr) {
-    float x;
-    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(x) : "r"(addr) : "memory");
-    return x;
-}
-__device__ __forceinline__ void sts32(u32 addr, u32 x) {
-    asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(x) : "memory");
-}
-// x = big + small: big = rna_tf32(x), small = rna_tf32(x − big) (x − big is exact in fp32)
-__device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
-    big = to_tf32(x);
-    small = to_tf32(x - __uint_as_float(big));
-}
 // Key order inside each 8-key k-step of dQᵀ = Kᵀ dSᵀ (a contraction: any order both operands
 // share). Slot s holds key (s % 2)·4 + s / 2, so a k-step's A fragment columns c and c + 4 of the
 // four lanes c = 0..3 are keys {0, 4, 1, 5} and {2, 6, 3, 7}: two per 16-byte-chunk band of K's
@@ -162,9 +137,8 @@ template <typename E, int D, bool WINDOW>
 __global__ void __launch_bounds__(sm90bf::THREADS, 1)
 flash_bwd_sm90_f32(const __grid_constant__ Params p) {
     using namespace sm90bf;
-    // bwd_sm90.cu's helpers (fence_proxy_async, dq_swizzle, bulk reduce); its constants, Layout
-    // and WorkTile are named with their namespace where both exist (sm90bf's are used here)
-    using sm90b::fence_proxy_async;
+    // bwd_sm90.cu's helpers (dq_swizzle, red.add); its constants, Layout and WorkTile are named
+    // with their namespace where both exist (sm90bf's are used here)
     using sm90b::dq_swizzle;
     using sm90b::red_add_v2;
     using L = sm90bf::Layout<D>;

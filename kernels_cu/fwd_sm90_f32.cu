@@ -80,25 +80,6 @@ struct Layout {
     static constexpr int BYTES = TILE + 8;
 };
 
-// 16-byte shared-memory load / store (addresses in the shared window)
-__device__ __forceinline__ void lds128(u32 addr, float* x) {
-    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "r"(addr) : "memory");
-}
-__device__ __forceinline__ void sts128(u32 addr, const u32* x) {
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
-                 :: "r"(addr), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]) : "memory");
-}
-// This thread's shared-memory writes (generic proxy) become visible to wgmma / TMA (async proxy)
-__device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-// x = big + small: big = rna_tf32(x), small = rna_tf32(x − big) (x − big is exact in fp32)
-__device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
-    big = to_tf32(x);
-    small = to_tf32(x - __uint_as_float(big));
-}
-
 }  // namespace sm90f32
 
 // QREG: the consumers split their own 64 Q rows (big in place, small kept in registers as the A

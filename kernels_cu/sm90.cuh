@@ -81,6 +81,39 @@ __device__ __forceinline__ void fence_regs(u32* r) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
 }
 
+// ---------------------------------------------------------------------------------------------
+// Shared memory from the generic proxy (addresses in the shared window), and the fence that makes
+// such writes visible to wgmma / TMA (async proxy)
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void lds128(u32 addr, float* x) {
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void sts128(u32 addr, const u32* x) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
+                 :: "r"(addr), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]) : "memory");
+}
+__device__ __forceinline__ void lds64(u32 addr, u32& x, u32& y) {
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(x), "=r"(y) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ float lds32(u32 addr) {
+    float x;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(x) : "r"(addr) : "memory");
+    return x;
+}
+__device__ __forceinline__ void sts32(u32 addr, u32 x) {
+    asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(x) : "memory");
+}
+// float32 as two TF32 parts (3xTF32 products): x = big + small, big = rna_tf32(x),
+// small = rna_tf32(x − big) (x − big is exact in fp32)
+__device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
+    big = to_tf32(x);
+    small = to_tf32(x - __uint_as_float(big));
+}
+
 // The persistent kernels' work-tile counter sched [2] (drawn index, finished blocks): called
 // once per block after its last draw. Every block has drawn its last index before it counts
 // itself finished, so the last one may zero the counter for the next launch on the stream.
