@@ -5,7 +5,7 @@ compute capability 9.0 (docs/f32-backward-design.md).
 ``flash_bwd_sm90_f32<f32x3_t, 64, WINDOW>``: dK, dV and (through the float32 accumulator) dQ at
 float32 accuracy, 3xTF32 on wgmma; work tiles of 128 keys (two 64-key consumers), steps of 32 query
 rows. Helper kernels: bwd.cu's ``flash_bwd_pre<f32x3_t>`` (D = rowsum(dO ∘ O), zeroed accumulator)
-and ``flash_bwd_dq_sm90_f32<64>`` (dq = the accumulator, rows chunk-swizzled).
+and ``flash_bwd_dq_sm90<f32x3_t, 64>`` (bwd_sm90.cu's: dq = the accumulator, rows chunk-swizzled).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class Sm90F32BwdVariant(NamedTuple):
 
     @property
     def dq_expression(self) -> str:
-        return f"flash_bwd_dq_sm90_f32<{self.d}>"
+        return f"flash_bwd_dq_sm90<{self.elem}, {self.d}>"
 
     @property
     def helper_expressions(self):

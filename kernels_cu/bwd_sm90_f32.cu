@@ -661,23 +661,3 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
         }
     }
 }
-
-// dq = float32(dQ accumulator), one thread per 16-byte accumulator chunk read from its
-// chunk-swizzled place (chunk c of row i sits at c XOR i mod 8); grid (row blocks, h, b)
-template <int D>
-__global__ void __launch_bounds__(256)
-flash_bwd_dq_sm90_f32(const Params p) {
-    constexpr int CHUNKS = D / 4;            // 16-byte chunks per accumulator row
-    constexpr int ROWS = 256 / CHUNKS;       // rows per block
-    const int head = blockIdx.y, batch = blockIdx.z;
-    const int i = blockIdx.x * ROWS + threadIdx.x / CHUNKS;   // query row
-    const int c = threadIdx.x % CHUNKS;                       // columns 4c .. 4c + 3
-    if (i >= p.s_q) return;
-    const i64 row = ((i64)batch * p.h + head) * p.s_q + i;    // [b, h, s_q]
-    const float4 a = *(const float4*)(p.dq_accum + row * D + 4 * (c ^ (i & 7)));
-    float* dq_el = (float*)p.dq + batch * p.dq_stride_b + (i64)i * p.dq_stride_s + head * p.dq_stride_h + 4 * c;
-    dq_el[0] = a.x;
-    dq_el[1] = a.y;
-    dq_el[2] = a.z;
-    dq_el[3] = a.w;
-}
