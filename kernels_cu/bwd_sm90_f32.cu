@@ -255,7 +255,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     if (bar2) mbar_arrive(bar2);
                 }
             };
-            // Chunks [lo, hi) of a run of 16-byte chunks -> big / small parts (elementwise, so the
+            // Chunks [0, hi) of a run of 16-byte chunks -> big / small parts (elementwise, so the
             // swizzled layout is kept). Chunk i reads src + 16·i and writes big + 16·i, small + 16·i,
             // each shifted by `jump` bytes for i >= hi / 2 when `jump` is set (Q, dO in one run: their
             // big / small parts interleave as q_big, q_small, do_big, do_small). U chunks per
@@ -286,8 +286,8 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             // queries x 4 columns: fwd_sm90_f32.cu's transpose_v with BN := BM (bank-conflict-free
             // phases, checked by tests/test_sm90_f32_layout.py for its shapes)
             // Item i of part i / ITEMS: parts q_big, q_small, do_big, do_small (QT bytes apart) to
-            // qT_big, qT_small, doT_big, doT_small (also QT apart); two items per iteration, their
-            // eight loads issued together
+            // qT_big, qT_small, doT_big, doT_small (also QT apart), in one loop; U items per
+            // iteration, their loads issued together (U = 2 spills at the producer's 56 registers)
             auto transpose_all = [&](u32 src0, u32 dst0) {
                 constexpr int ITEMS = BM * D / 16, ALL = 4 * ITEMS, U = 1;
                 for (int i0 = cu; i0 < ALL; i0 += U * CONV_THREADS) {
