@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from . import _plan
+from . import _gpu_bwd_sm90, _plan
 
 BN = 128           # keys per work tile
 BM = 32            # query rows per step
@@ -44,7 +44,7 @@ class Sm90F32BwdVariant(NamedTuple):
 
     @property
     def dq_expression(self) -> str:
-        return f"flash_bwd_dq_sm90<{self.elem}, {self.d}>"
+        return _gpu_bwd_sm90.dq_expression(self.elem, self.d)
 
     @property
     def helper_expressions(self):

@@ -366,11 +366,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             // past s_q and rows that saw no key in the forward (lse = -inf) get +inf: P is then 0
             int q_it = 0;
             for (int tile_i = 0;; ++tile_i) {
-                const int ts = tile_i % TILE_RING;
-                mbar_wait(tile_full + 8 * ts, (tile_i / TILE_RING) & 1);
-                const int w = tile_smem[ts];
-                __syncwarp();                                 // every lane has read the slot
-                if (lane == 0) mbar_arrive(tile_empty + 8 * ts);
+                const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING, lane == 0);
                 if (w < 0) break;
                 const WorkTile wt = work_tile<WINDOW, VARLEN, BIAS>(p, w);
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
@@ -441,11 +437,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     };
     int q_it = 0, kv_it = 0;          // Q/dO steps and K/V tiles consumed so far (ring positions)
     for (int tile_i = 0;; ++tile_i) {
-        const int ts = tile_i % TILE_RING;
-        mbar_wait(tile_full + 8 * ts, (tile_i / TILE_RING) & 1);
-        const int w = tile_smem[ts];
-        __syncwarp();                                      // every lane of the warp has read the slot
-        if (t % 32 == 0) mbar_arrive(tile_empty + 8 * ts);
+        const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING, t % 32 == 0);
         if (w < 0) break;
         const WorkTile wt = work_tile<WINDOW, VARLEN, BIAS>(p, w);
         const int n0 = wt.n0;

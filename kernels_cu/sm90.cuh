@@ -114,6 +114,20 @@ __device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
     small = to_tf32(x - __uint_as_float(big));
 }
 
+// Work tile tile_i of a persistent backward block, from the ring of `ring` indices the
+// scheduling thread publishes (tile_smem [ring]; mbarriers tile_full / tile_empty [ring], 8 bytes
+// apart; tile_empty counts one arrival per reading warp): every lane of the calling warp reads
+// the index, then its lane 0 (`lane0`) frees the slot. -1: no work left.
+__device__ __forceinline__ int take_tile(volatile int* tile_smem, u32 tile_full, u32 tile_empty,
+                                         int tile_i, int ring, bool lane0) {
+    const int ts = tile_i % ring;
+    mbar_wait(tile_full + 8 * ts, (tile_i / ring) & 1);
+    const int w = tile_smem[ts];
+    __syncwarp();                                      // every lane of the warp has read the slot
+    if (lane0) mbar_arrive(tile_empty + 8 * ts);
+    return w;
+}
+
 // The persistent kernels' work-tile counter sched [2] (drawn index, finished blocks): called
 // once per block after its last draw. Every block has drawn its last index before it counts
 // itself finished, so the last one may zero the counter for the next launch on the stream.
