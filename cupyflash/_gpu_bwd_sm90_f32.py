@@ -18,7 +18,7 @@ BM = 32            # query rows per step
 THREADS = 384
 HEAD_DIMS = (64,)
 TILE_RING = 2
-N_BARRIERS = 13
+N_BARRIERS = 15
 
 
 class Sm90F32BwdVariant(NamedTuple):
@@ -61,11 +61,11 @@ class Sm90F32BwdVariant(NamedTuple):
 
 def smem_bytes(d: int) -> int:
     """Mirrors sm90bf::Layout in bwd_sm90_f32.cu: k_big, k_small, v_big [128, d]; q / dO big and
-    small, their transposes big and small, two raw landing buffers (ten [32, d] tiles); dS big and
-    small [32, 64] per consumer; lse / D rows [2, 32]; the
-    work-tile ring (16 bytes); 13 mbarriers; 1024 bytes to align the swizzled panels."""
+    small, their transposes big and small, two landing stages of raw q and dO (twelve [32, d]
+    tiles); dS big and small [32, 64] per consumer; lse / D rows [2, 32]; the work-tile ring (16
+    bytes); 15 mbarriers; 1024 bytes to align the swizzled panels."""
     f = 4
-    return (3 * BN * d * f + 10 * BM * d * f + 2 * 2 * BM * 64 * f
+    return (3 * BN * d * f + 12 * BM * d * f + 2 * 2 * BM * 64 * f
             + 2 * BM * f + 16 + 8 * N_BARRIERS + 1024)
 
 

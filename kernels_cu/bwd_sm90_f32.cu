@@ -16,12 +16,14 @@
 // head of the kv head's group x every 32-row query tile that sees the key tile.
 //   warpgroup 0, producer (setmaxnreg 56):
 //     thread 0 (TMA): draws work tiles (two-deep ring of indices in shared memory); per tile K, V
-//       raw [BN, D] into k_big / v_big; per step Q, dO raw [BM, D] into the landing buffers;
+//       raw [BN, D] into k_big / v_big; per step Q, dO raw [BM, D] into one of two landing
+//       stages (step j + 1 lands while the converters still read step j's);
 //     warps 1..3 (96 converter threads): per tile, K split in place (k_big) + k_small; per step,
 //       once the consumers are past the previous step's Sᵀ, dPᵀ: Q and dO big / small in their
-//       own layout (B of Sᵀ, dPᵀ) and the lse·log2 e and D rows (landing buffers then free); once
-//       they are past its dV, dK: Qᵀ and dOᵀ big / small [D, BM] from those parts, the queries
-//       permuted inside each 8-query k-step (B of dK, dV: fwd_sm90_f32.cu's Vᵀ transposition).
+//       own layout (B of Sᵀ, dPᵀ) and the lse·log2 e and D rows; once they are past its dV, dK:
+//       Qᵀ and dOᵀ big / small [D, BM] split from the raw tiles (landing stage then free), the
+//       queries permuted inside each 8-query k-step (B of dK, dV: fwd_sm90_f32.cu's Vᵀ
+//       transposition).
 //   warpgroups 1, 2, consumers (setmaxnreg 224): keys n0 + 64·cw .. + 63 each; per tile, split
 //     their V rows (big in place, small kept as TF32 A fragments: 32 registers); per step:
 //       Sᵀ  = K Qᵀ   [64 keys, BM]    (3 x SS per k-step)
@@ -52,6 +54,8 @@ constexpr int CONV_THREADS = 96;     // producer warps 1..3
 constexpr int CONV_BAR = 3;          // named barrier of the converters
 constexpr int WG_BAR = 4;            // named barriers 4, 5: the 128 threads of consumer 0, 1
 constexpr int TILE_RING = 2;
+constexpr int RAW_STAGES = 2;        // Q, dO landing buffers: step j + 1 lands while step j's
+                                     // transposes still read step j's
 constexpr int TILE_READERS = 2 * 4 + 3;   // consumer warps + converter warps
 constexpr int CONSUMER_WARPS = 2 * 4;
 
@@ -77,13 +81,14 @@ struct Layout {
     static constexpr int QTS = QTB + QT;                     // qT_small
     static constexpr int DOTB = QTS + QT;                    // doT_big
     static constexpr int DOTS = DOTB + QT;                   // doT_small
-    static constexpr int RAWQ = DOTS + QT;                   // q raw [D/32][BM][32] (TMA landing)
-    static constexpr int RAWDO = RAWQ + QT;                  // dO raw
-    static constexpr int DS = RAWDO + QT;                    // ds [2 consumers][big, small][2][BM][32]
+    static constexpr int RAW_STAGE = 2 * QT;                 // one landing stage: q raw, dO raw
+    static constexpr int RAWQ = DOTS + QT;                   // [RAW_STAGES] x (q raw [D/32][BM][32],
+    static constexpr int RAWDO = RAWQ + QT;                  //   then dO raw) (TMA landing)
+    static constexpr int DS = RAWQ + RAW_STAGES * RAW_STAGE; // ds [2 consumers][big, small][2][BM][32]
     static constexpr int ROWS = DS + 2 * 2 * DS_PART;        // [lse·log2 e, D][BM] of the step
     static constexpr int TILE = ROWS + 2 * BM * 4;           // tile_smem [TILE_RING] int (+ pad)
-    static constexpr int BARS = TILE + 16;                   // 13 mbarriers (see the kernel)
-    static constexpr int BYTES = BARS + 8 * 13;
+    static constexpr int BARS = TILE + 16;                   // 15 mbarriers (see the kernel)
+    static constexpr int BYTES = BARS + 8 * 15;
 };
 
 // Work tile w = n_block + num_n · (kv_head + h_k · batch) (dense; bwd_sm90.cu's order)
@@ -161,10 +166,10 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
     const u32 kv_raw = tile_empty + 8 * TILE_RING;      // K, V of the tile landed (TMA)
     const u32 kv_full = kv_raw + 8;                     // K split: the consumers may read it
     const u32 kv_empty = kv_full + 8;                   // both consumers are done with K, V
-    const u32 raw_full = kv_empty + 8;                  // Q, dO of the next step landed (TMA)
-    const u32 raw_empty = raw_full + 8;                 // the converters have read the landing buffers
+    const u32 raw_full = kv_empty + 8;                  // [RAW_STAGES]: Q, dO of a step landed (TMA)
+    const u32 raw_empty = raw_full + 8 * RAW_STAGES;    // [RAW_STAGES]: the converters are done with them
     // A step's buffers in two halves, so the converters prepare step j + 1 while step j runs:
-    const u32 nat_full = raw_empty + 8;                 // Q, dO big / small (as stored) and rows written
+    const u32 nat_full = raw_empty + 8 * RAW_STAGES;    // Q, dO big / small (as stored) and rows written
     const u32 nat_empty = nat_full + 8;                 // every consumer warp is past Sᵀ, dPᵀ, dSᵀ
     const u32 t_full = nat_empty + 8;                   // Qᵀ, dOᵀ big / small written
     const u32 t_empty = t_full + 8;                     // both consumers' dV, dK of the step done
@@ -179,8 +184,10 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
         mbar_init(kv_raw, 1);                            // TMA thread's expect_tx arrival (+ bytes)
         mbar_init(kv_full, 1);                           // converter leader
         mbar_init(kv_empty, 2);                          // one arrival per consumer
-        mbar_init(raw_full, 1);                          // TMA thread (+ bytes)
-        mbar_init(raw_empty, 1);                         // converter leader
+        for (int s = 0; s < RAW_STAGES; ++s) {
+            mbar_init(raw_full + 8 * s, 1);              // TMA thread (+ bytes)
+            mbar_init(raw_empty + 8 * s, 1);             // converter leader
+        }
         mbar_init(nat_full, 1);                          // converter leader
         mbar_init(nat_empty, CONSUMER_WARPS);            // one arrival per consumer warp (rows read)
         mbar_init(t_full, 1);                            // converter leader
@@ -211,18 +218,19 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 const WorkTile wt = work_tile<WINDOW>(p, w);
                 int head = wt.kv_head * p.h_per_hk, mi = 0;
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
-                    // Q, dO [BM, D] of the step into the landing buffers, once the converters have
-                    // read the previous step's
+                    // Q, dO [BM, D] of the step into landing stage q_it % RAW_STAGES, once the
+                    // converters are done with the step that used it before
                     const int m0 = (wt.m_first + mi) * BM;
                     if (++mi == wt.m_count) mi = 0;
-                    if (q_it > 0) mbar_wait(raw_empty, (q_it - 1) & 1);
-                    mbar_arrive_expect_tx(raw_full, 2 * BM * D * 4);
+                    const int rs = q_it % RAW_STAGES;
+                    const u32 full = raw_full + 8 * rs, raw = smem + L::RAWQ + rs * L::RAW_STAGE;
+                    if (q_it >= RAW_STAGES) mbar_wait(raw_empty + 8 * rs, (q_it / RAW_STAGES - 1) & 1);
+                    mbar_arrive_expect_tx(full, 2 * BM * D * 4);
 #pragma unroll
                     for (int c = 0; c < D / PANEL; ++c) {
-                        tma_load_4d(smem + L::RAWQ + c * L::Q_PANEL, &p.tma_q, raw_full, c * PANEL, m0,
-                                    head, wt.batch);
-                        tma_load_4d(smem + L::RAWDO + c * L::Q_PANEL, &p.tma_do, raw_full, c * PANEL, m0,
-                                    head, wt.batch);
+                        tma_load_4d(raw + c * L::Q_PANEL, &p.tma_q, full, c * PANEL, m0, head, wt.batch);
+                        tma_load_4d(raw + L::QT + c * L::Q_PANEL, &p.tma_do, full, c * PANEL, m0, head,
+                                    wt.batch);
                     }
                     if (mi == 0) ++head;
                     if (st == 0) {
@@ -280,54 +288,41 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     }
                 }
             };
-            // Xᵀ of one part (big or small) of a [BM, D] step tile (query rows, swizzled
-            // [D/32][BM][32]) -> [BM/32][D][32] (row = column d, queries permuted inside each 8-query k-step: query
-            // 2c -> slot c, 2c + 1 -> slot c + 4, matching the P / dS A fragments). One item = 4
-            // queries x 4 columns: fwd_sm90_f32.cu's transpose_v with BN := BM (bank-conflict-free
-            // phases, checked by tests/test_sm90_f32_layout.py for its shapes)
-            // Item i of part i / ITEMS: parts q_big, q_small, do_big, do_small (QT bytes apart) to
-            // qT_big, qT_small, doT_big, doT_small (also QT apart), in one loop; U items per
-            // iteration, their loads issued together (U = 2 spills at the producer's 56 registers)
-            auto transpose_all = [&](u32 src0, u32 dst0) {
-                constexpr int ITEMS = BM * D / 16, ALL = 4 * ITEMS, U = 1;
-                for (int i0 = cu; i0 < ALL; i0 += U * CONV_THREADS) {
-                    float v[U][4][4];                                // v[u][ii][e] = X[query ii][4·dc + e]
-                    int dcq[U], dc8[U], kgq[U], pc[U];
-                    u32 src[U], dst[U];
+            // Xᵀ big / small of the raw Q and dO of a step ([BM, D] tiles, query rows, swizzled
+            // [D/32][BM][32], QT bytes apart) -> qT_big, qT_small, doT_big, doT_small, each
+            // [BM/32][D][32] (row = column d, queries permuted inside each 8-query k-step: query
+            // 2c -> slot c, 2c + 1 -> slot c + 4, matching the P / dS A fragments), split as they
+            // are written. Item i of tile i / ITEMS (Q, dO) = 4 queries x 4 columns:
+            // fwd_sm90_f32.cu's transpose_v with BN := BM (bank-conflict-free phases, checked by
+            // tests/test_sm90_f32_bwd_layout.py)
+            auto transpose_split = [&](u32 src0) {
+                constexpr int ITEMS = BM * D / 16, ALL = 2 * ITEMS;
+                for (int ia = cu; ia < ALL; ia += CONV_THREADS) {
+                    const int part = ia / ITEMS, i = ia % ITEMS;
+                    const int b = i % 8, o = i / 8;
+                    const int rot = o % 4, dc0 = (o / 4) % 2, kgq = (o / 8) % (BM / 32);
+                    const int dcq = o / (8 * (BM / 32));
+                    const int par = b & 1, q4 = b >> 1;
+                    const int dc8 = dc0 + 2 * ((q4 + rot) & 3);      // dc % 8
+                    const int kg = 4 * kgq + q4;                    // 8-query step in the tile
+                    const u32 src = src0 + part * L::QT;
+                    const u32 dst_big = smem + L::QTB + part * 2 * L::QT, dst_small = dst_big + L::QT;
+                    float v[4][4];                                   // v[ii][e] = X[query ii][4·dc + e]
 #pragma unroll
-                    for (int u = 0; u < U; ++u) {
-                        const int ia = i0 + u * CONV_THREADS;
-                        const int part = ia / ITEMS, i = ia % ITEMS;
-                        const int b = i % 8, o = i / 8;
-                        const int rot = o % 4, dc0 = (o / 4) % 2;
-                        kgq[u] = (o / 8) % (BM / 32);
-                        dcq[u] = o / (8 * (BM / 32));
-                        const int par = b & 1, q4 = b >> 1;
-                        dc8[u] = dc0 + 2 * ((q4 + rot) & 3);         // dc % 8
-                        const int kg = 4 * kgq[u] + q4;              // 8-query step in the tile
-                        pc[u] = 2 * q4 + par;                        // 16-byte chunk in the Xᵀ row
-                        src[u] = src0 + part * L::QT;
-                        dst[u] = dst0 + part * L::QT;
-                        if (ia < ALL) {
-#pragma unroll
-                            for (int ii = 0; ii < 4; ++ii) {
-                                const int r = 8 * kg + par + 2 * ii; // query row of the step tile
-                                lds128(src[u] + dcq[u] * L::Q_PANEL + r * 128 + ((dc8[u] ^ (r % 8)) * 16),
-                                       v[u][ii]);
-                            }
-                        }
+                    for (int ii = 0; ii < 4; ++ii) {
+                        const int r = 8 * kg + par + 2 * ii;         // query row of the step tile
+                        lds128(src + dcq * L::Q_PANEL + r * 128 + ((dc8 ^ (r % 8)) * 16), v[ii]);
                     }
+                    const int pc = 2 * q4 + par;                     // 16-byte chunk in the Xᵀ row
 #pragma unroll
-                    for (int u = 0; u < U; ++u) {
-                        if (i0 + u * CONV_THREADS >= ALL) break;
+                    for (int e = 0; e < 4; ++e) {
+                        const int d = 4 * (8 * dcq + dc8) + e;       // Xᵀ row
+                        const u32 off = kgq * L::T_PANEL + d * 128 + ((pc ^ (d % 8)) * 16);
+                        u32 xb[4], xs[4];
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int d = 4 * (8 * dcq[u] + dc8[u]) + e;   // Xᵀ row
-                            const u32 off = kgq[u] * L::T_PANEL + d * 128 + ((pc[u] ^ (d % 8)) * 16);
-                            const u32 x[4] = {__float_as_uint(v[u][0][e]), __float_as_uint(v[u][1][e]),
-                                              __float_as_uint(v[u][2][e]), __float_as_uint(v[u][3][e])};
-                            sts128(dst[u] + off, x);
-                        }
+                        for (int ii = 0; ii < 4; ++ii) split_tf32(v[ii][e], xb[ii], xs[ii]);
+                        sts128(dst_big + off, xb);
+                        sts128(dst_small + off, xs);
                     }
                 }
             };
@@ -348,17 +343,19 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                         lse_row = p.lse[bh_row + row];
                         dsum_row = p.dsum[bh_row + row];
                     }
-                    mbar_wait(raw_full, q_it & 1);            // Q, dO of the step landed
+                    const int rs = q_it % RAW_STAGES;
+                    const u32 raw = smem + L::RAWQ + rs * L::RAW_STAGE;   // the step's Q, dO raw
+                    mbar_wait(raw_full + 8 * rs, (q_it / RAW_STAGES) & 1);   // Q, dO of the step landed
                     if (q_it > 0) mbar_wait(nat_empty, (q_it - 1) & 1);   // the last step's Sᵀ, dPᵀ, rows done
                     // ---- Q, dO: big / small as stored (B of Sᵀ, dPᵀ), one run over both
                     static_assert(L::RAWDO == L::RAWQ + L::QT && L::DOB == L::QS + L::QT &&
                                   L::QS == L::QB + L::QT, "Q, dO landing buffers and parts adjacent");
-                    split_run(smem + L::RAWQ, smem + L::QB, smem + L::QS, 2 * BM * D / 4, L::QT);
+                    split_run(raw, smem + L::QB, smem + L::QS, 2 * BM * D / 4, L::QT);
                     if (cu < BM) {
                         rows_smem[cu] = lse_row == -CF_INF ? CF_INF : lse_row * CF_LOG2E;
                         rows_smem[BM + cu] = dsum_row;
                     }
-                    release(nat_full, raw_empty);             // (and the landing buffers are read)
+                    release(nat_full, 0);
                     if (st == 0) {
                         // ---- K of the tile: big in place, small (A of Sᵀ; Kᵀ fragments of dQᵀ)
                         mbar_wait(kv_raw, kv_it & 1);
@@ -366,15 +363,13 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                         release(kv_full, 0);
                         ++kv_it;
                     }
-                    // ---- Qᵀ, dOᵀ big / small (B of dK, dV) from the parts just written (read
-                    //      after release's converter barrier; natural parts are rewritten only
-                    //      after the next release, below in program order), once the last step's
-                    //      dV, dK are done
+                    // ---- Qᵀ, dOᵀ big / small (B of dK, dV) from the raw Q, dO, once the last
+                    //      step's dV, dK are done; then the landing stage may take step q_it + 2
                     if (q_it > 0) mbar_wait(t_empty, (q_it - 1) & 1);
                     static_assert(L::QTS == L::QTB + L::QT && L::DOTB == L::QTS + L::QT &&
                                   L::DOTS == L::DOTB + L::QT, "transposed parts adjacent");
-                    transpose_all(smem + L::QB, smem + L::QTB);
-                    release(t_full, 0);
+                    transpose_split(raw);
+                    release(t_full, raw_empty + 8 * rs);
                 }
             }
         }

@@ -30,13 +30,14 @@ BM, BN, D = f32b.BM, f32b.BN, 64
 
 
 def layout(d):
-    """sm90bf::Layout<D> of bwd_sm90_f32.cu, transcribed."""
+    """sm90bf::Layout<D> of bwd_sm90_f32.cu, transcribed (RAWQ, RAWDO: landing stage 0; RAW1:
+    stage 1, RAW_STAGE = 2·QT further on)."""
     kvt, qt = BN * d * 4, BM * d * 4
     off, o = {}, 0
     for name, size in (("KB", kvt), ("KS", kvt), ("VB", kvt), ("QB", qt), ("QS", qt), ("DOB", qt),
                        ("DOS", qt), ("QTB", qt), ("QTS", qt), ("DOTB", qt), ("DOTS", qt), ("RAWQ", qt),
-                       ("RAWDO", qt), ("DS", 2 * 2 * 2 * BM * 128),
-                       ("ROWS", 2 * BM * 4), ("TILE", 16), ("BARS", 8 * 13)):
+                       ("RAWDO", qt), ("RAW1", 2 * qt), ("DS", 2 * 2 * 2 * BM * 128),
+                       ("ROWS", 2 * BM * 4), ("TILE", 16), ("BARS", 8 * 15)):
         off[name] = o
         o += size
     off["BYTES"] = o
@@ -48,7 +49,7 @@ def test_layout_fits_and_matches_the_mirror():
     assert off["BYTES"] + 1024 == f32b.smem_bytes(D) == f32b.Sm90F32BwdVariant(D, False).smem_bytes
     assert f32b.smem_bytes(D) <= 232_448
     for name in ("KB", "KS", "VB", "QB", "QS", "DOB", "DOS", "QTB", "QTS", "DOTB", "DOTS", "RAWQ",
-                 "RAWDO", "DS"):
+                 "RAWDO", "RAW1", "DS"):
         assert off[name] % 1024 == 0, name   # swizzled panels: 1024-byte aligned
 
 

@@ -96,21 +96,22 @@ CONSUMERS = ("c0", "c1")
 
 
 def protocol(tiles, drop=None):
-    """Role generators for work tiles with ``tiles`` steps each (0 allowed): landing buffers for
-    Q, dO, one buffer of their split parts (released in two halves: nat_full / nat_empty, t_full /
+    """Role generators for work tiles with ``tiles`` steps each (0 allowed): two landing stages
+    for Q, dO (raw_full / raw_empty each; the stage is freed after the transposes, which read it),
+    one buffer of their split parts (released in two halves: nat_full / nat_empty, t_full /
     t_empty). ``drop``: the name of one wait to leave out (the model must then fail)."""
     B = lambda n, c: MBar(n, c)   # noqa: E731
     tile_full = [B("tile_full0", 1), B("tile_full1", 1)]
     tile_empty = [B("tile_empty0", 8 + 3), B("tile_empty1", 8 + 3)]
     kv_raw, kv_full, kv_empty = B("kv_raw", 1), B("kv_full", 1), B("kv_empty", 2)
-    raw_full = B("raw_full", 1)
-    raw_empty = B("raw_empty", 1)
+    raw_full = [B("raw_full0", 1), B("raw_full1", 1)]
+    raw_empty = [B("raw_empty0", 1), B("raw_empty1", 1)]
     nat_full = B("nat_full", 1)
     nat_empty = B("nat_empty", 8)
     t_full, t_empty = B("t_full", 1), B("t_empty", 2)
     ring = [Buf("tile_smem0"), Buf("tile_smem1")]
     QB, QS, DOB, DOS = Buf("q_big"), Buf("q_small"), Buf("do_big"), Buf("do_small")
-    RQ, RDO = Buf("raw_q"), Buf("raw_do")
+    RQ, RDO = [Buf("raw_q0"), Buf("raw_q1")], [Buf("raw_do0"), Buf("raw_do1")]
     T = Buf("qT_doT")
     KB, KS = Buf("k_big"), Buf("k_small")
     VB = {c: Buf(f"v_big_{c}") for c in CONSUMERS}
@@ -132,11 +133,12 @@ def protocol(tiles, drop=None):
             if steps is None:
                 return
             for st in range(steps):
-                if q_it > 0:
-                    yield wait("tma:raw_empty", raw_empty, q_it - 1)
-                RQ.write(("raw", q_it), ("conv",))
-                RDO.write(("raw", q_it), ("conv",))
-                raw_full.arrive()
+                rs = q_it % 2
+                if q_it >= 2:
+                    yield wait("tma:raw_empty", raw_empty[rs], q_it // 2 - 1)
+                RQ[rs].write(("raw", q_it), ("conv_n", "conv_t"))   # natural split, transposes
+                RDO[rs].write(("raw", q_it), ("conv_n", "conv_t"))
+                raw_full[rs].arrive()
                 if st == 0:
                     if kv_it > 0:
                         yield wait("tma:kv_empty", kv_empty, kv_it - 1)
@@ -159,18 +161,18 @@ def protocol(tiles, drop=None):
             if steps is None:
                 return
             for st in range(steps):
-                yield wait("conv:raw_full", raw_full, q_it)
+                rs = q_it % 2
+                yield wait("conv:raw_full", raw_full[rs], q_it // 2)
                 if q_it > 0:
                     yield wait("conv:nat_empty", nat_empty, q_it - 1)
-                for raw, big, small in ((RQ, QB, QS), (RDO, DOB, DOS)):
-                    raw.start("conv", ("raw", q_it))
+                for raw, big, small in ((RQ[rs], QB, QS), (RDO[rs], DOB, DOS)):
+                    raw.start("conv_n", ("raw", q_it))
                     yield None
-                    raw.end("conv")
-                    big.write(("big", q_it), CONSUMERS + ("conv",))
-                    small.write(("small", q_it), CONSUMERS + ("conv",))
+                    raw.end("conv_n")
+                    big.write(("big", q_it), CONSUMERS)
+                    small.write(("small", q_it), CONSUMERS)
                 rows.write(q_it, CONSUMERS)
                 nat_full.arrive()
-                raw_empty.arrive()
                 if st == 0:
                     yield wait("conv:kv_raw", kv_raw, kv_it)
                     KB.start("conv", ("raw", kv_it))
@@ -181,13 +183,14 @@ def protocol(tiles, drop=None):
                     kv_it += 1
                 if q_it > 0:
                     yield wait("conv:t_empty", t_empty, q_it - 1)
-                for part, tag in ((QB, "big"), (QS, "small"), (DOB, "big"), (DOS, "small")):
-                    part.start("conv", (tag, q_it))
+                for raw in (RQ[rs], RDO[rs]):        # the transposes split the raw tiles again
+                    raw.start("conv_t", ("raw", q_it))
                 yield None
-                for part in (QB, QS, DOB, DOS):
-                    part.end("conv")
+                for raw in (RQ[rs], RDO[rs]):
+                    raw.end("conv_t")
                 T.write(q_it, CONSUMERS)
                 t_full.arrive()
+                raw_empty[rs].arrive()
                 q_it += 1
 
     def consumer(c):
