@@ -52,10 +52,13 @@ constexpr int CONV_THREADS = 96;     // producer warps 1..3: the converters
 constexpr int CONV_BAR = 8;          // named barrier of the 96 converter threads
 // (fwd_sm90.cu's named barriers 1 .. NC and 4 .. 3 + NC are the consumers')
 
-// Registers per thread after setmaxnreg (NC = 2: 56·128 + 224·256 <= 64K; NC = 1 keeps the launch
+// Registers per thread after setmaxnreg (NC = 2: 40·128 + 232·256 = the block's 168·384; the
+// total may not grow: setmaxnreg.inc only takes what the block's warps gave back. The producer's
+// TMA thread and converters fit 40 without spills; hd 128's consumers need 232 for O_RN's
+// half-width P V accumulator with the window masks (224: 56 B spilled). NC = 1 keeps the launch
 // allocation: 256 threads x 255 registers fit as they are).
 template <int NC> struct Regs;
-template <> struct Regs<2> { static constexpr int PRODUCER = 56, CONSUMER = 224; };
+template <> struct Regs<2> { static constexpr int PRODUCER = 40, CONSUMER = 232; };
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
 // cupyflash/_plan.py: sm90_f32_smem_bytes. QREG: no q_small tile (the consumers keep it in
@@ -100,9 +103,13 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     constexpr int NO = D / 2;        // O accumulator registers per lane: [64, D]
     // O_RN: each key tile's P V goes to a zeroed accumulator added to O in fp32 (round to
     // nearest; the tensor cores' accumulation rounds toward zero, so O summed over s_k keys in
-    // one accumulator drifts with s_k). Costs NO registers: 3xTF32 at d <= 64 only (d 128 spills
-    // 324-440 B: its consumers hold 64 registers of q_small)
-    constexpr bool O_RN = SPLIT && D <= 64;
+    // one accumulator drifts with s_k). 3xTF32 only (allow_tf32 keeps one accumulator). d <= 64:
+    // one [64, D] accumulator (NO registers); d 128: PV_PARTS = 2 column halves through one
+    // [64, D / 2] accumulator, the second half issued once the first is added (a whole second
+    // [64, 128] fragment spills 324-440 B: these consumers also hold 64 registers of q_small)
+    constexpr bool O_RN = SPLIT;
+    constexpr int PV_PARTS = O_RN && D > 64 ? 2 : 1;
+    constexpr int NPV = NO / PV_PARTS;   // accumulator registers of one P V part
 
     extern __shared__ unsigned char smem_raw[];
     // The planner (_plan.sm90_f32_smem_bytes) sizes the launch: stop loudly if it disagrees
@@ -333,7 +340,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     int tile_i = 0;            // work tiles taken so far (the Q barriers' phase)
     WorkTile wt;               // the current work tile
     float o_acc[NO];           // O [64, D] of this warpgroup, fp32
-    float pv_acc[O_RN ? NO : 1];   // O_RN: P V [64, D] of the current key tile, fp32
+    float pv_acc[O_RN ? NPV : 1];  // O_RN: P V [64, D / PV_PARTS] of the current key tile, fp32
     float m_run[2] = {-CF_INF, -CF_INF};   // running row max (raw scores)
     float l_run[2] = {0.f, 0.f};           // running denominators (this lane's columns only)
     float alpha[2];            // O rescale factors of the current key tile
@@ -431,30 +438,40 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
         }
         wgmma_commit();
     };
-    // ---- O += P V  [64, D] of the key tile in ring position kv: B = Vᵀ [D, BN] K-major, 8 keys
-    //      (32 bytes) per k-step through the BN / 32 panels; per k-step p_small·vt_big +
-    //      p_big·vt_small + p_big·vt_big
-    auto issue_pv = [&](int kv) {
+    // ---- O += P V  [64, D] of the key tile in ring position kv (columns of part `part`: D /
+    //      PV_PARTS of them): B = Vᵀ [D, BN] K-major, 8 keys (32 bytes) per k-step through the
+    //      BN / 32 panels; per k-step p_small·vt_big + p_big·vt_small + p_big·vt_big
+    auto issue_pv = [&](int kv, int part) {
+        constexpr int N = D / PV_PARTS;                   // output columns of one part
         const int s = kv % STAGES;
-        const u32 vb = vt_big + s * L::KVT, vs = vt_small + s * L::KVT;
-        mbar_wait(v_full + 8 * s, (kv / STAGES) & 1);
-        float* acc = O_RN ? pv_acc : o_acc;               // O_RN: a fresh P V, added by pv_done
+        const u32 rows = part * N * 128;                  // the part's Vᵀ rows (1024-aligned)
+        const u32 vb = vt_big + s * L::KVT + rows, vs = vt_small + s * L::KVT + rows;
+        if (part == 0) mbar_wait(v_full + 8 * s, (kv / STAGES) & 1);
+        float* acc = O_RN ? pv_acc : o_acc;               // O_RN: a fresh P V, added by add_pv
         if constexpr (O_RN) {
 #pragma unroll
-            for (int i = 0; i < NO; ++i) pv_acc[i] = 0.f;
+            for (int i = 0; i < NPV; ++i) pv_acc[i] = 0.f;
         }
-        fence_regs<NO>(acc);
+        fence_regs<O_RN ? NPV : NO>(acc);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 8; ++kk) {
             const u32 off = (kk / 4) * L::VT_PANEL + (kk % 4) * 32;
             if constexpr (SPLIT) {
-                wgmma_rs_tf32<D>(acc, p_small + 4 * kk, smem_desc(vb + off, 16, 1024));
-                wgmma_rs_tf32<D>(acc, p_big + 4 * kk, smem_desc(vs + off, 16, 1024));
+                wgmma_rs_tf32<N>(acc, p_small + 4 * kk, smem_desc(vb + off, 16, 1024));
+                wgmma_rs_tf32<N>(acc, p_big + 4 * kk, smem_desc(vs + off, 16, 1024));
             }
-            wgmma_rs_tf32<D>(acc, p_big + 4 * kk, smem_desc(vb + off, 16, 1024));
+            wgmma_rs_tf32<N>(acc, p_big + 4 * kk, smem_desc(vb + off, 16, 1024));
         }
         wgmma_commit();
+    };
+    // O_RN: the completed P V of part `part` added to O's columns of that part in fp32
+    auto add_pv = [&](int part) {
+        if constexpr (O_RN) {
+            fence_regs<NPV>(pv_acc);
+#pragma unroll
+            for (int i = 0; i < NPV; ++i) o_acc[part * NPV + i] += pv_acc[i];   // rounded to nearest
+        }
     };
     // S of ring position kv has completed: release its K stage, and the Q tile when it was the
     // work tile's last S
@@ -464,14 +481,21 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
         if (t == 0) mbar_arrive(k_empty + 8 * (kv % STAGES));
         if (last_s && t == 0) mbar_arrive(q_empty);
     };
-    // O += P V of ring position kv has completed: release its Vᵀ stage
-    auto pv_done = [&](int kv) {
-        fence_regs<NO>(o_acc);
-        if constexpr (O_RN) {
-            fence_regs<NO>(pv_acc);
+    // O += P V of ring position kv, part 0 issued: with PV_PARTS = 2 wait for it, add it and
+    // issue part 1 (the same P, the next D / 2 rows of Vᵀ) into the same accumulator
+    auto pv_next = [&](int kv) {
 #pragma unroll
-            for (int i = 0; i < NO; ++i) o_acc[i] += pv_acc[i];   // O += P V, rounded to nearest
+        for (int part = 1; part < PV_PARTS; ++part) {
+            wgmma_wait<0>();
+            add_pv(part - 1);
+            issue_pv(kv, part);
         }
+    };
+    // The last part of O += P V of ring position kv: wait for it, add it, release the Vᵀ stage
+    auto pv_done = [&](int kv) {
+        wgmma_wait<0>();
+        fence_regs<NO>(o_acc);
+        add_pv(PV_PARTS - 1);
         fence_regs<NS>(p_big);           // P stayed untouched while the product read it
         if constexpr (SPLIT) fence_regs<NS>(p_small);
         if (t == 0) mbar_arrive(v_empty + 8 * (kv % STAGES));
@@ -528,9 +552,9 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     // A turn with the last O += P V of the current tile alone
     auto last_turn = [&]() {
         turn_begin();
-        issue_pv(kv_it);
+        issue_pv(kv_it, 0);
         turn_end();
-        wgmma_wait<0>();
+        pv_next(kv_it);
         pv_done(kv_it);
         ++kv_it;
     };
@@ -552,13 +576,13 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             for (int it = 0; it < last; ++it, ++kv_it) {
                 turn_begin();
                 issue_s(kv_it + 1);
-                issue_pv(kv_it);
+                issue_pv(kv_it, 0);
                 turn_end();
                 wgmma_wait<1>();                         // S done (O += P V may still run)
                 s_done(kv_it + 1, it + 1 == last);
-                softmax_scores(key0(it + 1));
-                wgmma_wait<0>();                         // O += P V done
-                pv_done(kv_it);
+                pv_next(kv_it);                          // PV_PARTS = 2: part 1 issued
+                softmax_scores(key0(it + 1));            // (while the last part runs)
+                pv_done(kv_it);                          // O += P V done (every part)
                 pack_p();
             }
             // ---- the tile's last key tile, the epilogue, then the next tile

@@ -113,9 +113,9 @@ def test_repeated_launches_two_streams():
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_long_sums(rng, causal):
-    """hd 64: each key tile's P V goes to a zeroed accumulator added to O in fp32 (O_RN), so out
-    over 8192 keys stays within 2e-5 norm-wise (the tensor cores' accumulation alone, which rounds
-    toward zero, gave ~6e-5 at 8k keys). hd 128 does not have it yet (no registers to spare):
-    its bound is the growing one of test_seqlens."""
-    sm90(rng, 1, 256, 8192, 2, 1, 64, causal=causal, out_tol=2e-5)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_long_sums(rng, d, causal):
+    """Each key tile's P V goes to a zeroed accumulator added to O in fp32 (O_RN; hd 128 in two
+    column halves), so out over 8192 keys stays within 2e-5 norm-wise (the tensor cores'
+    accumulation alone, which rounds toward zero, gave ~6e-5 at 8k keys)."""
+    sm90(rng, 1, 256, 8192, 2, 1, d, causal=causal, out_tol=2e-5)
