@@ -52,13 +52,16 @@ constexpr int CONV_THREADS = 96;     // producer warps 1..3: the converters
 constexpr int CONV_BAR = 8;          // named barrier of the 96 converter threads
 // (fwd_sm90.cu's named barriers 1 .. NC and 4 .. 3 + NC are the consumers')
 
-// Registers per thread after setmaxnreg (NC = 2: 40·128 + 232·256 = the block's 168·384; the
-// total may not grow: setmaxnreg.inc only takes what the block's warps gave back. The producer's
-// TMA thread and converters fit 40 without spills; hd 128's consumers need 232 for O_RN's
-// half-width P V accumulator with the window masks (224: 56 B spilled). NC = 1 keeps the launch
-// allocation: 256 threads x 255 registers fit as they are).
-template <int NC> struct Regs;
-template <> struct Regs<2> { static constexpr int PRODUCER = 40, CONSUMER = 232; };
+// Registers per thread after setmaxnreg, NC = 2: producer·128 + consumer·256 = the block's
+// 168·384 (the total may not grow: setmaxnreg.inc only takes what the block's warps gave back).
+// 56 / 224 by default; WIDE (hd 128 with O_RN and the window masks, which spill 56 B at 224):
+// 40 / 232 (the TMA thread and converters fit 40 without spills, but hd 64 timed -3 to +2 % with
+// it against 56 / 224, call 3 of docs/runs/2026-11-30-session5.log). NC = 1 keeps the launch
+// allocation: 256 threads x 255 registers fit as they are.
+template <int NC, bool WIDE> struct Regs;
+template <bool WIDE> struct Regs<2, WIDE> {
+    static constexpr int CONSUMER = WIDE ? 232 : 224, PRODUCER = (168 * 384 - 256 * CONSUMER) / 128;
+};
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
 // cupyflash/_plan.py: sm90_f32_smem_bytes. QREG: no q_small tile (the consumers keep it in
@@ -110,6 +113,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     constexpr bool O_RN = SPLIT;
     constexpr int PV_PARTS = O_RN && D > 64 ? 2 : 1;
     constexpr int NPV = NO / PV_PARTS;   // accumulator registers of one P V part
+    constexpr bool WIDE_REGS = PV_PARTS > 1 && WINDOW;   // consumers take 232 registers (Regs)
 
     extern __shared__ unsigned char smem_raw[];
     // The planner (_plan.sm90_f32_smem_bytes) sizes the launch: stop loudly if it disagrees
@@ -157,7 +161,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
 
     if (wg == 0) {
         // ================================ producer ================================
-        if constexpr (NC > 1) regs_release<sm90f32::Regs<NC>::PRODUCER>();
+        if constexpr (NC > 1) regs_release<sm90f32::Regs<NC, WIDE_REGS>::PRODUCER>();
         if (t == 0) {
             // ---- TMA thread: Q, K, V tiles (raw float32) in consumption order
             tma_prefetch_desc(&p.tma_q);
@@ -329,7 +333,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     }
 
     // ================================ consumers ================================
-    if constexpr (NC > 1) regs_acquire<sm90f32::Regs<NC>::CONSUMER>();
+    if constexpr (NC > 1) regs_acquire<sm90f32::Regs<NC, WIDE_REGS>::CONSUMER>();
     const int cw = wg - 1;                                 // consumer 0 .. NC-1: rows 64·cw .. of a tile
     const int next_turn = TURN_BAR + (cw + 1) % NC;        // the consumer whose turn follows ours
     const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8
@@ -481,8 +485,10 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
         if (t == 0) mbar_arrive(k_empty + 8 * (kv % STAGES));
         if (last_s && t == 0) mbar_arrive(q_empty);
     };
-    // O += P V of ring position kv, part 0 issued: with PV_PARTS = 2 wait for it, add it and
-    // issue part 1 (the same P, the next D / 2 rows of Vᵀ) into the same accumulator
+    // O += P V of ring position kv, part 0 issued (the last wgmma group): with PV_PARTS = 2 wait
+    // for it, add it and issue part 1 (the same P, the next D / 2 rows of Vᵀ) into the same
+    // accumulator. (Issuing part 0 before the next S, so that part 1 follows it while S runs,
+    // timed 1-3 % slower at hd 128: call 4 of docs/runs/2026-11-30-session5.log)
     auto pv_next = [&](int kv) {
 #pragma unroll
         for (int part = 1; part < PV_PARTS; ++part) {
@@ -581,7 +587,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                 wgmma_wait<1>();                         // S done (O += P V may still run)
                 s_done(kv_it + 1, it + 1 == last);
                 pv_next(kv_it);                          // PV_PARTS = 2: part 1 issued
-                softmax_scores(key0(it + 1));            // (while the last part runs)
+                softmax_scores(key0(it + 1));            // (under the last part)
                 pv_done(kv_it);                          // O += P V done (every part)
                 pack_p();
             }
