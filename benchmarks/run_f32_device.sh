@@ -3,7 +3,7 @@
 # checkout, under 150 s in all (each step has its own time limit; a hang costs only its step):
 #   1. compile the planned float32 Hopper variants and the portable float32 ones (16 processes)
 #   2. one small forced case (a hang or a wrong layout shows here in seconds)
-#   3. tests/test_gpu_forward_sm90_f32.py (float64 reference, out rel. error <= 1e-5 · max(1, s_k / 1024))
+#   3. tests/test_gpu_forward_sm90_f32.py (float64 reference, out rel. error <= 1e-5)
 #   4. benchmarks/bench_f32.py: TFLOP/s of the Hopper kernel, the portable one, SDPA memeff
 # Logs under $OUT (default ./device-out). TUNE=1 adds the tile alternatives (up to 75 s more).
 set -u
