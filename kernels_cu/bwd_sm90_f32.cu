@@ -269,7 +269,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             // big / small parts interleave as q_big, q_small, do_big, do_small). U chunks per
             // iteration, their loads issued together (one shared-memory latency per U chunks)
             auto split_run = [&](u32 src, u32 big, u32 small, int hi, int jump) {
-                constexpr int U = 2;
+                constexpr int U = 4;
                 for (int i0 = cu; i0 < hi; i0 += U * CONV_THREADS) {
                     float x[U][4];
 #pragma unroll
