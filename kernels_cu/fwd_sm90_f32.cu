@@ -28,7 +28,8 @@
 //     kept in registers; S = Q Kᵀ (3 wgmma per k-step: q_big·k_big and q_big·k_small from shared
 //     memory, q_small·k_big from registers (QREG) or shared memory), masks, online softmax in
 //     registers, P split into TF32 big / small register fragments, O += P V (3 wgmma per
-//     k-step, P from registers). With NC = 2 the
+//     k-step, P from registers; with 3xTF32 into a zeroed accumulator added to O in fp32, so
+//     O's long sum rounds to nearest: O_RN, hd 128 in two column halves). With NC = 2 the
 //     consumers take turns on the tensor cores as in fwd_sm90.cu (pingpong); every consumer
 //     issues S of key tile j + 1 with O += P V of key tile j and runs the softmax of j + 1 while
 //     O += P V is still on the tensor cores.
@@ -488,7 +489,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     // O += P V of ring position kv, part 0 issued (the last wgmma group): with PV_PARTS = 2 wait
     // for it, add it and issue part 1 (the same P, the next D / 2 rows of Vᵀ) into the same
     // accumulator. (Issuing part 0 before the next S, so that part 1 follows it while S runs,
-    // timed 1-3 % slower at hd 128: call 4 of docs/runs/2026-11-30-session5.log)
+    // timed 0-5 % slower at hd 128: call 4 of docs/runs/2026-11-30-session5.log)
     auto pv_next = [&](int kv) {
 #pragma unroll
         for (int part = 1; part < PV_PARTS; ++part) {
