@@ -292,32 +292,22 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             // [D/32][BM][32], QT bytes apart) -> qT_big, qT_small, doT_big, doT_small, each
             // [BM/32][D][32] (row = column d, queries permuted inside each 8-query k-step: query
             // 2c -> slot c, 2c + 1 -> slot c + 4, matching the P / dS A fragments), split as they
-            // are written. Item i of tile i / ITEMS (Q, dO) = 4 queries x 4 columns:
-            // fwd_sm90_f32.cu's transpose_v with BN := BM (bank-conflict-free phases, checked by
-            // tests/test_sm90_f32_bwd_layout.py)
+            // are written. Item i of tile i / ITEMS (Q, dO) = 4 queries x 4 columns: sm90.cuh's
+            // TransposeItem, as fwd_sm90_f32.cu's transpose_v with BN := BM (bank-conflict-free
+            // phases, checked by tests/test_sm90_f32_bwd_layout.py)
             auto transpose_split = [&](u32 src0) {
                 constexpr int ITEMS = BM * D / 16, ALL = 2 * ITEMS;
                 for (int ia = cu; ia < ALL; ia += CONV_THREADS) {
-                    const int part = ia / ITEMS, i = ia % ITEMS;
-                    const int b = i % 8, o = i / 8;
-                    const int rot = o % 4, dc0 = (o / 4) % 2, kgq = (o / 8) % (BM / 32);
-                    const int dcq = o / (8 * (BM / 32));
-                    const int par = b & 1, q4 = b >> 1;
-                    const int dc8 = dc0 + 2 * ((q4 + rot) & 3);      // dc % 8
-                    const int kg = 4 * kgq + q4;                    // 8-query step in the tile
+                    const int part = ia / ITEMS;
+                    const TransposeItem<BM, D> it(ia % ITEMS);
                     const u32 src = src0 + part * L::QT;
                     const u32 dst_big = smem + L::QTB + part * 2 * L::QT, dst_small = dst_big + L::QT;
                     float v[4][4];                                   // v[ii][e] = X[query ii][4·dc + e]
 #pragma unroll
-                    for (int ii = 0; ii < 4; ++ii) {
-                        const int r = 8 * kg + par + 2 * ii;         // query row of the step tile
-                        lds128(src + dcq * L::Q_PANEL + r * 128 + ((dc8 ^ (r % 8)) * 16), v[ii]);
-                    }
-                    const int pc = 2 * q4 + par;                     // 16-byte chunk in the Xᵀ row
+                    for (int ii = 0; ii < 4; ++ii) lds128(it.src(src, ii), v[ii]);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const int d = 4 * (8 * dcq + dc8) + e;       // Xᵀ row
-                        const u32 off = kgq * L::T_PANEL + d * 128 + ((pc ^ (d % 8)) * 16);
+                        const u32 off = it.dst(e);                   // Xᵀ row 4·dc + e
                         u32 xb[4], xs[4];
 #pragma unroll
                         for (int ii = 0; ii < 4; ++ii) split_tf32(v[ii][e], xb[ii], xs[ii]);

@@ -252,36 +252,20 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                 }
             };
             // Vᵀ of stage s: v_raw [D/32][BN][32] (row = key, swizzled) -> vt_big / vt_small
-            // [BN/32][D][32] (row = head-dim column d, keys permuted within each 8-key step:
-            // key 2c -> slot c, key 2c + 1 -> slot c + 4). One item = 4 keys x 4 columns: keys
-            // 8·kg + par + 2·ii (ii = 0..3, slots 4·par + ii: one 16-byte chunk of a Vᵀ row),
-            // columns 4·dc .. 4·dc + 3 (one 16-byte chunk of a V row). The 8 lanes of a shared
-            // memory phase (lane % 8 = par + 2·q4) take par, kg % 4 = q4 and
-            // dc % 8 = dc0 + 2·((q4 + rot) % 4): their loads hit 8 distinct chunk positions
-            // (chunk dc%8 XOR key%8) and so do their stores (chunk (2·q4 + par) XOR d%8, d%8 the
-            // same for all 8): no bank conflicts.
+            // [BN/32][D][32] (row = head-dim column d, keys permuted within each 8-key step), item
+            // by item (4 keys x 4 columns: sm90.cuh's TransposeItem)
             auto transpose_v = [&](int s) {
                 const u32 src = v_raw + s * L::KVT;
                 const u32 dst_b = vt_big + s * L::KVT, dst_s = vt_small + s * L::KVT;
                 constexpr int ITEMS = BN * D / 16;
                 for (int i = cu; i < ITEMS; i += CONV_THREADS) {
-                    const int b = i % 8, o = i / 8;
-                    const int rot = o % 4, dc0 = (o / 4) % 2, kgq = (o / 8) % (BN / 32);
-                    const int dcq = o / (8 * (BN / 32));
-                    const int par = b & 1, q4 = b >> 1;
-                    const int dc8 = dc0 + 2 * ((q4 + rot) & 3);      // dc % 8
-                    const int kg = 4 * kgq + q4;                    // 8-key step in the tile
+                    const TransposeItem<BN, D> it(i);
                     float v[4][4];                                   // v[ii][e] = V[key ii][4·dc + e]
 #pragma unroll
-                    for (int ii = 0; ii < 4; ++ii) {
-                        const int r = 8 * kg + par + 2 * ii;         // key row of the raw tile
-                        lds128(src + dcq * L::KV_PANEL + r * 128 + ((dc8 ^ (r % 8)) * 16), v[ii]);
-                    }
-                    const int pc = 2 * q4 + par;                     // 16-byte chunk in the Vᵀ row
+                    for (int ii = 0; ii < 4; ++ii) lds128(it.src(src, ii), v[ii]);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const int d = 4 * (8 * dcq + dc8) + e;       // Vᵀ row
-                        const u32 off = kgq * L::VT_PANEL + d * 128 + ((pc ^ (d % 8)) * 16);
+                        const u32 off = it.dst(e);                   // Vᵀ row 4·dc + e
                         u32 big[4], small[4];
 #pragma unroll
                         for (int ii = 0; ii < 4; ++ii) {

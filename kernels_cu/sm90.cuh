@@ -114,6 +114,41 @@ __device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
     small = to_tf32(x - __uint_as_float(big));
 }
 
+// One work item of the float32 kernels' transposes (fwd_sm90_f32.cu's Vᵀ, bwd_sm90_f32.cu's Qᵀ /
+// dOᵀ): a [R, D] float32 tile of rows (keys or queries; swizzled panels [D/32][R][32]) to
+// [R/32][D][32] (row = column d), the rows permuted inside each 8-row k-step (row 2c -> slot c,
+// 2c + 1 -> slot c + 4: the order of the P / dS A fragments). Item i = 4 rows 8·kg + par + 2·ii
+// (ii = 0..3; slots 4·par + ii: chunk pc of a destination row) x 4 columns 4·dc .. + 3 (dc =
+// 8·dcq + dc8: chunk dc8 of a source row in panel dcq). The 8 lanes of a shared-memory phase
+// (lane % 8 = par + 2·q4) take par, kg % 4 = q4 and dc8 = dc0 + 2·((q4 + rot) % 4): their loads
+// hit 8 distinct chunk positions (dc8 XOR row % 8) and so do their stores (pc XOR d % 8, d % 8
+// the same for all 8): no bank conflicts (tests/test_sm90_f32_layout.py).
+template <int R, int D>
+struct TransposeItem {
+    int dcq, dc8, kgq, kg, par, pc;
+    __device__ __forceinline__ explicit TransposeItem(int i) {
+        const int b = i % 8, o = i / 8;
+        const int rot = o % 4, dc0 = (o / 4) % 2;
+        kgq = (o / 8) % (R / 32);
+        dcq = o / (8 * (R / 32));
+        par = b & 1;
+        const int q4 = b >> 1;
+        dc8 = dc0 + 2 * ((q4 + rot) & 3);   // dc % 8
+        kg = 4 * kgq + q4;                  // 8-row step in the tile
+        pc = 2 * q4 + par;                  // 16-byte chunk in the destination rows
+    }
+    // address of source row ii's chunk in the [D/32][R][32] tile at `tile`
+    __device__ __forceinline__ u32 src(u32 tile, int ii) const {
+        const int r = 8 * kg + par + 2 * ii;
+        return tile + dcq * (R * 128) + r * 128 + ((dc8 ^ (r % 8)) * 16);
+    }
+    // byte offset of destination row d0 + e's chunk in the [R/32][D][32] tile (d0 = 4·dc)
+    __device__ __forceinline__ u32 dst(int e) const {
+        const int d = 4 * (8 * dcq + dc8) + e;
+        return kgq * (D * 128) + d * 128 + ((pc ^ (d % 8)) * 16);
+    }
+};
+
 // Work tile tile_i of a persistent backward block, from the ring of `ring` indices the
 // scheduling thread publishes (tile_smem [ring]; mbarriers tile_full / tile_empty [ring], 8 bytes
 // apart; tile_empty counts one arrival per reading warp): every lane of the calling warp reads
