@@ -301,19 +301,8 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     const int part = ia / ITEMS;
                     const TransposeItem<BM, D> it(ia % ITEMS);
                     const u32 src = src0 + part * L::QT;
-                    const u32 dst_big = smem + L::QTB + part * 2 * L::QT, dst_small = dst_big + L::QT;
-                    float v[4][4];                                   // v[ii][e] = X[query ii][4·dc + e]
-#pragma unroll
-                    for (int ii = 0; ii < 4; ++ii) lds128(it.src(src, ii), v[ii]);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const u32 off = it.dst(e);                   // Xᵀ row 4·dc + e
-                        u32 xb[4], xs[4];
-#pragma unroll
-                        for (int ii = 0; ii < 4; ++ii) split_tf32(v[ii][e], xb[ii], xs[ii]);
-                        sts128(dst_big + off, xb);
-                        sts128(dst_small + off, xs);
-                    }
+                    const u32 dst_big = smem + L::QTB + part * 2 * L::QT;
+                    it.move<true>(src, dst_big, dst_big + L::QT);
                 }
             };
             int kv_it = 0, q_it = 0;

@@ -258,24 +258,8 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                 const u32 src = v_raw + s * L::KVT;
                 const u32 dst_b = vt_big + s * L::KVT, dst_s = vt_small + s * L::KVT;
                 constexpr int ITEMS = BN * D / 16;
-                for (int i = cu; i < ITEMS; i += CONV_THREADS) {
-                    const TransposeItem<BN, D> it(i);
-                    float v[4][4];                                   // v[ii][e] = V[key ii][4·dc + e]
-#pragma unroll
-                    for (int ii = 0; ii < 4; ++ii) lds128(it.src(src, ii), v[ii]);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const u32 off = it.dst(e);                   // Vᵀ row 4·dc + e
-                        u32 big[4], small[4];
-#pragma unroll
-                        for (int ii = 0; ii < 4; ++ii) {
-                            if (SPLIT) split_tf32(v[ii][e], big[ii], small[ii]);
-                            else big[ii] = to_tf32(v[ii][e]);
-                        }
-                        sts128(dst_b + off, big);
-                        if (SPLIT) sts128(dst_s + off, small);
-                    }
-                }
+                for (int i = cu; i < ITEMS; i += CONV_THREADS)
+                    TransposeItem<BN, D>(i).move<SPLIT>(src, dst_b, dst_s);
             };
             int kv_it = 0;
             for (int tile_i = 0;; ++tile_i) {

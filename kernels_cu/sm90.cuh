@@ -147,6 +147,26 @@ struct TransposeItem {
         const int d = 4 * (8 * dcq + dc8) + e;
         return kgq * (D * 128) + d * 128 + ((pc ^ (d % 8)) * 16);
     }
+    // The item moved: its 4 x 4 values read from the tile at `src`, written transposed as TF32
+    // big / small parts to the tiles at dst_big / dst_small (SPLIT; else big = to_tf32 alone)
+    template <bool SPLIT>
+    __device__ __forceinline__ void move(u32 src, u32 dst_big, u32 dst_small) const {
+        float v[4][4];                                   // v[ii][e] = X[row ii][4·dc + e]
+#pragma unroll
+        for (int ii = 0; ii < 4; ++ii) lds128(this->src(src, ii), v[ii]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const u32 off = dst(e);                      // destination row 4·dc + e
+            u32 big[4], small[4];
+#pragma unroll
+            for (int ii = 0; ii < 4; ++ii) {
+                if (SPLIT) split_tf32(v[ii][e], big[ii], small[ii]);
+                else big[ii] = to_tf32(v[ii][e]);
+            }
+            sts128(dst_big + off, big);
+            if (SPLIT) sts128(dst_small + off, small);
+        }
+    }
 };
 
 // Work tile tile_i of a persistent backward block, from the ring of `ring` indices the
