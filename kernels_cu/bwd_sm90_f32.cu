@@ -302,7 +302,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     const TransposeItem<BM, D> it(ia % ITEMS);
                     const u32 src = src0 + part * L::QT;
                     const u32 dst_big = smem + L::QTB + part * 2 * L::QT;
-                    it.move<true>(src, dst_big, dst_big + L::QT);
+                    it.template move<true>(src, dst_big, dst_big + L::QT);
                 }
             };
             int kv_it = 0, q_it = 0;

@@ -205,6 +205,18 @@ __device__ __forceinline__ void reset_rows(float* o_acc, float* m_run, float* l_
     l_run[0] = l_run[1] = 0.f;
 }
 
+// A work tile whose rows see no key: out = 0 and lse = −inf for the WG_ROWS rows r0 .. of one
+// warpgroup (thread t of 128; rows past s_q are not written), out [s_q, D] in E's storage
+template <typename E, int D, bool VARLEN>
+__device__ __forceinline__ void store_empty_rows(const Params& p, const WorkTile& wt, int r0, int t) {
+    typedef typename Elem<E>::storage S;
+    using sm90::WG_ROWS;
+    S* o_bh = out_rows<S>(p, wt);                   // [s_q, d_v]
+    for (int i = t; i < WG_ROWS * D; i += 128)
+        if (r0 + i / D < wt.s_q) o_bh[(r0 + i / D) * p.o_stride_s + i % D] = from_float<E>(0.f);
+    if (t < WG_ROWS && r0 + t < wt.s_q) lse_rows<VARLEN>(p, wt)[r0 + t] = -CF_INF;
+}
+
 // Final O / l and lse = (m·scale·log2e + log2 l)·ln 2 of the work tile's rows row0, row0 + 8
 // (rows past s_q are not stored; a row that saw no key: out = 0, lse = −inf); out in E's storage
 // (16-bit pairs, or float32)
@@ -379,11 +391,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             if (w < 0) return false;
             wt = work_tile<WINDOW, VARLEN, BM, BN>(p, w);
             if (wt.n_tiles > 0) return true;
-            S* o_bh = out_rows<S>(p, wt);                   // [s_q, d_v]
-            const int r0 = wt.m0 + cw * WG_ROWS;
-            for (int i = t; i < WG_ROWS * D; i += 128)
-                if (r0 + i / D < wt.s_q) o_bh[(r0 + i / D) * p.o_stride_s + i % D] = from_float<E>(0.f);
-            if (t < WG_ROWS && r0 + t < wt.s_q) lse_rows<VARLEN>(p, wt)[r0 + t] = -CF_INF;
+            store_empty_rows<E, D, VARLEN>(p, wt, wt.m0 + cw * WG_ROWS, t);
             named_bar_sync(WG_BAR + cw, 128);   // the whole warpgroup has read the tile index
             if (t == 0) mbar_arrive(q_empty);
         }

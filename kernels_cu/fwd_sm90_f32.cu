@@ -259,7 +259,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                 const u32 dst_b = vt_big + s * L::KVT, dst_s = vt_small + s * L::KVT;
                 constexpr int ITEMS = BN * D / 16;
                 for (int i = cu; i < ITEMS; i += CONV_THREADS)
-                    TransposeItem<BN, D>(i).move<SPLIT>(src, dst_b, dst_s);
+                    TransposeItem<BN, D>(i).template move<SPLIT>(src, dst_b, dst_s);
             };
             int kv_it = 0;
             for (int tile_i = 0;; ++tile_i) {
@@ -365,11 +365,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                 if constexpr (QREG) split_q();
                 return true;
             }
-            float* o_bh = out_rows<float>(p, wt);           // [s_q, d_v]
-            const int r0 = wt.m0 + cw * WG_ROWS;
-            for (int i = t; i < WG_ROWS * D; i += 128)
-                if (r0 + i / D < wt.s_q) o_bh[(r0 + i / D) * p.o_stride_s + i % D] = 0.f;
-            if (t < WG_ROWS && r0 + t < wt.s_q) lse_rows<false>(p, wt)[r0 + t] = -CF_INF;
+            store_empty_rows<E, D, false>(p, wt, wt.m0 + cw * WG_ROWS, t);
             named_bar_sync(WG_BAR + cw, 128);   // the whole warpgroup has read the tile index
             if (t == 0) mbar_arrive(q_empty);
         }
