@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_util import cp, hopper_only  # noqa: E402,F401  (skips without CuPy)
+from gpu_util import SM90_F32_OPTION_SETS, cp, hopper_only  # noqa: E402,F401  (skips without CuPy)
 from test_gpu_backward import run_case  # noqa: E402  (pytest puts tests/ on sys.path)
 
 pytestmark = [pytest.mark.gpu, hopper_only]
@@ -34,18 +34,9 @@ def test_seqlens(rng, s_q, s_k, causal):
     f32(rng, 1, s_q, s_k, 2, 1, 64, causal=causal)
 
 
-OPTION_SETS = {
-    "window": dict(window=(32, 16)),
-    "window_left_only": dict(window=(50, -1)),
-    "causal_top_left": dict(causal=True, bottom_right=False),
-    "causal_window": dict(causal=True, window=(40, -1)),
-    "scale": dict(scale=0.37),
-}
-
-
-@pytest.mark.parametrize("opt", list(OPTION_SETS))
+@pytest.mark.parametrize("opt", list(SM90_F32_OPTION_SETS))
 def test_options(rng, opt):
-    f32(rng, 2, 157, 411, 4, 2, 64, **OPTION_SETS[opt])
+    f32(rng, 2, 157, 411, 4, 2, 64, **SM90_F32_OPTION_SETS[opt])
 
 
 @pytest.mark.parametrize("h,h_k", [(8, 1), (8, 2), (6, 3)])

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from gpu_util import cp, hopper_only, launches_on_two_streams  # noqa: E402
+from gpu_util import SM90_F32_OPTION_SETS, cp, hopper_only, launches_on_two_streams  # noqa: E402
 from test_gpu_forward import run_case  # noqa: E402
 
 from cupyflash._options import Options  # noqa: E402
@@ -38,19 +38,10 @@ def test_seqlens(rng, d, s_q, s_k, causal):
     sm90(rng, 1, s_q, s_k, 2, 2, d, causal=causal)
 
 
-OPTION_SETS = {
-    "window": dict(window=(32, 16)),
-    "window_left_only": dict(window=(50, -1)),
-    "causal_top_left": dict(causal=True, bottom_right=False),
-    "causal_window": dict(causal=True, window=(40, -1)),
-    "scale": dict(scale=0.37),
-}
-
-
-@pytest.mark.parametrize("opt", list(OPTION_SETS))
+@pytest.mark.parametrize("opt", list(SM90_F32_OPTION_SETS))
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_options(rng, d, opt):
-    sm90(rng, 2, 157, 411, 4, 2, d, **OPTION_SETS[opt])
+    sm90(rng, 2, 157, 411, 4, 2, d, **SM90_F32_OPTION_SETS[opt])
 
 
 @pytest.mark.parametrize("h,h_k", [(8, 1), (8, 2), (6, 3)])
