@@ -12,8 +12,9 @@
 // released separately), hd 64 only.
 //
 // Persistent blocks of 384 threads (one per SM) walk the work tiles (key tile, kv head, batch;
-// key tiles fastest, drawn from p.sched as in bwd_sm90.cu); the steps of a tile are every query
-// head of the kv head's group x every 32-row query tile that sees the key tile.
+// key tiles fastest, drawn from p.sched as in bwd_sm90.cu; causal / window: the grid's tail
+// longest first, sm90.cuh's longest_first_tail); the steps of a tile are every query head of the
+// kv head's group x every 32-row query tile that sees the key tile.
 //   warpgroup 0, producer (setmaxnreg 56):
 //     thread 0 (TMA): draws work tiles (two-deep ring of indices in shared memory); per tile K, V
 //       raw [BN, D] into k_big / v_big; per step Q, dO raw [BM, D] into one of two landing
@@ -173,7 +174,8 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
     const u32 nat_empty = nat_full + 8;                 // every consumer warp is past Sᵀ, dPᵀ, dSᵀ
     const u32 t_full = nat_empty + 8;                   // Qᵀ, dOᵀ big / small written
     const u32 t_empty = t_full + 8;                     // both consumers' dV, dK of the step done
-    const int num_work = (p.s_k + BN - 1) / BN * p.h_k * p.b;
+    const int num_n = (p.s_k + BN - 1) / BN;                  // key tiles per (kv head, batch)
+    const int num_work = num_n * p.h_k * p.b;
 
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
     if (threadIdx.x == 0) {
@@ -210,8 +212,11 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 const int ts = tile_i % TILE_RING;
                 // every reader has taken the slot's previous index
                 if (tile_i >= TILE_RING) mbar_wait(tile_empty + 8 * ts, ((tile_i / TILE_RING) - 1) & 1);
-                const int w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
+                int w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
                 ++drawn;
+                // causal / window: the grid's tail longest first (key tile 0 of a (kv head, batch)
+                // pair sees the most query rows under a causal mask)
+                if (WINDOW && w < num_work) w = longest_first_tail(w, num_n, p.h_k * p.b, gridDim.x);
                 tile_smem[ts] = w < num_work ? w : -1;
                 mbar_arrive(tile_full + 8 * ts);           // publishes tile_smem[ts] (release)
                 if (w >= num_work) break;
