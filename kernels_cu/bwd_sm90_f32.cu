@@ -388,10 +388,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
 #pragma unroll
         for (int i = 0; i < NKV; ++i) dk_acc[i] = dv_acc[i] = 0.f;
         if (wt.steps > 0) {
-            mbar_wait(kv_full, kv_it & 1);                 // K split (the converters saw K, V land)
-            mbar_wait(kv_raw, kv_it & 1);                  // V landed: waited here too, so the TMA
-                                                           // writes are visible to these threads
-                                                           // directly (the phase cannot move on
+            mbar_wait(kv_raw, kv_it & 1);                  // V landed (the phase cannot move on
                                                            // before this consumer's kv_empty)
             // ---- V rows of this consumer: big back in place (the shared operand of v_big·do_big,
             //      v_big·do_small), small kept in vs_frag. Per 8-column k-step kk the A fragment is
@@ -410,6 +407,8 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             }
             fence_proxy_async();                   // the big part is read by wgmma (async proxy)
             named_bar_sync(WG_BAR + cw, 128);      // every warp of the warpgroup has written its rows
+            // K split: waited after the V split, so the two splits overlap
+            mbar_wait(kv_full, kv_it & 1);
         }
 
         for (int st = 0; st < wt.steps; ++st, ++q_it) {
@@ -585,8 +584,12 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             fence_regs<NQ>(dq_acc);
             fence_regs<D / 2>(kt_big);
             fence_regs<D / 2>(kt_small);
-            // every warp's dQᵀ product has read its dS tile before the next step's stores
+            // every warp's dQᵀ product has read its dS tile before the next step's stores (and,
+            // in the last step, its Kᵀ fragments: K, V free)
             named_bar_sync(WG_BAR + cw, 128);
+            // the tile's last reads of K (Sᵀ, Kᵀ fragments) and V (dPᵀ) have completed: the next
+            // tile's K, V may land while this one's dQ is added and dK, dV are stored
+            if (st == wt.steps - 1 && t == 0) mbar_arrive(kv_empty);
 
             // ---- dQ rows m0 .. += dQᵀ_cᵀ: this consumer's partial, straight from registers; register
             //      i holds (d0 or d0 + 1 for i % 4 < 2 or >= 2, query (i / 4)·8 + 2c + i % 2), so
@@ -602,11 +605,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     red_add_v2(dq_bh + (i64)(m0 + q) * D + dq_swizzle(q, d0), dq_acc[i], dq_acc[i + 2]);
             }
         }
-        if (wt.steps > 0) {
-            // this consumer's last reads of K (Kᵀ fragments, Sᵀ) and V (dPᵀ) have completed
-            if (t == 0) mbar_arrive(kv_empty);
-            ++kv_it;
-        }
+        if (wt.steps > 0) ++kv_it;
 
         // ---- dK, dV of this consumer's 64 keys (GQA: summed over the group's query heads;
         //      zeros for a tile that no query sees), float32 pairs
