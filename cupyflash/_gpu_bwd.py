@@ -417,10 +417,13 @@ def _device():
 
 
 def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
-                     zero_batch_strides=False, zero_accum=False, extra=None, hopper=None):
+                     zero_batch_strides=False, zero_accum=False, extra=None, hopper=None,
+                     hopper_accum=True):
     """Strides, pointers, ALiBi slopes into the plan's Params; D and dQ accumulator allocated;
     ``extra(prm)`` writes the GENERAL fields; the three kernels launched in order, or
-    ``hopper(prm)`` launches them with the Hopper main kernel (None: it could not)."""
+    ``hopper(prm)`` launches them with the Hopper main kernel (None: it could not).
+    ``hopper_accum=False``: the Hopper kernels add dQ into dq (bwd_sm90_f32.cu), so the
+    accumulator is allocated only if ``hopper`` falls back."""
     import cupy
 
     from . import _gpu
@@ -440,21 +443,29 @@ def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
     alibi = _gpu.set_alibi(prm, opts.alibi_slopes)
     rows = plan.params["dq_accum_slab"] // max(1, int(plan.params["d"]))
     dsum = cupy.empty(rows, np.float32)
-    accum = (cupy.zeros if zero_accum else cupy.empty)(plan.accum_elems, np.float32)
     for n, a in (("q", q), ("k", k), ("v", v), ("o", out), ("lse", lse), ("dout", dout),
-                 ("dq", dq), ("dk", dk), ("dv", dv), ("dsum", dsum), ("dq_accum", accum)):
+                 ("dq", dq), ("dk", dk), ("dv", dv), ("dsum", dsum)):
         prm[n] = a.data.ptr
+
+    def accumulator():   # the float32 dQ accumulator (all slabs), its address in prm
+        a = (cupy.zeros if zero_accum else cupy.empty)(plan.accum_elems, np.float32)
+        prm["dq_accum"] = a.data.ptr
+        return a
+
+    accum = accumulator() if hopper is None or hopper_accum else None
     keep = extra(prm) if extra is not None else ()
     if hopper is not None:
         ran = hopper(prm)
         if ran is not None:
             return ran
+    if accum is None:
+        accum = accumulator()
     main, pre, conv = get_functions(plan.variant, dev_id)
     rec = prm.reshape(1)[0]
     pre(plan.pre_grid, (256, 1, 1), (rec,))
     main(plan.grid, plan.block, (rec,), shared_mem=plan.smem)
     conv(plan.dq_grid, (256, 1, 1), (rec,))
-    del keep, alibi
+    del keep, alibi, accum
     return plan.variant.name
 
 
@@ -609,8 +620,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
                     prm[f"dbias_stride_{a}"] = st
             return keep
 
+    # float32: the Hopper kernel (bwd_sm90_f32.cu) adds dQ into dq, no accumulator
     res = _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, extra=extra,
-                           hopper=hopper)
+                           hopper=hopper, hopper_accum=name != "float32")
     if dplan is not None:
         if dplan.mode < 0:     # bias constant along keys: exactly zero gradient
             dbias.fill(0)

@@ -2,16 +2,16 @@
 coverage, compilation and launch. _gpu_bwd's planner runs it for float32 calls it covers on
 compute capability 9.0 (docs/f32-backward-design.md).
 
-``flash_bwd_sm90_f32<f32x3_t, 64, WINDOW>``: dK, dV and (through the float32 accumulator) dQ at
-float32 accuracy, 3xTF32 on wgmma; work tiles of 128 keys (two 64-key consumers), steps of 32 query
-rows. Helper kernels: bwd.cu's ``flash_bwd_pre<f32x3_t>`` (D = rowsum(dO ∘ O), zeroed accumulator)
-and ``flash_bwd_dq_sm90<f32x3_t, 64>`` (bwd_sm90.cu's: dq = the accumulator, rows chunk-swizzled).
+``flash_bwd_sm90_f32<f32x3_t, 64, WINDOW>``: dK, dV and dQ at float32 accuracy, 3xTF32 on wgmma;
+work tiles of 128 keys (two 64-key consumers), steps of 32 query rows; dQ is added into the float32
+dq output itself. One helper kernel before it: ``flash_bwd_pre_sm90_f32<64>`` (D = rowsum(dO ∘ O),
+dq zeroed); no dQ accumulator, no conversion kernel.
 """
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from . import _gpu_bwd_sm90, _plan
+from . import _plan
 
 BN = 128           # keys per work tile
 BM = 32            # query rows per step
@@ -40,15 +40,11 @@ class Sm90F32BwdVariant(NamedTuple):
 
     @property
     def pre_expression(self) -> str:
-        return f"flash_bwd_pre<{self.elem}>"
-
-    @property
-    def dq_expression(self) -> str:
-        return _gpu_bwd_sm90.dq_expression(self.elem, self.d)
+        return f"flash_bwd_pre_sm90_f32<{self.d}>"
 
     @property
     def helper_expressions(self):
-        return (self.pre_expression, self.dq_expression)
+        return (self.pre_expression,)
 
     @property
     def name(self) -> str:
@@ -81,7 +77,7 @@ def program(variants_):
 
 
 def get_functions(variant: Sm90F32BwdVariant, device_id: int):
-    """(main, pre, dq) kernels of ``variant`` on ``device_id`` (lazy)."""
+    """(main, pre) kernels of ``variant`` on ``device_id`` (lazy)."""
     from . import _gpu_bwd
     return _gpu_bwd.get_functions(variant, device_id)
 
@@ -105,34 +101,33 @@ def unsupported(dtype_name: str, d: int, d_v: int, *, allow_tf32: bool, scale: f
                                          tensors=tensors, dtypes=("float32",))
 
 
-def launch(variant: Sm90F32BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
+def launch(variant: Sm90F32BwdVariant, prm, q, k, v, dout, dev_id,
            num_sms: int) -> Optional[str]:
-    """Run bwd.cu's pre kernel (D, zeroed accumulator), the main kernel and the dQ
-    conversion with the Params record ``prm`` (filled by _gpu_bwd.backward). None, launching
-    nothing, when a base address is not 16-byte aligned or dk / dv rows are not 8-byte pairs."""
+    """Run the pre kernel (D, dq zeroed) and the main kernel (dQ added into dq) with the Params
+    record ``prm`` (filled by _gpu_bwd.backward). None, launching nothing, when a base address is
+    not 16-byte aligned or dq / dk / dv rows are not 8-byte pairs."""
     from . import _gpu, _tma
 
     ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr)
     if any(p_ % _plan.TMA_ALIGN for p_ in ptrs):
         return None
-    for t in ("dk", "dv"):   # float2 stores of dK, dV
+    for t in ("dq", "dk", "dv"):   # red.add.v2 into dq, float2 stores of dK, dV
         if int(prm[t]) % 8 or any(int(prm[f"{t}_stride_{a}"]) % 2 for a in "bsh"):
             return None
     b, s_q, h, _ = q.shape
     s_k, h_k = k.shape[1], k.shape[2]
-    if h > 65535:   # the dQ conversion's grid.y
+    if h > 65535 or b > 65535:   # the pre kernel's grid.y, grid.z
         return None
     for field, a, rows in (("tma_q", q, BM), ("tma_k", k, BN), ("tma_v", v, BN),
                            ("tma_do", dout, BM)):
         dims, byte_strides, box = _plan.tma_tensor(a.shape, _gpu._elem_strides(a, field), 4, rows)
         prm[field] = _tma.encode("float32", a.data.ptr, dims, byte_strides, box)
     prm["sched"] = _gpu._sched_counter(dev_id, _gpu._current_stream().ptr)
-    main, pre, conv = get_functions(variant, dev_id)
+    main, pre = get_functions(variant, dev_id)
     rec = prm.reshape(1)[0]
     num_work = -(-s_k // BN) * h_k * b
-    pre(pre_grid, (256, 1, 1), (rec,))
+    pre((-(-s_q // (256 // (variant.d // 4))), h, b), (256, 1, 1), (rec,))
     main((min(num_sms, num_work), 1, 1), (THREADS, 1, 1), (rec,), shared_mem=variant.smem_bytes)
-    conv((-(-s_q // (256 // (variant.d // 4))), h, b), (256, 1, 1), (rec,))
     return variant.name
 
 
@@ -140,7 +135,7 @@ def launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, forced):
     """``hopper(prm)`` for _gpu_bwd._fill_and_launch with bwd_sm90_f32.cu where it covers the
     float32 call, else None; ``forced`` (kernel="sm90") turns every refusal into a ValueError
     naming the reason. ``hopper(prm)`` returns None (nothing launched: the portable kernel runs)
-    where a base address or dk / dv row is misaligned, unless forced."""
+    where a base address or dq / dk / dv row is misaligned, unless forced."""
     from . import _gpu
 
     cc = _gpu._info(dev_id)[0]
@@ -161,10 +156,10 @@ def launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, forced):
     variant = Sm90F32BwdVariant(q.shape[3], window)
 
     def hopper(prm):
-        ran = launch(variant, prm, plan.pre_grid, q, k, v, dout, dev_id, num_sms)
+        ran = launch(variant, prm, q, k, v, dout, dev_id, num_sms)
         if ran is None and forced:
-            raise ValueError("kernel='sm90': a base address is not 16-byte aligned, or dk / dv "
-                             "rows are not 8-byte aligned pairs")
+            raise ValueError("kernel='sm90': a base address is not 16-byte aligned, or dq / dk / "
+                             "dv rows are not 8-byte aligned pairs")
         return ran
 
     return hopper

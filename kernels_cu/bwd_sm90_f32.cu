@@ -1,6 +1,8 @@
-// cupyflash: Hopper (sm_90a) float32 attention backward, main kernel: dK, dV (and dQ through a
-// float32 accumulator) at float32 accuracy, 3xTF32 on wgmma (docs/f32-backward-design.md; the
-// planner runs it for the float32 calls it covers on compute capability 9.0).
+// cupyflash: Hopper (sm_90a) float32 attention backward: dK, dV and dQ (added into the float32 dq
+// output itself) at float32 accuracy, 3xTF32 on wgmma (docs/f32-backward-design.md; the planner
+// runs it for the float32 calls it covers on compute capability 9.0). Two kernels per call:
+// flash_bwd_pre_sm90_f32 (D = rowsum(dO ∘ O), dq zeroed), then flash_bwd_sm90_f32; no dQ
+// accumulator and no conversion kernel.
 //
 //   Every product A·B is small_A·big_B + big_A·small_B + big_A·big_B in fp32, with
 //   big = rna_tf32(x), small = rna_tf32(x − big) (fwd_sm90_f32.cu's split).
@@ -12,8 +14,9 @@
 // released separately), hd 64 only.
 //
 // Persistent blocks of 384 threads (one per SM) walk the work tiles (key tile, kv head, batch;
-// key tiles fastest, drawn from p.sched as in bwd_sm90.cu); the steps of a tile are every query
-// head of the kv head's group x every 32-row query tile that sees the key tile.
+// key tiles fastest, drawn from p.sched as in bwd_sm90.cu; causal / window: the grid's tail
+// longest first, sm90.cuh's longest_first_tail); the steps of a tile are every query head of the
+// kv head's group x every 32-row query tile that sees the key tile.
 //   warpgroup 0, producer (setmaxnreg 56):
 //     thread 0 (TMA): draws work tiles (two-deep ring of indices in shared memory); per tile K, V
 //       raw [BN, D] into k_big / v_big; per step Q, dO raw [BM, D] into one of two landing
@@ -32,9 +35,9 @@
 //       dSᵀ big / small -> this consumer's dS tile [BM queries, 64 key slots] (keys contiguous)
 //       dV += Pᵀ dO, dK += dSᵀ Q       (A = P / dS fragments from registers, B = dOᵀ / Qᵀ)
 //       dQᵀ_c [D, BM] = Kᵀ_c dSᵀ_c over its 64 keys (A = Kᵀ fragments loaded from k_big /
-//         k_small, B = its dS tile), added to the float32 accumulator (chunk-swizzled rows,
-//         bwd_sm90.cu's dq_swizzle) with red.global.add.v2.f32 from registers (each consumer
-//         adds its own partial).
+//         k_small, B = its dS tile), added into dq's rows with red.global.add.v2.f32 from
+//         registers (each consumer adds its own partial; dq's rows are 8-byte aligned pairs: the
+//         launcher checks).
 //
 // Covered: float32 (E = f32x3_t), d = d_v = 64, dense (no varlen / bias /
 // softcap / ALiBi), causal / window (WINDOW), GQA / MQA, any s_q, s_k, scale > 0, atomic dQ.
@@ -142,9 +145,8 @@ template <typename E, int D, bool WINDOW>
 __global__ void __launch_bounds__(sm90bf::THREADS, 1)
 flash_bwd_sm90_f32(const __grid_constant__ Params p) {
     using namespace sm90bf;
-    // bwd_sm90.cu's helpers (dq_swizzle, red.add); its constants, Layout and WorkTile are named
-    // with their namespace where both exist (sm90bf's are used here)
-    using sm90b::dq_swizzle;
+    // bwd_sm90.cu's red.add; its constants, Layout and WorkTile are named with their namespace
+    // where both exist (sm90bf's are used here)
     using sm90b::red_add_v2;
     using L = sm90bf::Layout<D>;
     static_assert(Elem<E>::split && !Elem<E>::is16, "float32 at float32 accuracy (f32x3_t)");
@@ -173,7 +175,8 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
     const u32 nat_empty = nat_full + 8;                 // every consumer warp is past Sᵀ, dPᵀ, dSᵀ
     const u32 t_full = nat_empty + 8;                   // Qᵀ, dOᵀ big / small written
     const u32 t_empty = t_full + 8;                     // both consumers' dV, dK of the step done
-    const int num_work = (p.s_k + BN - 1) / BN * p.h_k * p.b;
+    const int num_n = (p.s_k + BN - 1) / BN;                  // key tiles per (kv head, batch)
+    const int num_work = num_n * p.h_k * p.b;
 
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
     if (threadIdx.x == 0) {
@@ -210,8 +213,11 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 const int ts = tile_i % TILE_RING;
                 // every reader has taken the slot's previous index
                 if (tile_i >= TILE_RING) mbar_wait(tile_empty + 8 * ts, ((tile_i / TILE_RING) - 1) & 1);
-                const int w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
+                int w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
                 ++drawn;
+                // causal / window: the grid's tail longest first (key tile 0 of a (kv head, batch)
+                // pair sees the most query rows under a causal mask)
+                if (WINDOW && w < num_work) w = longest_first_tail(w, num_n, p.h_k * p.b, gridDim.x);
                 tile_smem[ts] = w < num_work ? w : -1;
                 mbar_arrive(tile_full + 8 * ts);           // publishes tile_smem[ts] (release)
                 if (w >= num_work) break;
@@ -383,10 +389,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
 #pragma unroll
         for (int i = 0; i < NKV; ++i) dk_acc[i] = dv_acc[i] = 0.f;
         if (wt.steps > 0) {
-            mbar_wait(kv_full, kv_it & 1);                 // K split (the converters saw K, V land)
-            mbar_wait(kv_raw, kv_it & 1);                  // V landed: waited here too, so the TMA
-                                                           // writes are visible to these threads
-                                                           // directly (the phase cannot move on
+            mbar_wait(kv_raw, kv_it & 1);                  // V landed (the phase cannot move on
                                                            // before this consumer's kv_empty)
             // ---- V rows of this consumer: big back in place (the shared operand of v_big·do_big,
             //      v_big·do_small), small kept in vs_frag. Per 8-column k-step kk the A fragment is
@@ -405,6 +408,8 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             }
             fence_proxy_async();                   // the big part is read by wgmma (async proxy)
             named_bar_sync(WG_BAR + cw, 128);      // every warp of the warpgroup has written its rows
+            // K split: waited after the V split, so the two splits overlap
+            mbar_wait(kv_full, kv_it & 1);
         }
 
         for (int st = 0; st < wt.steps; ++st, ++q_it) {
@@ -580,28 +585,28 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             fence_regs<NQ>(dq_acc);
             fence_regs<D / 2>(kt_big);
             fence_regs<D / 2>(kt_small);
-            // every warp's dQᵀ product has read its dS tile before the next step's stores
+            // every warp's dQᵀ product has read its dS tile before the next step's stores (and,
+            // in the last step, its Kᵀ fragments: K, V free)
             named_bar_sync(WG_BAR + cw, 128);
+            // the tile's last reads of K (Sᵀ, Kᵀ fragments) and V (dPᵀ) have completed: the next
+            // tile's K, V may land while this one's dQ is added and dK, dV are stored
+            if (st == wt.steps - 1 && t == 0) mbar_arrive(kv_empty);
 
-            // ---- dQ rows m0 .. += dQᵀ_cᵀ: this consumer's partial, straight from registers; register
-            //      i holds (d0 or d0 + 1 for i % 4 < 2 or >= 2, query (i / 4)·8 + 2c + i % 2), so
-            //      (dq_acc[i], dq_acc[i + 2]) are two adjacent columns: one red.global.add.v2.f32
-            //      each (accumulator rows chunk-swizzled: dq_swizzle, m0 % 8 = 0; rows past s_q
-            //      skipped)
-            float* dq_bh = p.dq_accum + ((i64)wt.batch * p.h + head) * p.s_q * D;
+            // ---- dq rows m0 .. (float32 [b, s_q, h, D], zeroed by flash_bwd_pre_sm90_f32) +=
+            //      dQᵀ_cᵀ: this consumer's partial, straight from registers; register i holds (d0 or
+            //      d0 + 1 for i % 4 < 2 or >= 2, query (i / 4)·8 + 2c + i % 2), so (dq_acc[i],
+            //      dq_acc[i + 2]) are two adjacent columns: one red.global.add.v2.f32 each (rows
+            //      past s_q skipped)
+            float* dq_bh = (float*)p.dq + wt.batch * p.dq_stride_b + head * p.dq_stride_h;   // [s_q, D]
 #pragma unroll
             for (int i = 0; i < NQ; ++i) {
                 if (i % 4 >= 2) continue;
                 const int q = (i / 4) * 8 + col_in_8 + (i % 2);
                 if (m0 + q < p.s_q)
-                    red_add_v2(dq_bh + (i64)(m0 + q) * D + dq_swizzle(q, d0), dq_acc[i], dq_acc[i + 2]);
+                    red_add_v2(dq_bh + (m0 + q) * p.dq_stride_s + d0, dq_acc[i], dq_acc[i + 2]);
             }
         }
-        if (wt.steps > 0) {
-            // this consumer's last reads of K (Kᵀ fragments, Sᵀ) and V (dPᵀ) have completed
-            if (t == 0) mbar_arrive(kv_empty);
-            ++kv_it;
-        }
+        if (wt.steps > 0) ++kv_it;
 
         // ---- dK, dV of this consumer's 64 keys (GQA: summed over the group's query heads;
         //      zeros for a tile that no query sees), float32 pairs
@@ -621,5 +626,48 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 }
             }
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Before the main kernel: D = rowsum(dO ∘ O) [b, h, s_q] and the float32 dq rows zeroed (the main
+// kernel adds its dQ partials into dq). Grid (row blocks, h, b) x 256 threads, D / 4 threads per
+// query row (consecutive lanes of one warp). Lane j of a row holds the products of columns j,
+// j + D/4, j + D/2, j + 3D/4, summed in bwd.cu's flash_bwd_pre order for D = 64 (its lane l sums
+// columns l, l + 32; its butterfly adds lanes l ^ 16, l ^ 8, l ^ 4, l ^ 1, l ^ 2), so D is the same
+// bits as that kernel's; the loads and the zero stores are 4-byte and coalesced (any O or dq row
+// alignment).
+// ---------------------------------------------------------------------------------------------
+template <int D>
+__global__ void __launch_bounds__(256)
+flash_bwd_pre_sm90_f32(const Params p) {
+    static_assert(D == 64, "the summation order mirrors flash_bwd_pre's for 64 columns");
+    constexpr int LANES = D / 4;             // threads per row
+    constexpr int ROWS = 256 / LANES;        // rows per block
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int i = blockIdx.x * ROWS + threadIdx.x / LANES;   // query row
+    const int j = threadIdx.x % LANES;                       // columns j + 16·e, e = 0..3
+    float lo = 0.f, hi = 0.f;   // flash_bwd_pre's lanes j and j + 16: columns j, j + 32 / j + 16, j + 48
+    if (i < p.s_q) {
+        const float* do_row = (const float*)p.dout + batch * p.do_stride_b + (i64)i * p.do_stride_s +
+                              head * p.do_stride_h;   // [D]
+        const float* o_row = (const float*)p.o + batch * p.o_stride_b + (i64)i * p.o_stride_s +
+                             head * p.o_stride_h;     // [D]
+        lo = fmaf(do_row[j + 32], o_row[j + 32], fmaf(do_row[j], o_row[j], 0.f));
+        hi = fmaf(do_row[j + 48], o_row[j + 48], fmaf(do_row[j + 16], o_row[j + 16], 0.f));
+    }
+    // the butterfly over the row's lanes: its lane pairs l ^ 16 first (here: in the thread), then
+    // l ^ 8, l ^ 4, l ^ 1, l ^ 2 (here: lanes j ^ 8, j ^ 4, j ^ 1, j ^ 2 of the same 16)
+    float acc = lo + hi;
+    acc += __shfl_xor_sync(0xffffffffu, acc, 8);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 4);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+    if (i < p.s_q) {
+        if (j == 0) p.dsum[((i64)batch * p.h + head) * p.s_q + i] = acc;   // [b, h, s_q]
+        float* dq_row = (float*)p.dq + batch * p.dq_stride_b + (i64)i * p.dq_stride_s +
+                        head * p.dq_stride_h;         // [D]
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq_row[j + 16 * e] = 0.f;
     }
 }

@@ -204,11 +204,11 @@ def protocol(tiles, drop=None):
             if steps is None:
                 return
             if steps > 0:
-                yield wait(f"{c}:kv_full", kv_full, kv_it)
                 yield wait(f"{c}:kv_raw", kv_raw, kv_it)
                 VB[c].start(c, ("raw", kv_it))
                 VB[c].end(c)
                 VB[c].write(("big", kv_it))
+                yield wait(f"{c}:kv_full", kv_full, kv_it)
             for st in range(steps):
                 yield wait(f"{c}:nat_full", nat_full, q_it)
                 ops = ((QB, ("big", q_it)), (QS, ("small", q_it)), (DOB, ("big", q_it)),
@@ -231,9 +231,10 @@ def protocol(tiles, drop=None):
                 yield None
                 for buf in (KB, KS, DS[c]):
                     buf.end(c)
+                if st == steps - 1:
+                    kv_empty.arrive()          # in the last step, before the dQ adds
                 q_it += 1
             if steps > 0:
-                kv_empty.arrive()
                 kv_it += 1
 
     return {"tma": tma(), "conv": converters(), "c0": consumer("c0"), "c1": consumer("c1")}
