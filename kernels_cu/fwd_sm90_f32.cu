@@ -20,7 +20,9 @@
 // rows of one head of one batch):
 //   warpgroup 0, producer:
 //     thread 0 (TMA): draws work tiles from the global counter, loads each Q tile [BM, D] and its
-//       key tiles' K [BN, D] and V [BN, D] (raw float32) into a STAGES-deep ring;
+//       key tiles' K [BN, D] and V [BN, D] (raw float32) into a STAGES-deep ring; the next tile
+//       is drawn once the current one's loads are issued (its Q prefetched into L2, its first K
+//       and V loaded), so that only Q's load waits for the current tile's last S;
 //     warps 1..3 (96 converter threads): split K in place (big) + k_small, transpose V into
 //       Vᵀ big / small [D, BN] (keys contiguous: the K-major B operand of O += P V), and (unless
 //       QREG) split Q in place + q_small, then hand each tile to the consumers;
@@ -170,51 +172,75 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             tma_prefetch_desc(&p.tma_v);
             int kv_it = 0;     // K/V tiles issued so far (ring position)
             int drawn = 0;     // work-tile indices drawn so far (without a counter: i + k·grid)
+            // K [BN, D] into k_big and V [BN, D] into v_raw of ring position kv_it: key tile `it`
+            // of work tile wt, right to left through the band, STAGES buffers deep
+            auto load_kv = [&](const WorkTile& wt, int it) {
+                const int n0 = (wt.t_first + wt.n_tiles - 1 - it) * BN;
+                const int s = kv_it % STAGES;
+                const u32 prev = ((kv_it / STAGES) - 1) & 1;   // phase of the stage's last use
+                // K into k_big[s] once every consumer's S has read the stage's last K (and so
+                // the converters are done with it: S waited for their k_full)
+                if (kv_it >= STAGES) mbar_wait(k_empty + 8 * s, prev);
+                mbar_arrive_expect_tx(k_raw + 8 * s, BN * D * 4);
+#pragma unroll
+                for (int c = 0; c < D / F32_PANEL_COLS; ++c)
+                    tma_load_4d(k_big + s * L::KVT + c * L::KV_PANEL, &p.tma_k, k_raw + 8 * s,
+                                c * F32_PANEL_COLS, n0, wt.kv_head, wt.batch);
+                // V into v_raw[s] once the converters have transposed the stage's last V
+                if (kv_it >= STAGES) mbar_wait(vraw_empty + 8 * s, prev);
+                mbar_arrive_expect_tx(v_rawb + 8 * s, BN * D * 4);
+#pragma unroll
+                for (int c = 0; c < D / F32_PANEL_COLS; ++c)
+                    tma_load_4d(v_raw + s * L::KVT + c * L::KV_PANEL, &p.tma_v, v_rawb + 8 * s,
+                                c * F32_PANEL_COLS, n0, wt.kv_head, wt.batch);
+                ++kv_it;
+            };
+            // The next work tile w (-1: no work left), drawn before the Q tile of the current one is
+            // released: its Q tile [BM, D] prefetched into L2 and its first key tile loaded into
+            // the ring (`ahead` = 1) now, while the consumers still have up to STAGES key tiles of
+            // the current tile to go. Then only Q's load, from L2, stands between the current
+            // tile's last S and the next tile's first (no counter atomic, device-memory Q latency
+            // or first K conversion there)
+            int w, ahead;
+            WorkTile wt;
+            auto draw_next = [&]() {
+                const int w_drawn = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
+                ++drawn;
+                ahead = 0;
+                w = -1;
+                if (w_drawn >= num_work) return;
+                // causal / window: the grid's tail longest first
+                w = WINDOW ? longest_first_tail(p, w_drawn, gridDim.x) : w_drawn;
+                wt = work_tile<WINDOW, false, BM, BN>(p, w);
+                if (wt.n_tiles == 0) return;              // rows that see no key: nothing to load
+#pragma unroll
+                for (int c = 0; c < D / F32_PANEL_COLS; ++c)
+                    tma_prefetch_l2_4d(&p.tma_q, c * F32_PANEL_COLS, wt.m0, wt.head, wt.batch);
+                load_kv(wt, 0);
+                ahead = 1;
+            };
+            draw_next();
             for (int tile_i = 0;; ++tile_i) {
                 // the consumers are done with the previous tile's Q (big and small) and index
                 if (tile_i > 0) mbar_wait(q_empty, (tile_i - 1) & 1);
-                const int w_drawn = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
-                ++drawn;
-                if (w_drawn >= num_work) {            // no work left: tell everyone, stop
-                    *tile_smem = -1;
+                *tile_smem = w;                           // published by the q_raw arrival (release)
+                if (w < 0) {                              // no work left: tell everyone, stop
                     mbar_arrive(q_raw);
                     break;
                 }
-                // causal / window: the grid's tail longest first
-                const int w = WINDOW ? longest_first_tail(p, w_drawn, gridDim.x) : w_drawn;
-                const WorkTile wt = work_tile<WINDOW, false, BM, BN>(p, w);
-                *tile_smem = w;                       // published by the q_raw arrival (release)
-                if (wt.n_tiles == 0) {                // rows that see no key: nothing to load
+                if (wt.n_tiles == 0) {
                     mbar_arrive(q_raw);
-                    continue;
-                }
-                // Q tile [BM, D]: D / 32 boxes of [BM, 32]
-                mbar_arrive_expect_tx(q_raw, BM * D * 4);
-#pragma unroll
-                for (int c = 0; c < D / F32_PANEL_COLS; ++c)
-                    tma_load_4d(q_smem + c * L::Q_PANEL, &p.tma_q, q_raw, c * F32_PANEL_COLS, wt.m0,
-                                wt.head, wt.batch);
-                // K, V tiles [BN, D], right to left through the band, STAGES buffers deep
-                for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
-                    const int n0 = (wt.t_first + wt.n_tiles - 1 - it) * BN;
-                    const int s = kv_it % STAGES;
-                    const u32 prev = ((kv_it / STAGES) - 1) & 1;   // phase of the stage's last use
-                    // K into k_big[s] once every consumer's S has read the stage's last K (and so
-                    // the converters are done with it: S waited for their k_full)
-                    if (kv_it >= STAGES) mbar_wait(k_empty + 8 * s, prev);
-                    mbar_arrive_expect_tx(k_raw + 8 * s, BN * D * 4);
+                } else {
+                    // Q tile [BM, D]: D / 32 boxes of [BM, 32]
+                    mbar_arrive_expect_tx(q_raw, BM * D * 4);
 #pragma unroll
                     for (int c = 0; c < D / F32_PANEL_COLS; ++c)
-                        tma_load_4d(k_big + s * L::KVT + c * L::KV_PANEL, &p.tma_k, k_raw + 8 * s,
-                                    c * F32_PANEL_COLS, n0, wt.kv_head, wt.batch);
-                    // V into v_raw[s] once the converters have transposed the stage's last V
-                    if (kv_it >= STAGES) mbar_wait(vraw_empty + 8 * s, prev);
-                    mbar_arrive_expect_tx(v_rawb + 8 * s, BN * D * 4);
-#pragma unroll
-                    for (int c = 0; c < D / F32_PANEL_COLS; ++c)
-                        tma_load_4d(v_raw + s * L::KVT + c * L::KV_PANEL, &p.tma_v, v_rawb + 8 * s,
-                                    c * F32_PANEL_COLS, n0, wt.kv_head, wt.batch);
+                        tma_load_4d(q_smem + c * L::Q_PANEL, &p.tma_q, q_raw, c * F32_PANEL_COLS,
+                                    wt.m0, wt.head, wt.batch);
+                    // the tile's other key tiles
+                    for (int it = ahead; it < wt.n_tiles; ++it) load_kv(wt, it);
                 }
+                draw_next();
             }
             if (p.sched) sched_finish(p.sched);   // this block has drawn its last work tile
         } else if (t >= 32) {

@@ -41,6 +41,12 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* map, u32 bar
                  :: "r"(dst), "l"((u64)map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                  : "memory");
 }
+// the same box prefetched into L2 only (no shared memory, no barrier): a later tma_load_4d of it
+// reads L2 instead of device memory
+__device__ __forceinline__ void tma_prefetch_l2_4d(const TmaDesc* map, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];"
+                 :: "l"((u64)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
 __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
     asm volatile("prefetch.tensormap [%0];" :: "l"((u64)map) : "memory");
 }
