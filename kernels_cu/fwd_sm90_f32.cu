@@ -2,10 +2,10 @@
 // specialization.
 //
 //   O = softmax(scale · Q Kᵀ) V per (batch, head), float32 in and out, computed at float32
-//   accuracy: every operand x is split into two TF32 parts, big = rna_tf32(x) and
-//   small = rna_tf32(x − big), and each product A·B is summed as small_A·big_B + big_A·small_B +
-//   big_A·big_B in fp32 (the small·small term is below float32's rounding). E = tf32_t
-//   (allow_tf32) takes big·big alone.
+//   accuracy: every operand x is split into two TF32 parts, big = rn_tf32(x) and
+//   small = rn_tf32(x − big) (nearest even), and each product A·B is summed as small_A·big_B +
+//   big_A·small_B + big_A·big_B in fp32 (the small·small term is below float32's rounding).
+//   E = tf32_t (allow_tf32) takes big·big alone.
 //
 // Why a file of its own (and not an element type of fwd_sm90.cu): the 16-bit kernel's operands are
 // used as TMA stores them; here every K, V and Q tile must be rewritten in shared memory before
@@ -117,6 +117,10 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     constexpr int PV_PARTS = O_RN && D > 64 ? 2 : 1;
     constexpr int NPV = NO / PV_PARTS;   // accumulator registers of one P V part
     constexpr bool WIDE_REGS = PV_PARTS > 1 && WINDOW;   // consumers take 232 registers (Regs)
+    // TF32 parts of Q, K, V and P rounded to nearest even (sm_90's cvt.rn.tf32.f32: one
+    // instruction per part, where the ties-away cvt.rna is three): the converters split 8192
+    // values and each consumer 2 x 16 P values per key tile (hd 128, 32 keys)
+    constexpr bool RN = true;
 
     extern __shared__ unsigned char smem_raw[];
     // The planner (_plan.sm90_f32_smem_bytes) sizes the launch: stop loudly if it disagrees
@@ -257,6 +261,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             // elementwise, so the swizzled layout is kept as it is (16-byte chunks)
             // (two chunks per pass: both loads are in flight before the first store)
             auto split_tile = [&](u32 big, u32 small, int chunks) {
+#pragma unroll 1   // (unrolled, the hd 128 window variant's 40-register converters spill 8 B)
                 for (int i = cu; i < chunks; i += 2 * CONV_THREADS) {
                     const int j = i + CONV_THREADS;           // the pass's second chunk
                     const bool two = j < chunks;
@@ -266,8 +271,8 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                     if (two) lds128(big + 16 * j, x + 4);
 #pragma unroll
                     for (int e = 0; e < 8; ++e) {
-                        if (SPLIT) split_tf32(x[e], b[e], sm[e]);
-                        else b[e] = to_tf32(x[e]);
+                        if (SPLIT) split_tf32<RN>(x[e], b[e], sm[e]);
+                        else b[e] = tf32_round<RN>(x[e]);
                     }
                     sts128(big + 16 * i, b);
                     if (SPLIT) sts128(small + 16 * i, sm);
@@ -285,7 +290,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                 const u32 dst_b = vt_big + s * L::KVT, dst_s = vt_small + s * L::KVT;
                 constexpr int ITEMS = BN * D / 16;
                 for (int i = cu; i < ITEMS; i += CONV_THREADS)
-                    TransposeItem<BN, D>(i).template move<SPLIT>(src, dst_b, dst_s);
+                    TransposeItem<BN, D>(i).template move<SPLIT, RN>(src, dst_b, dst_s);
             };
             int kv_it = 0;
             for (int tile_i = 0;; ++tile_i) {
@@ -370,8 +375,8 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 u32 big;
-                if constexpr (SPLIT) split_tf32(q[e], big, qs_frag[4 * kk + e]);
-                else big = to_tf32(q[e]);
+                if constexpr (SPLIT) split_tf32<RN>(q[e], big, qs_frag[4 * kk + e]);
+                else big = tf32_round<RN>(q[e]);
                 asm volatile("st.shared.b32 [%0], %1;" :: "r"(a[e]), "r"(big) : "memory");
             }
         }
@@ -517,8 +522,8 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             const float a[4] = {s_acc[4 * kk], s_acc[4 * kk + 2], s_acc[4 * kk + 1], s_acc[4 * kk + 3]};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                if constexpr (SPLIT) split_tf32(a[e], p_big[4 * kk + e], p_small[4 * kk + e]);
-                else p_big[4 * kk + e] = to_tf32(a[e]);
+                if constexpr (SPLIT) split_tf32<RN>(a[e], p_big[4 * kk + e], p_small[4 * kk + e]);
+                else p_big[4 * kk + e] = tf32_round<RN>(a[e]);
             }
         }
     };
