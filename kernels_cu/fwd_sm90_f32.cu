@@ -314,7 +314,9 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                     split_tile(q_smem, q_small, BM * D / 4);
                     release(q_full);
                 }
-                for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
+                // the tile's ring positions, bounded by kv_end (with a second counter it = 0 ..
+                // n_tiles, the hd 128 window variant's 40-register converters spilled 8 B)
+                for (const int kv_end = kv_it + wt.n_tiles; kv_it < kv_end; ++kv_it) {
                     const int s = kv_it % STAGES;
                     const u32 ph = (kv_it / STAGES) & 1;
                     mbar_wait(k_raw + 8 * s, ph);             // K landed (k_small[s] is free:
