@@ -128,7 +128,8 @@ class _Sm90Launch(_Launch):
         ptrs = (qp, kp, vp, op, lp, stream)
         hit = self.records.get(ptrs)
         if hit is None:
-            if (qp | kp | vp) % _plan.TMA_ALIGN or op % 4:   # TMA bases / paired output stores
+            # TMA bases; output stores of 16-bit pairs (4 bytes) or float32 quads (16 bytes)
+            if (qp | kp | vp) % _plan.TMA_ALIGN or op % (16 if self.dtype_name == "float32" else 4):
                 if self.portable is None:
                     plan = self.portable_plan
                     self.portable = _Launch(_modules.get_function(plan.variant, self.dev_id), plan,

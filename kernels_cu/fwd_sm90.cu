@@ -219,7 +219,12 @@ __device__ __forceinline__ void store_empty_rows(const Params& p, const WorkTile
 
 // Final O / l and lse = (m·scale·log2e + log2 l)·ln 2 of the work tile's rows row0, row0 + 8
 // (rows past s_q are not stored; a row that saw no key: out = 0, lse = −inf); out in E's storage
-// (16-bit pairs, or float32)
+// (16-bit pairs, or float32). Float32 goes out in 16-byte stores (the launcher sends out bases
+// that are not 16-byte aligned to the portable kernel; TMA's checks make the strides 16-byte
+// multiples): of the column groups 2h, 2h + 1 (16 columns of a row, 2 per lane of the quad),
+// lanes c and c ^ 1 swap one column pair so that even c holds columns 16h + 2c .. + 3 and odd c
+// columns 16h + 8 + 2(c − 1) .. + 3 (one 16-byte store each: 64 contiguous bytes per row and quad,
+// a quarter of the scalar stores)
 template <typename E, int NO, bool VARLEN>
 __device__ __forceinline__ void store_rows(const Params& p, const WorkTile& wt, const float* o_acc,
                                            const float* m_run, const float* l_run, float sl2,
@@ -227,21 +232,32 @@ __device__ __forceinline__ void store_rows(const Params& p, const WorkTile& wt, 
     typedef typename Elem<E>::storage S;
     float* lse_bh = lse_rows<VARLEN>(p, wt);        // [s_q]
     S* o_bh = out_rows<S>(p, wt);                   // [s_q, d_v]
+    const bool odd = col_in_8 & 2;                  // the lane's c = col_in_8 / 2 is odd
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const float l = quad_sum(l_run[r]);
         const int row = row0 + 8 * r;
         const float inv_l = l > 0.f ? 1.f / l : 0.f;
-        if (row < wt.s_q) {
+        if constexpr (!Elem<E>::is16) {
             S* o_row = o_bh + row * p.o_stride_s;
 #pragma unroll
-            for (int i = 0; i < NO; i += 4) {
-                const int col = (i / 4) * 8 + col_in_8;
-                if constexpr (Elem<E>::is16) {
+            for (int i = 0; i < NO; i += 8) {            // column groups 2h, 2h + 1 (h = i / 8)
+                const float x0 = o_acc[i + 2 * r] * inv_l, x1 = o_acc[i + 2 * r + 1] * inv_l;   // group 2h
+                const float y0 = o_acc[i + 4 + 2 * r] * inv_l, y1 = o_acc[i + 5 + 2 * r] * inv_l;   // 2h + 1
+                // every lane of the warp swaps (rows past s_q too: the shuffles take all 32)
+                const float g0 = __shfl_xor_sync(0xffffffffu, odd ? x0 : y0, 1);
+                const float g1 = __shfl_xor_sync(0xffffffffu, odd ? x1 : y1, 1);
+                const float4 v = odd ? make_float4(g0, g1, y0, y1) : make_float4(x0, x1, g0, g1);
+                if (row < wt.s_q) *(float4*)(o_row + 2 * i + (odd ? 6 : 0) + col_in_8) = v;
+            }
+        }
+        if (row < wt.s_q) {
+            if constexpr (Elem<E>::is16) {
+                S* o_row = o_bh + row * p.o_stride_s;
+#pragma unroll
+                for (int i = 0; i < NO; i += 4) {
+                    const int col = (i / 4) * 8 + col_in_8;
                     *(u32*)(o_row + col) = pack2<E>(o_acc[i + 2 * r] * inv_l, o_acc[i + 2 * r + 1] * inv_l);
-                } else {
-                    o_row[col] = o_acc[i + 2 * r] * inv_l;
-                    o_row[col + 1] = o_acc[i + 2 * r + 1] * inv_l;
                 }
             }
             if (lse_lane)

@@ -2,10 +2,10 @@
 // specialization.
 //
 //   O = softmax(scale · Q Kᵀ) V per (batch, head), float32 in and out, computed at float32
-//   accuracy: every operand x is split into two TF32 parts, big = rna_tf32(x) and
-//   small = rna_tf32(x − big), and each product A·B is summed as small_A·big_B + big_A·small_B +
-//   big_A·big_B in fp32 (the small·small term is below float32's rounding). E = tf32_t
-//   (allow_tf32) takes big·big alone.
+//   accuracy: every operand x is split into two TF32 parts, big = rn_tf32(x) and
+//   small = rn_tf32(x − big) (nearest even), and each product A·B is summed as small_A·big_B +
+//   big_A·small_B + big_A·big_B in fp32 (the small·small term is below float32's rounding).
+//   E = tf32_t (allow_tf32) takes big·big alone.
 //
 // Why a file of its own (and not an element type of fwd_sm90.cu): the 16-bit kernel's operands are
 // used as TMA stores them; here every K, V and Q tile must be rewritten in shared memory before
@@ -20,7 +20,9 @@
 // rows of one head of one batch):
 //   warpgroup 0, producer:
 //     thread 0 (TMA): draws work tiles from the global counter, loads each Q tile [BM, D] and its
-//       key tiles' K [BN, D] and V [BN, D] (raw float32) into a STAGES-deep ring;
+//       key tiles' K [BN, D] and V [BN, D] (raw float32) into a STAGES-deep ring; the next tile
+//       is drawn once the current one's loads are issued (its Q prefetched into L2, its first K
+//       and V loaded), so that only Q's load waits for the current tile's last S;
 //     warps 1..3 (96 converter threads): split K in place (big) + k_small, transpose V into
 //       Vᵀ big / small [D, BN] (keys contiguous: the K-major B operand of O += P V), and (unless
 //       QREG) split Q in place + q_small, then hand each tile to the consumers;
@@ -115,6 +117,10 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     constexpr int PV_PARTS = O_RN && D > 64 ? 2 : 1;
     constexpr int NPV = NO / PV_PARTS;   // accumulator registers of one P V part
     constexpr bool WIDE_REGS = PV_PARTS > 1 && WINDOW;   // consumers take 232 registers (Regs)
+    // TF32 parts of Q, K, V and P rounded to nearest even (sm_90's cvt.rn.tf32.f32: one
+    // instruction per part, where the ties-away cvt.rna is three): the converters split 8192
+    // values and each consumer 2 x 16 P values per key tile (hd 128, 32 keys)
+    constexpr bool RN = true;
 
     extern __shared__ unsigned char smem_raw[];
     // The planner (_plan.sm90_f32_smem_bytes) sizes the launch: stop loudly if it disagrees
@@ -170,51 +176,75 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             tma_prefetch_desc(&p.tma_v);
             int kv_it = 0;     // K/V tiles issued so far (ring position)
             int drawn = 0;     // work-tile indices drawn so far (without a counter: i + k·grid)
+            // K [BN, D] into k_big and V [BN, D] into v_raw of ring position kv_it: key tile `it`
+            // of work tile wt, right to left through the band, STAGES buffers deep
+            auto load_kv = [&](const WorkTile& wt, int it) {
+                const int n0 = (wt.t_first + wt.n_tiles - 1 - it) * BN;
+                const int s = kv_it % STAGES;
+                const u32 prev = ((kv_it / STAGES) - 1) & 1;   // phase of the stage's last use
+                // K into k_big[s] once every consumer's S has read the stage's last K (and so
+                // the converters are done with it: S waited for their k_full)
+                if (kv_it >= STAGES) mbar_wait(k_empty + 8 * s, prev);
+                mbar_arrive_expect_tx(k_raw + 8 * s, BN * D * 4);
+#pragma unroll
+                for (int c = 0; c < D / F32_PANEL_COLS; ++c)
+                    tma_load_4d(k_big + s * L::KVT + c * L::KV_PANEL, &p.tma_k, k_raw + 8 * s,
+                                c * F32_PANEL_COLS, n0, wt.kv_head, wt.batch);
+                // V into v_raw[s] once the converters have transposed the stage's last V
+                if (kv_it >= STAGES) mbar_wait(vraw_empty + 8 * s, prev);
+                mbar_arrive_expect_tx(v_rawb + 8 * s, BN * D * 4);
+#pragma unroll
+                for (int c = 0; c < D / F32_PANEL_COLS; ++c)
+                    tma_load_4d(v_raw + s * L::KVT + c * L::KV_PANEL, &p.tma_v, v_rawb + 8 * s,
+                                c * F32_PANEL_COLS, n0, wt.kv_head, wt.batch);
+                ++kv_it;
+            };
+            // The next work tile w (-1: no work left), drawn before the Q tile of the current one is
+            // released: its Q tile [BM, D] prefetched into L2 and its first key tile loaded into
+            // the ring (`ahead` = 1) now, while the consumers still have up to STAGES key tiles of
+            // the current tile to go. Then only Q's load, from L2, stands between the current
+            // tile's last S and the next tile's first (no counter atomic, device-memory Q latency
+            // or first K conversion there)
+            int w, ahead;
+            WorkTile wt;
+            auto draw_next = [&]() {
+                const int w_drawn = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
+                ++drawn;
+                ahead = 0;
+                w = -1;
+                if (w_drawn >= num_work) return;
+                // causal / window: the grid's tail longest first
+                w = WINDOW ? longest_first_tail(p, w_drawn, gridDim.x) : w_drawn;
+                wt = work_tile<WINDOW, false, BM, BN>(p, w);
+                if (wt.n_tiles == 0) return;              // rows that see no key: nothing to load
+#pragma unroll
+                for (int c = 0; c < D / F32_PANEL_COLS; ++c)
+                    tma_prefetch_l2_4d(&p.tma_q, c * F32_PANEL_COLS, wt.m0, wt.head, wt.batch);
+                load_kv(wt, 0);
+                ahead = 1;
+            };
+            draw_next();
             for (int tile_i = 0;; ++tile_i) {
                 // the consumers are done with the previous tile's Q (big and small) and index
                 if (tile_i > 0) mbar_wait(q_empty, (tile_i - 1) & 1);
-                const int w_drawn = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
-                ++drawn;
-                if (w_drawn >= num_work) {            // no work left: tell everyone, stop
-                    *tile_smem = -1;
+                *tile_smem = w;                           // published by the q_raw arrival (release)
+                if (w < 0) {                              // no work left: tell everyone, stop
                     mbar_arrive(q_raw);
                     break;
                 }
-                // causal / window: the grid's tail longest first
-                const int w = WINDOW ? longest_first_tail(p, w_drawn, gridDim.x) : w_drawn;
-                const WorkTile wt = work_tile<WINDOW, false, BM, BN>(p, w);
-                *tile_smem = w;                       // published by the q_raw arrival (release)
-                if (wt.n_tiles == 0) {                // rows that see no key: nothing to load
+                if (wt.n_tiles == 0) {
                     mbar_arrive(q_raw);
-                    continue;
-                }
-                // Q tile [BM, D]: D / 32 boxes of [BM, 32]
-                mbar_arrive_expect_tx(q_raw, BM * D * 4);
-#pragma unroll
-                for (int c = 0; c < D / F32_PANEL_COLS; ++c)
-                    tma_load_4d(q_smem + c * L::Q_PANEL, &p.tma_q, q_raw, c * F32_PANEL_COLS, wt.m0,
-                                wt.head, wt.batch);
-                // K, V tiles [BN, D], right to left through the band, STAGES buffers deep
-                for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
-                    const int n0 = (wt.t_first + wt.n_tiles - 1 - it) * BN;
-                    const int s = kv_it % STAGES;
-                    const u32 prev = ((kv_it / STAGES) - 1) & 1;   // phase of the stage's last use
-                    // K into k_big[s] once every consumer's S has read the stage's last K (and so
-                    // the converters are done with it: S waited for their k_full)
-                    if (kv_it >= STAGES) mbar_wait(k_empty + 8 * s, prev);
-                    mbar_arrive_expect_tx(k_raw + 8 * s, BN * D * 4);
+                } else {
+                    // Q tile [BM, D]: D / 32 boxes of [BM, 32]
+                    mbar_arrive_expect_tx(q_raw, BM * D * 4);
 #pragma unroll
                     for (int c = 0; c < D / F32_PANEL_COLS; ++c)
-                        tma_load_4d(k_big + s * L::KVT + c * L::KV_PANEL, &p.tma_k, k_raw + 8 * s,
-                                    c * F32_PANEL_COLS, n0, wt.kv_head, wt.batch);
-                    // V into v_raw[s] once the converters have transposed the stage's last V
-                    if (kv_it >= STAGES) mbar_wait(vraw_empty + 8 * s, prev);
-                    mbar_arrive_expect_tx(v_rawb + 8 * s, BN * D * 4);
-#pragma unroll
-                    for (int c = 0; c < D / F32_PANEL_COLS; ++c)
-                        tma_load_4d(v_raw + s * L::KVT + c * L::KV_PANEL, &p.tma_v, v_rawb + 8 * s,
-                                    c * F32_PANEL_COLS, n0, wt.kv_head, wt.batch);
+                        tma_load_4d(q_smem + c * L::Q_PANEL, &p.tma_q, q_raw, c * F32_PANEL_COLS,
+                                    wt.m0, wt.head, wt.batch);
+                    // the tile's other key tiles
+                    for (int it = ahead; it < wt.n_tiles; ++it) load_kv(wt, it);
                 }
+                draw_next();
             }
             if (p.sched) sched_finish(p.sched);   // this block has drawn its last work tile
         } else if (t >= 32) {
@@ -231,6 +261,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             // elementwise, so the swizzled layout is kept as it is (16-byte chunks)
             // (two chunks per pass: both loads are in flight before the first store)
             auto split_tile = [&](u32 big, u32 small, int chunks) {
+#pragma unroll 1   // (unrolled, the hd 128 window variant's 40-register converters spill 8 B)
                 for (int i = cu; i < chunks; i += 2 * CONV_THREADS) {
                     const int j = i + CONV_THREADS;           // the pass's second chunk
                     const bool two = j < chunks;
@@ -240,8 +271,8 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                     if (two) lds128(big + 16 * j, x + 4);
 #pragma unroll
                     for (int e = 0; e < 8; ++e) {
-                        if (SPLIT) split_tf32(x[e], b[e], sm[e]);
-                        else b[e] = to_tf32(x[e]);
+                        if (SPLIT) split_tf32<RN>(x[e], b[e], sm[e]);
+                        else b[e] = tf32_round<RN>(x[e]);
                     }
                     sts128(big + 16 * i, b);
                     if (SPLIT) sts128(small + 16 * i, sm);
@@ -259,7 +290,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                 const u32 dst_b = vt_big + s * L::KVT, dst_s = vt_small + s * L::KVT;
                 constexpr int ITEMS = BN * D / 16;
                 for (int i = cu; i < ITEMS; i += CONV_THREADS)
-                    TransposeItem<BN, D>(i).template move<SPLIT>(src, dst_b, dst_s);
+                    TransposeItem<BN, D>(i).template move<SPLIT, RN>(src, dst_b, dst_s);
             };
             int kv_it = 0;
             for (int tile_i = 0;; ++tile_i) {
@@ -283,7 +314,9 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                     split_tile(q_smem, q_small, BM * D / 4);
                     release(q_full);
                 }
-                for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
+                // the tile's ring positions, bounded by kv_end (with a second counter it = 0 ..
+                // n_tiles, the hd 128 window variant's 40-register converters spilled 8 B)
+                for (const int kv_end = kv_it + wt.n_tiles; kv_it < kv_end; ++kv_it) {
                     const int s = kv_it % STAGES;
                     const u32 ph = (kv_it / STAGES) & 1;
                     mbar_wait(k_raw + 8 * s, ph);             // K landed (k_small[s] is free:
@@ -344,8 +377,8 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 u32 big;
-                if constexpr (SPLIT) split_tf32(q[e], big, qs_frag[4 * kk + e]);
-                else big = to_tf32(q[e]);
+                if constexpr (SPLIT) split_tf32<RN>(q[e], big, qs_frag[4 * kk + e]);
+                else big = tf32_round<RN>(q[e]);
                 asm volatile("st.shared.b32 [%0], %1;" :: "r"(a[e]), "r"(big) : "memory");
             }
         }
@@ -491,8 +524,8 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             const float a[4] = {s_acc[4 * kk], s_acc[4 * kk + 2], s_acc[4 * kk + 1], s_acc[4 * kk + 3]};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                if constexpr (SPLIT) split_tf32(a[e], p_big[4 * kk + e], p_small[4 * kk + e]);
-                else p_big[4 * kk + e] = to_tf32(a[e]);
+                if constexpr (SPLIT) split_tf32<RN>(a[e], p_big[4 * kk + e], p_small[4 * kk + e]);
+                else p_big[4 * kk + e] = tf32_round<RN>(a[e]);
             }
         }
     };

@@ -41,6 +41,12 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* map, u32 bar
                  :: "r"(dst), "l"((u64)map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                  : "memory");
 }
+// the same box prefetched into L2 only (no shared memory, no barrier): a later tma_load_4d of it
+// reads L2 instead of device memory
+__device__ __forceinline__ void tma_prefetch_l2_4d(const TmaDesc* map, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];"
+                 :: "l"((u64)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
 __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
     asm volatile("prefetch.tensormap [%0];" :: "l"((u64)map) : "memory");
 }
@@ -107,11 +113,26 @@ __device__ __forceinline__ float lds32(u32 addr) {
 __device__ __forceinline__ void sts32(u32 addr, u32 x) {
     asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(x) : "memory");
 }
-// float32 as two TF32 parts (3xTF32 products): x = big + small, big = rna_tf32(x),
-// small = rna_tf32(x − big) (x − big is exact in fp32)
+// float32 to TF32 (an fp32 bit pattern with the low 13 mantissa bits zero). RN: cvt.rn.tf32.f32,
+// nearest even, one F2FP instruction on sm_90; else common.cuh's to_tf32 (cvt.rna.tf32.f32, ties
+// away, which ptxas expands to FSETP + IADD + LOP3 and a constant)
+template <bool RN>
+__device__ __forceinline__ u32 tf32_round(float x) {
+    if constexpr (RN) {
+        u32 r;
+        asm("cvt.rn.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+        return r;
+    } else {
+        return to_tf32(x);
+    }
+}
+// float32 as two TF32 parts (3xTF32 products): x = big + small, big = tf32(x),
+// small = tf32(x − big) (x − big is exact in fp32; either rounding leaves |x − big − small| <=
+// 2^-22 |x|)
+template <bool RN = false>
 __device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
-    big = to_tf32(x);
-    small = to_tf32(x - __uint_as_float(big));
+    big = tf32_round<RN>(x);
+    small = tf32_round<RN>(x - __uint_as_float(big));
 }
 
 // One work item of the float32 kernels' transposes (fwd_sm90_f32.cu's Vᵀ, bwd_sm90_f32.cu's Qᵀ /
@@ -148,8 +169,9 @@ struct TransposeItem {
         return kgq * (D * 128) + d * 128 + ((pc ^ (d % 8)) * 16);
     }
     // The item moved: its 4 x 4 values read from the tile at `src`, written transposed as TF32
-    // big / small parts to the tiles at dst_big / dst_small (SPLIT; else big = to_tf32 alone)
-    template <bool SPLIT>
+    // big / small parts to the tiles at dst_big / dst_small (SPLIT; else big = tf32 alone; RN:
+    // rounded to nearest even, else ties away: tf32_round)
+    template <bool SPLIT, bool RN = false>
     __device__ __forceinline__ void move(u32 src, u32 dst_big, u32 dst_small) const {
         float v[4][4];                                   // v[ii][e] = X[row ii][4·dc + e]
 #pragma unroll
@@ -160,8 +182,8 @@ struct TransposeItem {
             u32 big[4], small[4];
 #pragma unroll
             for (int ii = 0; ii < 4; ++ii) {
-                if (SPLIT) split_tf32(v[ii][e], big[ii], small[ii]);
-                else big[ii] = to_tf32(v[ii][e]);
+                if (SPLIT) split_tf32<RN>(v[ii][e], big[ii], small[ii]);
+                else big[ii] = tf32_round<RN>(v[ii][e]);
             }
             sts128(dst_big + off, big);
             if (SPLIT) sts128(dst_small + off, small);

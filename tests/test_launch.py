@@ -72,14 +72,14 @@ def test_launch_writes_alibi_pointer_and_batch_stride(rng):
     assert [int(rec[n]) for n in ("q", "k", "v", "o", "lse")] == ptrs[:5]
 
 
-def _sm90_entry(monkeypatch):
+def _sm90_entry(monkeypatch, dtype="bfloat16"):
     """A Hopper launch entry over stand-ins: the kernels record their Params bytes, and the TMA
     encoder returns a descriptor that spells out its inputs."""
     from cupyflash import _gpu, _modules, _tma
 
     shape, strides = (2, 300, 4, 128), (153600, 512, 128, 1)
-    plan = _plan.plan_forward_sm90("bfloat16", 2, 300, 300, 4, 4, 128, 128, scale=0.1)
-    portable = _plan.plan_forward("bfloat16", 2, 300, 300, 4, 4, 128, 128, scale=0.1)
+    plan = _plan.plan_forward_sm90(dtype, 2, 300, 300, 4, 4, 128, 128, scale=0.1)
+    portable = _plan.plan_forward(dtype, 2, 300, 300, 4, 4, 128, 128, scale=0.1)
     for p_ in (plan, portable):
         _gpu._write_strides(p_.params, [strides] * 4)
     seen = []
@@ -96,8 +96,9 @@ def _sm90_entry(monkeypatch):
     monkeypatch.setattr(_modules, "get_function", lambda variant, dev, extra=(): kernel_of("portable"))
     monkeypatch.setattr(_gpu, "_current_stream", lambda: type("S", (), {"ptr": 77})())
     monkeypatch.setattr(_gpu, "_sched_counter", lambda dev, stream: 4096 + stream)
-    maps = tuple(_plan.tma_tensor(shape, strides, 2, rows) for rows in (128, 128, 128))
-    ent = _gpu._Sm90Launch(kernel_of("sm90"), plan, "bfloat16", maps, portable, True, 0)
+    itemsize = 4 if dtype == "float32" else 2
+    maps = tuple(_plan.tma_tensor(shape, strides, itemsize, rows) for rows in (128, 128, 128))
+    ent = _gpu._Sm90Launch(kernel_of("sm90"), plan, dtype, maps, portable, True, 0)
     return ent, plan, seen
 
 
@@ -131,6 +132,17 @@ def test_sm90_launch_falls_back_for_unaligned_bases(rng, monkeypatch, which, off
     else:
         assert seen[-1][0] == "portable" and name.startswith("fwd_bf16_d128")
         assert [int(seen[-1][1][n]) for n in "qkvo"] == [ptrs[c] for c in "qkvo"]
+
+
+@pytest.mark.parametrize("offset", [4, 8, 16])
+def test_sm90_float32_launch_needs_16_byte_output_bases(rng, monkeypatch, offset):
+    """The float32 Hopper forward stores out in 16-byte quads: other bases run the portable kernel."""
+    ent, _, seen = _sm90_entry(monkeypatch, "float32")
+    ptrs = dict(zip("qkvol", _pointers(rng, 5)))
+    ptrs["o"] += offset
+    name = ent.launch(*ptrs.values())
+    assert seen[-1][0] == ("sm90" if offset % 16 == 0 else "portable")
+    assert name.startswith("fwd90_f32x3_d128" if offset % 16 == 0 else "fwd_f32x3_d128"), name
 
 
 def test_forward_varlen_names_a_bad_kernel_choice():
