@@ -5,7 +5,7 @@
 // accumulator and no conversion kernel.
 //
 //   Every product A·B is small_A·big_B + big_A·small_B + big_A·big_B in fp32, with
-//   big = rna_tf32(x), small = rna_tf32(x − big) (fwd_sm90_f32.cu's split).
+//   big = tf32_rn(x), small = tf32_rn(x − big) (sm90.cuh's split_tf32, as the forward).
 //
 // Why this shape (docs/f32-backward-design.md, "What does not fit"): wgmma .tf32 reads both
 // shared-memory operands K-major only and every operand needs a big and a small copy, so the

@@ -117,10 +117,6 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     constexpr int PV_PARTS = O_RN && D > 64 ? 2 : 1;
     constexpr int NPV = NO / PV_PARTS;   // accumulator registers of one P V part
     constexpr bool WIDE_REGS = PV_PARTS > 1 && WINDOW;   // consumers take 232 registers (Regs)
-    // TF32 parts of Q, K, V and P rounded to nearest even (sm_90's cvt.rn.tf32.f32: one
-    // instruction per part, where the ties-away cvt.rna is three): the converters split 8192
-    // values and each consumer 2 x 16 P values per key tile (hd 128, 32 keys)
-    constexpr bool RN = true;
 
     extern __shared__ unsigned char smem_raw[];
     // The planner (_plan.sm90_f32_smem_bytes) sizes the launch: stop loudly if it disagrees
@@ -271,8 +267,8 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                     if (two) lds128(big + 16 * j, x + 4);
 #pragma unroll
                     for (int e = 0; e < 8; ++e) {
-                        if (SPLIT) split_tf32<RN>(x[e], b[e], sm[e]);
-                        else b[e] = tf32_round<RN>(x[e]);
+                        if (SPLIT) split_tf32(x[e], b[e], sm[e]);
+                        else b[e] = tf32_rn(x[e]);
                     }
                     sts128(big + 16 * i, b);
                     if (SPLIT) sts128(small + 16 * i, sm);
@@ -290,7 +286,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                 const u32 dst_b = vt_big + s * L::KVT, dst_s = vt_small + s * L::KVT;
                 constexpr int ITEMS = BN * D / 16;
                 for (int i = cu; i < ITEMS; i += CONV_THREADS)
-                    TransposeItem<BN, D>(i).template move<SPLIT, RN>(src, dst_b, dst_s);
+                    TransposeItem<BN, D>(i).template move<SPLIT>(src, dst_b, dst_s);
             };
             int kv_it = 0;
             for (int tile_i = 0;; ++tile_i) {
@@ -377,8 +373,8 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 u32 big;
-                if constexpr (SPLIT) split_tf32<RN>(q[e], big, qs_frag[4 * kk + e]);
-                else big = tf32_round<RN>(q[e]);
+                if constexpr (SPLIT) split_tf32(q[e], big, qs_frag[4 * kk + e]);
+                else big = tf32_rn(q[e]);
                 asm volatile("st.shared.b32 [%0], %1;" :: "r"(a[e]), "r"(big) : "memory");
             }
         }
@@ -524,8 +520,8 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             const float a[4] = {s_acc[4 * kk], s_acc[4 * kk + 2], s_acc[4 * kk + 1], s_acc[4 * kk + 3]};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                if constexpr (SPLIT) split_tf32<RN>(a[e], p_big[4 * kk + e], p_small[4 * kk + e]);
-                else p_big[4 * kk + e] = tf32_round<RN>(a[e]);
+                if constexpr (SPLIT) split_tf32(a[e], p_big[4 * kk + e], p_small[4 * kk + e]);
+                else p_big[4 * kk + e] = tf32_rn(a[e]);
             }
         }
     };

@@ -113,26 +113,20 @@ __device__ __forceinline__ float lds32(u32 addr) {
 __device__ __forceinline__ void sts32(u32 addr, u32 x) {
     asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(x) : "memory");
 }
-// float32 to TF32 (an fp32 bit pattern with the low 13 mantissa bits zero). RN: cvt.rn.tf32.f32,
-// nearest even, one F2FP instruction on sm_90; else common.cuh's to_tf32 (cvt.rna.tf32.f32, ties
-// away, which ptxas expands to FSETP + IADD + LOP3 and a constant)
-template <bool RN>
-__device__ __forceinline__ u32 tf32_round(float x) {
-    if constexpr (RN) {
-        u32 r;
-        asm("cvt.rn.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-        return r;
-    } else {
-        return to_tf32(x);
-    }
+// float32 to TF32 (an fp32 bit pattern with the low 13 mantissa bits zero), rounded to nearest
+// even: cvt.rn.tf32.f32, one F2FP instruction on sm_90 (common.cuh's to_tf32, cvt.rna for the
+// portable kernels on sm_80, is three: FSETP + IADD + LOP3). Measured: the float32 forward
+// +3–24 %, the backward +11–14 % against cvt.rna (docs/hopper.md).
+__device__ __forceinline__ u32 tf32_rn(float x) {
+    u32 r;
+    asm("cvt.rn.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
 }
-// float32 as two TF32 parts (3xTF32 products): x = big + small, big = tf32(x),
-// small = tf32(x − big) (x − big is exact in fp32; either rounding leaves |x − big − small| <=
-// 2^-22 |x|)
-template <bool RN = false>
+// float32 as two TF32 parts (3xTF32 products): x = big + small, big = tf32_rn(x),
+// small = tf32_rn(x − big) (x − big is exact in fp32, and |x − big − small| <= 2^-22 |x|)
 __device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
-    big = tf32_round<RN>(x);
-    small = tf32_round<RN>(x - __uint_as_float(big));
+    big = tf32_rn(x);
+    small = tf32_rn(x - __uint_as_float(big));
 }
 
 // One work item of the float32 kernels' transposes (fwd_sm90_f32.cu's Vᵀ, bwd_sm90_f32.cu's Qᵀ /
@@ -169,9 +163,8 @@ struct TransposeItem {
         return kgq * (D * 128) + d * 128 + ((pc ^ (d % 8)) * 16);
     }
     // The item moved: its 4 x 4 values read from the tile at `src`, written transposed as TF32
-    // big / small parts to the tiles at dst_big / dst_small (SPLIT; else big = tf32 alone; RN:
-    // rounded to nearest even, else ties away: tf32_round)
-    template <bool SPLIT, bool RN = false>
+    // big / small parts to the tiles at dst_big / dst_small (SPLIT; else big = tf32_rn alone)
+    template <bool SPLIT>
     __device__ __forceinline__ void move(u32 src, u32 dst_big, u32 dst_small) const {
         float v[4][4];                                   // v[ii][e] = X[row ii][4·dc + e]
 #pragma unroll
@@ -182,8 +175,8 @@ struct TransposeItem {
             u32 big[4], small[4];
 #pragma unroll
             for (int ii = 0; ii < 4; ++ii) {
-                if (SPLIT) split_tf32<RN>(v[ii][e], big[ii], small[ii]);
-                else big[ii] = tf32_round<RN>(v[ii][e]);
+                if (SPLIT) split_tf32(v[ii][e], big[ii], small[ii]);
+                else big[ii] = tf32_rn(v[ii][e]);
             }
             sts128(dst_big + off, big);
             if (SPLIT) sts128(dst_small + off, small);
