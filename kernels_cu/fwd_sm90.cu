@@ -101,20 +101,6 @@ __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
     return wt;
 }
 
-// Causal / window work tiles differ in length (key tiles), and the grid ends with its last
-// block: the last work tiles, the query tiles of the last T (head, batch) pairs (T·M >= two
-// waves of the grid, M = query tiles per pair), are drawn longest first across those pairs (every
-// pair's last query tile, then every pair's next one, ...) instead of pair by pair. The w-th tile
-// drawn -> its index in work_tile's order (a bijection of [0, num_work)).
-__device__ __forceinline__ int longest_first_tail(const Params& p, int w, int grid) {
-    const int m = p.num_m_blocks, pairs = p.h * p.b;
-    const int tail_pairs = min(pairs, (2 * grid + m - 1) / m);
-    const int tail0 = (pairs - tail_pairs) * m;                 // the tail's first tile
-    if (w < tail0) return w;
-    const int i = w - tail0;                                    // i-th tile of the tail
-    return tail0 + (i % tail_pairs) * m + i / tail_pairs;       // pair i % T, (i / T)-th longest
-}
-
 // Output rows [s_q, d_v] and lse rows [s_q] of the work tile's (sequence, head)
 template <typename S>
 __device__ __forceinline__ S* out_rows(const Params& p, const WorkTile& wt) {
@@ -338,7 +324,8 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                     w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
                     ++drawn;
                     // dense causal / window: the grid's tail longest first
-                    if (WINDOW && !VARLEN && w < num_work) w = longest_first_tail(p, w, gridDim.x);
+                    if (WINDOW && !VARLEN && w < num_work)
+                        w = longest_first_tail(w, p.num_m_blocks, p.h * p.b, gridDim.x);
                     if (w < num_work) wt = work_tile<WINDOW, VARLEN, BM, BN>(p, w);
                 } while (VARLEN && w < num_work && !wt.rows);
                 if (w >= num_work) {                  // no work left: tell the consumers, stop

@@ -210,7 +210,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                 w = -1;
                 if (w_drawn >= num_work) return;
                 // causal / window: the grid's tail longest first
-                w = WINDOW ? longest_first_tail(p, w_drawn, gridDim.x) : w_drawn;
+                w = WINDOW ? longest_first_tail(w_drawn, p.num_m_blocks, p.h * p.b, gridDim.x) : w_drawn;
                 wt = work_tile<WINDOW, false, BM, BN>(p, w);
                 if (wt.n_tiles == 0) return;              // rows that see no key: nothing to load
 #pragma unroll

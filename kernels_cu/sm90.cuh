@@ -212,12 +212,11 @@ __device__ __forceinline__ void sched_finish(unsigned int* sched) {
 
 // Causal / window work tiles differ in length, and a persistent grid ends with its last block:
 // the last work tiles, those of the last T groups (T·m >= two waves of the grid; m tiles per
-// group, its tile 0 the longest under a causal mask), are drawn longest first across those groups
-// (every group's tile 0, then every group's tile 1, ...) instead of group by group. The w-th tile
-// drawn -> its index in group order (a bijection of [0, m · groups)). Used by bwd_sm90_f32.cu
-// (groups: (kv head, batch) pairs of key tiles); fwd_sm90.cu's longest_first_tail is the same
-// order over (head, batch) pairs of query tiles (its own copy: tests/test_plan_sm90.py reads
-// its lines there).
+// group, drawn in order j = 0 .. m − 1 its j-th longest), are drawn longest first across those
+// groups (every group's tile 0, then every group's tile 1, ...) instead of group by group. The
+// w-th tile drawn -> its index in group order (a bijection of [0, m · groups)). Groups: (head,
+// batch) pairs of query tiles in the forwards, (kv head, batch) pairs of key tiles in
+// bwd_sm90_f32.cu.
 __device__ __forceinline__ int longest_first_tail(int w, int m, int groups, int grid) {
     const int tail_groups = min(groups, (2 * grid + m - 1) / m);
     const int tail0 = (groups - tail_groups) * m;               // the tail's first tile

@@ -47,13 +47,15 @@ def _naive(q, k, v, dtype, scale, keep, softcap, alibi, diag):
 
 def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False, window=None,
              bottom_right=True, softcap=0.0, alibi=None, scale=None, layout="bshd", pad=0,
-             allow_tf32=False, kernel="portable", out_tol=None):
+             allow_tf32=False, kernel="portable", out_tol=None, key_ramp=0.0):
     """One forward call against the float64 reference; returns the variant name. ``out_tol``
-    (float32 only) replaces the norm-wise out bound of 1e-5 (the long-sum tests: 2e-5)."""
+    (float32 only) replaces the norm-wise out bound of 1e-5 (the long-sum tests: 2e-5).
+    ``key_ramp``: key j scaled by 1 + key_ramp·j / s_k (scores that grow along the keys)."""
     d_v = d if d_v is None else d_v
     dtype = DTYPES[dtype_name]
     qn = rng.standard_normal((b, s_q, h, d), dtype=np.float32).astype(dtype)
-    kn = rng.standard_normal((b, s_k, h_k, d), dtype=np.float32).astype(dtype)
+    kn = rng.standard_normal((b, s_k, h_k, d), dtype=np.float32)
+    kn = (kn * (1 + key_ramp * np.arange(s_k, dtype=np.float32) / s_k)[:, None, None]).astype(dtype)
     vn = rng.standard_normal((b, s_k, h_k, d_v), dtype=np.float32).astype(dtype)
     q = alloc(qn.shape, dtype, layout, pad)
     k = alloc(kn.shape, dtype, layout, pad)

@@ -97,6 +97,18 @@ def test_long_sequence(rng):
     sm90(rng, "float16", 1, 1500, 3001, 2, 2, 64, causal=True)
 
 
+@pytest.mark.parametrize("ramp", [6.0, 40.0])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rising_scores(rng, dtype, causal, ramp):
+    """Scores that grow along the keys (key j scaled by 1 + ramp·j / s_k): the running max m keeps
+    rising from key tile to key tile, by a little (ramp 6) or by more than 2^8 (ramp 40), so O
+    and l are rescaled mid-row by large factors; random inputs alone move m mostly in the first
+    key tile. (A kernel that skips O's rescale fails every case: session 6, call 2.)"""
+    sm90(rng, dtype, 1, 300, 1500, 2, 1, 64, causal=causal, key_ramp=ramp)
+    sm90(rng, dtype, 1, 257, 2048, 2, 2, 128, causal=causal, key_ramp=ramp)
+
+
 #: Key-tile widths at hd 128 that are not powers of two (FlashAttention-3 takes 176), forced
 #: through an explicit Sm90Variant: ragged key tails, band edges that cut a tile anywhere.
 WIDE_BN = [160, 176]

@@ -56,6 +56,15 @@ def test_strided_views(rng, layout, pad):
     sm90(rng, 1, 300, 290, 2, 1, 128, layout=layout, pad=pad)
 
 
+@pytest.mark.parametrize("ramp", [6.0, 40.0])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_rising_scores(rng, d, causal, ramp):
+    """Scores that grow along the keys: the running max rises from key tile to key tile, by a
+    little and by more than 2^8 (tests/test_gpu_forward_sm90.py::test_rising_scores)."""
+    sm90(rng, 1, 257, 1500, 2, 1, d, causal=causal, key_ramp=ramp)
+
+
 def test_fully_masked_rows(rng):
     sm90(rng, 1, 300, 100, 2, 1, 64, causal=True)            # rows before the diagonal
     sm90(rng, 1, 260, 110, 2, 2, 128, window=(0, 0))         # empty windows

@@ -472,7 +472,8 @@ def test_tma_tensor_float32_box():
 
 
 def _longest_first_tail(m, pairs, grid, w):
-    """Mirror of fwd_sm90.cu: longest_first_tail (the w-th work tile drawn -> its index)."""
+    """Mirror of sm90.cuh: longest_first_tail (the w-th work tile drawn -> its index; groups =
+    the forwards' (head, batch) pairs)."""
     tail_pairs = min(pairs, (2 * grid + m - 1) // m)
     tail0 = (pairs - tail_pairs) * m
     if w < tail0:
@@ -488,10 +489,10 @@ def test_longest_first_tail_order(m, pairs, grid):
     """The causal / window forwards' draw order is a permutation of the work tiles: pair by pair
     up to the last two waves, then every pair's longest remaining query tile first (the
     kernel's index w % m = j is the pair's j-th longest tile)."""
-    src = (ROOT / "kernels_cu" / "fwd_sm90.cu").read_text()
-    for line in ("const int tail_pairs = min(pairs, (2 * grid + m - 1) / m);",
-                 "const int tail0 = (pairs - tail_pairs) * m;",
-                 "return tail0 + (i % tail_pairs) * m + i / tail_pairs;"):
+    src = (ROOT / "kernels_cu" / "sm90.cuh").read_text()
+    for line in ("const int tail_groups = min(groups, (2 * grid + m - 1) / m);",
+                 "const int tail0 = (groups - tail_groups) * m;",
+                 "return tail0 + (i % tail_groups) * m + i / tail_groups;"):
         assert line in src, line
     order = [_longest_first_tail(m, pairs, grid, w) for w in range(m * pairs)]
     assert sorted(order) == list(range(m * pairs))

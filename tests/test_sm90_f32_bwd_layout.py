@@ -180,34 +180,29 @@ def test_dq_product_through_the_ds_tile_and_kt_fragments():
     assert conflicts == 2   # two wavefronts per 8-byte warp load: no bank conflict
 
 
-def test_dq_reductions_and_conversion():
-    """dQᵀ accumulator registers -> red.global.add.v2.f32 into the chunk-swizzled accumulator rows:
-    each (query, d) element once per consumer, the pairs (dq_acc[i], dq_acc[i + 2]) adjacent and
-    8-byte aligned; the conversion kernel's read (chunk c of row i at c XOR i % 8) gives dQ back;
-    m0 % 8 == 0, so the local row's swizzle is the accumulator's."""
+def test_dq_reductions_into_dq():
+    """dQᵀ accumulator registers -> red.global.add.v2.f32 straight into the float32 dq rows
+    (bwd_sm90_f32.cu; dq zeroed by flash_bwd_pre_sm90_f32, no accumulator, no conversion): each
+    (query, d) element once per consumer, the pairs (dq_acc[i], dq_acc[i + 2]) adjacent columns
+    d0, d0 + 1 with d0 even (8-byte aligned, as the launcher requires of dq's rows)."""
     rng = np.random.default_rng(6)
     dQ = rng.standard_normal((BM, D))
-    acc = np.full(BM * D, np.nan)
-
-    def dq_swizzle(i, c):
-        return (((c >> 2) ^ (i & 7)) << 2) | (c & 3)
+    stride_s = D * 3 + 2                      # a row stride of dq (e.g. h = 3, padded; even)
+    dq = np.full(BM * stride_s, np.nan)
 
     for t in range(128):
         d0 = d0_of(t)
+        assert d0 % 2 == 0
         for i in range(BM // 2):
             m, q = acc_pos(t, i)
             assert d_of_row(m) == d0 + (1 if i % 4 >= 2 else 0)
             if i % 4 >= 2:
                 continue
             assert acc_pos(t, i + 2) == (m + 8, q)
-            w = q * D + dq_swizzle(q, d0)
-            assert w % 2 == 0 and np.isnan(acc[w:w + 2]).all()
-            acc[w], acc[w + 1] = dQ[q, d0], dQ[q, d0 + 1]
-    assert not np.isnan(acc).any()
-    back = np.zeros((BM, D))
-    for i in range(BM):
-        for c in range(D // 4):
-            back[i, 4 * c:4 * c + 4] = acc[i * D + 4 * (c ^ (i & 7)):i * D + 4 * (c ^ (i & 7)) + 4]
+            w = q * stride_s + d0
+            assert w % 2 == 0 and np.isnan(dq[w:w + 2]).all()
+            dq[w], dq[w + 1] = dQ[q, d0], dQ[q, d0 + 1]
+    back = dq.reshape(BM, stride_s)[:, :D]
     np.testing.assert_array_equal(back, dQ)
 
 
