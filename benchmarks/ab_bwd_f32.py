@@ -91,11 +91,8 @@ def main(argv=None) -> int:
             # ---- interleaved timing
             me = None
             if args.memeff:
-                try:
-                    import peers
-                    me = peers.PEERS["memeff"](q, k, v, causal, "bwd")
-                except Exception as e:  # noqa: BLE001
-                    print(f"  memeff: {type(e).__name__}: {e}")
+                import peers
+                me = peers.try_peer("memeff", q, k, v, causal, "bwd")
             times, t_me = [[] for _ in fns], []
             for _ in range(args.rounds):
                 for i, fn in enumerate(fns):

@@ -44,19 +44,6 @@ def load_package(root: Path, alias: str):
     return sub
 
 
-def time_ms(fn, warmup: int, rep: int) -> float:
-    """Median milliseconds of ``fn()`` between CUDA events on the current stream."""
-    for _ in range(warmup):
-        fn()
-    events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(rep)]
-    for start, stop in events:
-        start.record()
-        fn()
-        stop.record()
-    events[-1][1].synchronize()
-    return statistics.median(cp.cuda.get_elapsed_time(a, b) for a, b in events)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pkgs", nargs="+", required=True,
@@ -107,18 +94,15 @@ def main(argv=None) -> int:
                 notes.append(("yes" if bits else "NO") + " " + "/".join(f"{x:.1e}" for x in rel))
             me = None
             if args.memeff:
-                try:
-                    import peers
-                    me = peers.PEERS["memeff"](q, k, v, causal, "bwd")
-                except Exception as e:  # noqa: BLE001
-                    print(f"  memeff: {type(e).__name__}: {e}")
+                import peers
+                me = peers.try_peer("memeff", q, k, v, causal, "bwd")
             # ---- interleaved timing
             times, t_me = [[] for _ in calls], []
             for _ in range(args.rounds):
                 for i, call in enumerate(calls):
-                    times[i].append(time_ms(call, warmup=2, rep=args.rep))
+                    times[i].append(bench0.time_ms(call, warmup=2, rep=args.rep))
                 if me is not None:
-                    t_me.append(time_ms(me, warmup=2, rep=args.rep))
+                    t_me.append(bench0.time_ms(me, warmup=2, rep=args.rep))
             fl = bench0.flops(b, h, s, s, d, causal, "bwd")
             tf = [fl / statistics.median(t) / 1e9 for t in times]
             tme = fl / statistics.median(t_me) / 1e9 if t_me else math.nan

@@ -104,11 +104,8 @@ def main(argv=None) -> int:
                 # ---- interleaved timing
                 me = None
                 if peer:
-                    try:
-                        import peers
-                        me = peers.PEERS[peer](q, k, v, causal, "fwd")   # bshd views
-                    except Exception as e:  # noqa: BLE001
-                        print(f"  {peer}: {type(e).__name__}: {e}")
+                    import peers
+                    me = peers.try_peer(peer, q, k, v, causal, "fwd")   # bshd views
                 times = [[] for _ in fns]
                 t_me = []
                 call = lambda: _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")   # noqa: E731

@@ -48,11 +48,7 @@ def _memeff(q, k, v, causal, direction="fwd"):
         import peers
     except ImportError:  # run from elsewhere
         from benchmarks import peers
-    try:
-        return peers.PEERS["memeff"](q, k, v, causal, direction)
-    except Exception as e:  # noqa: BLE001  (torch missing, or the backend refuses)
-        print(f"  memeff: {type(e).__name__}: {e}")
-        return None
+    return peers.try_peer("memeff", q, k, v, causal, direction)
 
 
 def _variant(spec, d):

@@ -64,3 +64,13 @@ PEERS = {
     "cudnn": _sdpa_peer("CUDNN_ATTENTION"),
     "memeff": _sdpa_peer("EFFICIENT_ATTENTION"),
 }
+
+
+def try_peer(name, q, k, v, causal, direction):
+    """``PEERS[name](q, k, v, causal, direction)``, or None (reason printed) where it cannot run:
+    torch missing, or the backend refuses the call."""
+    try:
+        return PEERS[name](q, k, v, causal, direction)
+    except Exception as e:  # noqa: BLE001
+        print(f"  {name}: {type(e).__name__}: {e}")
+        return None

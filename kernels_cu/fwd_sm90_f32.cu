@@ -178,21 +178,21 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                 const int n0 = (wt.t_first + wt.n_tiles - 1 - it) * BN;
                 const int s = kv_it % STAGES;
                 const u32 prev = ((kv_it / STAGES) - 1) & 1;   // phase of the stage's last use
+                // one [BN, D] tile of keys n0 .. in its D / 32 panels, landing on barrier `full`
+                auto load_tile = [&](u32 dst_smem, const TmaDesc* desc, u32 full) {
+                    mbar_arrive_expect_tx(full, BN * D * 4);
+#pragma unroll
+                    for (int c = 0; c < D / F32_PANEL_COLS; ++c)
+                        tma_load_4d(dst_smem + c * L::KV_PANEL, desc, full, c * F32_PANEL_COLS, n0,
+                                    wt.kv_head, wt.batch);
+                };
                 // K into k_big[s] once every consumer's S has read the stage's last K (and so
                 // the converters are done with it: S waited for their k_full)
                 if (kv_it >= STAGES) mbar_wait(k_empty + 8 * s, prev);
-                mbar_arrive_expect_tx(k_raw + 8 * s, BN * D * 4);
-#pragma unroll
-                for (int c = 0; c < D / F32_PANEL_COLS; ++c)
-                    tma_load_4d(k_big + s * L::KVT + c * L::KV_PANEL, &p.tma_k, k_raw + 8 * s,
-                                c * F32_PANEL_COLS, n0, wt.kv_head, wt.batch);
+                load_tile(k_big + s * L::KVT, &p.tma_k, k_raw + 8 * s);
                 // V into v_raw[s] once the converters have transposed the stage's last V
                 if (kv_it >= STAGES) mbar_wait(vraw_empty + 8 * s, prev);
-                mbar_arrive_expect_tx(v_rawb + 8 * s, BN * D * 4);
-#pragma unroll
-                for (int c = 0; c < D / F32_PANEL_COLS; ++c)
-                    tma_load_4d(v_raw + s * L::KVT + c * L::KV_PANEL, &p.tma_v, v_rawb + 8 * s,
-                                c * F32_PANEL_COLS, n0, wt.kv_head, wt.batch);
+                load_tile(v_raw + s * L::KVT, &p.tma_v, v_rawb + 8 * s);
                 ++kv_it;
             };
             // The next work tile w (-1: no work left), drawn before the Q tile of the current one is
