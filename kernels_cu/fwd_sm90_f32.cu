@@ -2,8 +2,8 @@
 // specialization.
 //
 //   O = softmax(scale · Q Kᵀ) V per (batch, head), float32 in and out, computed at float32
-//   accuracy: every operand x is split into two TF32 parts, big = rn_tf32(x) and
-//   small = rn_tf32(x − big) (nearest even), and each product A·B is summed as small_A·big_B +
+//   accuracy: every operand x is split into two TF32 parts, big = tf32_rn(x) and
+//   small = tf32_rn(x − big) (nearest even), and each product A·B is summed as small_A·big_B +
 //   big_A·small_B + big_A·big_B in fp32 (the small·small term is below float32's rounding).
 //   E = tf32_t (allow_tf32) takes big·big alone.
 //
