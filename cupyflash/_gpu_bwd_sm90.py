@@ -48,12 +48,6 @@ def kv_buffers(d: int) -> int:
     return 2 if d == 64 else 1
 
 
-def dq_expression(elem: str, d: int) -> str:
-    """bwd_sm90.cu's dq conversion kernel (dq = the chunk-swizzled float32 accumulator, cast to
-    ``elem``'s storage): shared by the 16-bit and the float32 Hopper backward."""
-    return f"flash_bwd_dq_sm90<{elem}, {d}>"
-
-
 class Sm90BwdVariant(NamedTuple):
     """One template instantiation of flash_bwd_sm90 (plus its dtype's helper kernels)."""
 
@@ -88,7 +82,7 @@ class Sm90BwdVariant(NamedTuple):
 
     @property
     def dq_expression(self) -> str:
-        return dq_expression(self.elem, self.d)
+        return f"flash_bwd_dq_sm90<{self.elem}, {self.d}>"
 
     @property
     def helper_expressions(self):
@@ -281,7 +275,7 @@ def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
     return variant.name
 
 
-__all__ = ["dq_expression", "Sm90BwdVariant", "variants", "variant_for", "kv_buffers", "unsupported",
+__all__ = ["Sm90BwdVariant", "variants", "variant_for", "kv_buffers", "unsupported",
            "varlen_work_tiles", "bias_unsupported", "bias_tma_unsupported", "bias_tma_desc",
            "BIAS_NONE", "BIAS_LD16", "BIAS_LD32", "BIAS_TMA",
            "smem_bytes", "program", "get_functions", "launch"]

@@ -833,11 +833,12 @@ flash_bwd_pre_sm90(const Params p) {
 
 // dq = E(dQ accumulator): one thread per 16-byte chunk (4 floats) of an accumulator row, read
 // from its chunk-swizzled place (dq_swizzle: chunk c of row i sits at c XOR i mod 8); grid (row
-// blocks, h, b). Also the float32 backward's (E = f32x3_t: the values as they are).
+// blocks, h, b)
 template <typename E, int D>
 __global__ void __launch_bounds__(256)
 flash_bwd_dq_sm90(const Params p) {
     typedef typename Elem<E>::storage S;
+    static_assert(Elem<E>::is16, "the 16-bit backward's conversion (float32 adds into dq directly)");
     constexpr int CHUNKS = D / 4;            // 16-byte chunks per accumulator row
     constexpr int ROWS = 256 / CHUNKS;       // rows per block
     const int head = blockIdx.y, batch = blockIdx.z;
@@ -847,23 +848,16 @@ flash_bwd_dq_sm90(const Params p) {
     const i64 row = ((i64)batch * p.h + head) * p.s_q + i;    // [b, h, s_q]
     const float4 a = *(const float4*)(p.dq_accum + row * D + 4 * (c ^ (i & 7)));
     S* dq_el = (S*)p.dq + batch * p.dq_stride_b + (i64)i * p.dq_stride_s + head * p.dq_stride_h + 4 * c;
-    if constexpr (!Elem<E>::is16) {
-        dq_el[0] = a.x;
-        dq_el[1] = a.y;
-        dq_el[2] = a.z;
-        dq_el[3] = a.w;
+    const u32 lo = pack2<E>(a.x, a.y), hi = pack2<E>(a.z, a.w);   // element 4c in lo's low half
+    // 8-byte store where dq's rows allow it (a uniform test), else four 16-bit stores
+    const bool vec = ((size_t)p.dq % 8 == 0) && p.dq_stride_b % 4 == 0 && p.dq_stride_s % 4 == 0 &&
+                     p.dq_stride_h % 4 == 0;
+    if (vec) {
+        *(uint2*)dq_el = make_uint2(lo, hi);
     } else {
-        const u32 lo = pack2<E>(a.x, a.y), hi = pack2<E>(a.z, a.w);   // element 4c in lo's low half
-        // 8-byte store where dq's rows allow it (a uniform test), else four 16-bit stores
-        const bool vec = ((size_t)p.dq % 8 == 0) && p.dq_stride_b % 4 == 0 && p.dq_stride_s % 4 == 0 &&
-                         p.dq_stride_h % 4 == 0;
-        if (vec) {
-            *(uint2*)dq_el = make_uint2(lo, hi);
-        } else {
-            dq_el[0] = (S)(lo & 0xffffu);
-            dq_el[1] = (S)(lo >> 16);
-            dq_el[2] = (S)(hi & 0xffffu);
-            dq_el[3] = (S)(hi >> 16);
-        }
+        dq_el[0] = (S)(lo & 0xffffu);
+        dq_el[1] = (S)(lo >> 16);
+        dq_el[2] = (S)(hi & 0xffffu);
+        dq_el[3] = (S)(hi >> 16);
     }
 }

@@ -14,15 +14,16 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32)}
 # Error floor of the 16-bit criterion (design.md §4): a quarter ulp of 1 in each dtype
 FLOOR = {"float16": 1e-4, "bfloat16": 1e-3}
-#: The options the float32 Hopper kernels (forward and backward) take beside causal, as
-#: test_options cases of both: windows, top-left causal alignment, a scale
-SM90_F32_OPTION_SETS = {
+#: Window and causal-alignment option cases, the first test_options cases of every GPU test file
+WINDOW_OPTION_SETS = {
     "window": dict(window=(32, 16)),
     "window_left_only": dict(window=(50, -1)),
     "causal_top_left": dict(causal=True, bottom_right=False),
     "causal_window": dict(causal=True, window=(40, -1)),
-    "scale": dict(scale=0.37),
 }
+#: The options the float32 Hopper kernels (forward and backward) take beside causal, as
+#: test_options cases of both: windows, top-left causal alignment, a scale
+SM90_F32_OPTION_SETS = {**WINDOW_OPTION_SETS, "scale": dict(scale=0.37)}
 
 
 def compute_capability() -> int:

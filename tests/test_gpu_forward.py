@@ -26,7 +26,8 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from gpu_util import DTYPES, FLOOR, alloc, cp, keep_mask, naive_attention  # noqa: E402
+from gpu_util import (DTYPES, FLOOR, WINDOW_OPTION_SETS, alloc, cp, keep_mask,  # noqa: E402
+                      naive_attention)
 
 from cupyflash import reference  # noqa: E402
 from cupyflash._options import Options  # noqa: E402
@@ -184,10 +185,7 @@ def test_seqlens_float32(rng, s_q, s_k, causal):
 
 
 OPTION_SETS = {
-    "window": dict(window=(32, 16)),
-    "window_left_only": dict(window=(50, -1)),
-    "causal_top_left": dict(causal=True, bottom_right=False),
-    "causal_window": dict(causal=True, window=(40, -1)),
+    **WINDOW_OPTION_SETS,
     "softcap": dict(softcap=5.0),
     "alibi_bh": dict(alibi="bh"),
     "alibi_1h_causal": dict(alibi="1h", causal=True),
