@@ -45,6 +45,40 @@ def time_ms(fn: Callable, warmup: int = 3, rep: int = 20) -> float:
     return statistics.median(cp.cuda.get_elapsed_time(a, b) for a, b in events)
 
 
+def measure_memory(fn: Callable):
+    """Device memory one call of ``fn`` asks of CuPy's default pool, after one warm-up call.
+
+    Returns (peak, kept, sizes): the most bytes the call held at once (every request counted,
+    including blocks the pool hands back from its cache, which its byte counters do not show),
+    the bytes still held when it returned (its outputs), and each request's size in bytes."""
+    import cupy
+    from cupy.cuda import memory_hook
+
+    class PoolCounter(memory_hook.MemoryHook):
+        name = "PoolCounter"
+
+        def __init__(self):
+            self.live = self.peak = 0
+            self.sizes, self.by_ptr = [], {}
+
+        def malloc_postprocess(self, device_id, size, mem_size, mem_ptr, pmem_id):
+            self.by_ptr[mem_ptr] = mem_size
+            self.live += mem_size
+            self.peak = max(self.peak, self.live)
+            self.sizes.append(size)
+
+        def free_postprocess(self, device_id, mem_size, mem_ptr, pmem_id):
+            self.live -= self.by_ptr.pop(mem_ptr, 0)   # blocks from before the hook: not counted
+
+    fn()  # warm-up: compile, plan caches, scheduler counters
+    cupy.cuda.Device().synchronize()
+    with PoolCounter() as hook:
+        result = fn()
+        cupy.cuda.Device().synchronize()
+    del result
+    return hook.peak, hook.live, hook.sizes
+
+
 def cupyflash_peer(q, k, v, causal, direction):
     """cupyflash itself, through the public API."""
     import cupyflash as cf

@@ -320,3 +320,32 @@ def test_fast_path_follows_the_arrays_device(rng, cp):
         out = cf.attention(qd, kd, vd)  # current device 0: the full path switches to 1
     assert out.device.id == 1
     _close(cp.asnumpy(out), reference.attention(q, k, v), BF16)
+
+
+MEMORY_CASES = [(np.float32 if dt == "fp32" else BF16, d, causal, dt)
+                for dt in ("bf16", "fp32") for d in (64, 128) for causal in (False, True)]
+
+
+@pytest.mark.parametrize("dtype,d,causal", [c[:3] for c in MEMORY_CASES],
+                         ids=[f"{c[3]}-hd{c[1]}-{'causal' if c[2] else 'full'}" for c in MEMORY_CASES])
+def test_memory_of_one_call_is_outputs_and_small_buffers(rng, cp, dtype, d, causal):
+    """Forward: out + lse; backward: dq, dk, dv + D + a float32 dQ accumulator. Nothing N x N:
+    the score matrix here (1 x 8 x 1024 x 1024 float32, 32 MiB) is 8-16x the allowance."""
+    from cupyflash import _bench
+
+    b, s, h = 1, 1024, 8
+    q, k, v = (cp.asarray(rng.standard_normal((b, s, h, d)).astype(dtype)) for _ in range(3))
+    peak, kept, _ = _bench.measure_memory(lambda: cf.attention(q, k, v, causal=causal, return_lse=True))
+    lse_bytes = b * h * s * 4
+    assert kept == peak <= _round_up(q.nbytes) + _round_up(lse_bytes)
+    out, lse = cf.attention(q, k, v, causal=causal, return_lse=True)
+    dout = cp.asarray(rng.standard_normal(out.shape).astype(dtype))
+    peak, kept, _ = _bench.measure_memory(
+        lambda: cf.attention_backward(dout, q, k, v, out, lse, causal=causal))
+    assert kept <= 3 * _round_up(q.nbytes)
+    assert peak <= 3 * _round_up(q.nbytes) + _round_up(lse_bytes) + _round_up(b * s * h * d * 4)
+
+
+def _round_up(nbytes, unit=512):
+    """CuPy's pool hands out multiples of 512 bytes."""
+    return -(-nbytes // unit) * unit
