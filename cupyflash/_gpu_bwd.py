@@ -8,12 +8,12 @@ Three kernels in kernels_cu/bwd.cu, launched in order on the current stream:
    BN = 16·NW/WD keys, kv head, batch); dK, dV in registers over every query head of the group
    and every query tile that sees the key tile (GQA sums in a fixed order, no atomics);
    dQ += dS K into the accumulator with red.global.add.f32, or, when ``opts.deterministic``,
-   stored into the key tile's own slab of a [num_n_blocks, b, h, s_q, d] float32 buffer.
-3. ``flash_bwd_dq<E>``: dq = dtype(accumulator); deterministic mode sums the slabs of the key
-   tiles each row can see, in ascending order.
+   added in program order into slab x of a zeroed [G, b, h, s_q, d] float32 buffer by block x,
+   which takes key tiles x, x + G, ... (``dq_slabs``: G blocks per (kv head, batch)).
+3. ``flash_bwd_dq<E>``: dq = dtype(accumulator); deterministic mode sums the G slabs in order.
 
 Extra device memory: D (4·b·h·s_q bytes) and the accumulator (4·b·h·s_q·d bytes), times
-num_n_blocks = ceil(s_k / BN) in deterministic mode (see docs/backward.md).
+G = min(ceil(s_k / BN), ceil(2 · SMs / (h_k · b))) in deterministic mode (see docs/backward.md).
 
 ``backward(dout, q, k, v, out, lse, dq, dk, dv, opts, dbias=None) -> str`` is the launcher the
 API calls; with a bias or mask it runs the GENERAL variant (``flash_bwd<..., true, true, true>``)
@@ -196,10 +196,20 @@ def plan_backward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int,
     prm["bn"] = variant.bn
     prm["deterministic"] = int(bool(deterministic))
     prm["dq_accum_slab"] = rows * d
-    accum = rows * d * (num_n if deterministic else 1)
+    slabs = dq_slabs(num_n, h_k * b, num_sms) if deterministic else 1
+    prm["dq_slabs"] = slabs if deterministic else 0
     dq_blocks = max(1, min(-(-rows * d // 256), num_sms * 8))
-    return BwdPlan(variant, (num_n, h_k, b), (variant.threads, 1, 1), variant.smem_bytes,
-                   (-(-rows // 8), 1, 1), (dq_blocks, 1, 1), accum, prm)
+    return BwdPlan(variant, (slabs if deterministic else num_n, h_k, b), (variant.threads, 1, 1),
+                   variant.smem_bytes, (-(-rows // 8), 1, 1), (dq_blocks, 1, 1),
+                   rows * d * slabs, prm)
+
+
+def dq_slabs(num_n: int, blocks_per_slab: int, num_sms: int) -> int:
+    """Deterministic mode's dQ slab count G = flash_bwd's grid x: enough blocks (G · kv heads ·
+    batch) for two per SM, at most one per key tile. Block x adds the dQ parts of key tiles x,
+    x + G, ... into slab x in order, so memory is G float32 copies of dq, not one per key tile
+    (that was s_k / BN copies: at s = 16k, hd 128 the size of the float32 score matrix)."""
+    return max(1, min(num_n, -(-2 * num_sms // blocks_per_slab)))
 
 
 def plan_backward_varlen(dtype_name: str, batch: int, total_q: int, total_k: int,
@@ -207,10 +217,9 @@ def plan_backward_varlen(dtype_name: str, batch: int, total_q: int, total_k: int
                          **kw) -> BwdPlan:
     """The GENERAL backward over ``batch`` packed sequences (keywords as plan_backward).
 
-    flash_bwd grid (ceil(max_seqlen_k / BN), h_k, batch): blocks past their sequence's keys exit
-    at once. pre / dq kernels see the packed tokens as one batch (Params b = 1, s_q = total_q:
-    lse, D and the dQ accumulator are [1, h, total_q]). Deterministic mode: the launcher zeroes
-    the slabs and flash_bwd_dq sums all ceil(max_seqlen_k / BN) of them for every row.
+    flash_bwd grid (ceil(max_seqlen_k / BN), h_k, batch), deterministic (G, h_k, batch): blocks
+    past their sequence's keys exit at once. pre / dq kernels see the packed tokens as one batch
+    (Params b = 1, s_q = total_q: lse, D and the dQ accumulator are [1, h, total_q]).
     """
     bottom_right = kw.pop("bottom_right", True)
     plan = plan_backward(dtype_name, 1, total_q, max(1, max_seqlen_k), h, h_k, d, d_v,
@@ -225,7 +234,10 @@ def plan_backward_varlen(dtype_name: str, batch: int, total_q: int, total_k: int
     for side in ("window_left", "window_right"):
         if kw.get(side, -1) < 0:
             prm[side] = unbounded
-    return plan._replace(grid=(plan.grid[0], h_k, batch))
+    if not kw.get("deterministic"):
+        return plan._replace(grid=(plan.grid[0], h_k, batch))
+    slabs = prm["dq_slabs"] = dq_slabs(int(prm["num_n_blocks"]), h_k * batch, kw.get("num_sms", 132))
+    return plan._replace(grid=(int(slabs), h_k, batch), accum_elems=int(prm["dq_accum_slab"]) * int(slabs))
 
 
 class DbiasPlan(NamedTuple):
@@ -311,17 +323,6 @@ def query_tiles(n_block: int, bn: int, bm: int, s_q: int, s_k: int, window_left:
     if i_hi < i_lo:
         return range(0)
     return range(i_lo // bm, i_hi // bm + 1)
-
-
-def key_tiles(i: int, bn: int, s_k: int, window_left: int, window_right: int,
-              diag_offset: int) -> range:
-    """Key tiles whose dQ slabs flash_bwd_dq sums for row i (mirror of the kernel): the tiles
-    holding a key that row i keeps."""
-    diag = i + diag_offset
-    j_lo, j_hi = max(0, diag - window_left), min(s_k - 1, diag + window_right)
-    if j_lo > j_hi:
-        return range(0)
-    return range(j_lo // bn, j_hi // bn + 1)
 
 
 def flops(b: int, h: int, s_q: int, s_k: int, d: int, d_v: int, causal: bool = False) -> float:
@@ -417,7 +418,7 @@ def _device():
 
 
 def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
-                     zero_batch_strides=False, zero_accum=False, extra=None, hopper=None,
+                     zero_batch_strides=False, extra=None, hopper=None,
                      hopper_accum=True):
     """Strides, pointers, ALiBi slopes into the plan's Params; D and dQ accumulator allocated;
     ``extra(prm)`` writes the GENERAL fields; the three kernels launched in order, or
@@ -448,7 +449,8 @@ def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
         prm[n] = a.data.ptr
 
     def accumulator():   # the float32 dQ accumulator (all slabs), its address in prm
-        a = (cupy.zeros if zero_accum else cupy.empty)(plan.accum_elems, np.float32)
+        # deterministic slabs are added into (zeroed here); atomic mode's is zeroed by flash_bwd_pre
+        a = (cupy.zeros if prm["deterministic"] else cupy.empty)(plan.accum_elems, np.float32)
         prm["dq_accum"] = a.data.ptr
         return a
 
@@ -679,7 +681,7 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
         hopper = _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms,
                                   forced=kernel == "sm90", varlen=(nseq, int(max_seqlen_k)))
     return _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id,
-                            zero_batch_strides=True, zero_accum=bool(opts.deterministic),
+                            zero_batch_strides=True,
                             extra=extra, hopper=hopper)
 
 

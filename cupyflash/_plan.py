@@ -190,7 +190,7 @@ PARAMS_FIELDS = (
     + [(n, np.uint64) for n in ("dout", "dq", "dk", "dv", "dsum", "dq_accum")]
     + [(f"{t}_stride_{a}", np.int64) for t in ("do", "dq", "dk", "dv") for a in "bsh"]
     + [("dq_accum_slab", np.int64)]
-    + [(n, np.int32) for n in ("num_n_blocks", "bn", "deterministic")]
+    + [(n, np.int32) for n in ("num_n_blocks", "bn", "deterministic", "dq_slabs")]
     + [("scale", np.float32)]
     # Hopper forward only (kernels_cu/fwd_sm90.cu); then the TMA descriptors, see below
     + [("sched", np.uint64)]

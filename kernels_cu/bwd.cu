@@ -5,8 +5,9 @@
 //   per key tile (flash_bwd), over every query tile that can see it:
 //     S  = Q Kᵀ,  P = exp(score(S) − lse)                 recomputed, never stored
 //     dV += Pᵀ dO,  dP = dO Vᵀ,  dS = P ∘ (dP − D) · ds/dS_raw
-//     dK += dSᵀ Q,  dQ += dS K  (float32, red.global.add; or a per-key-tile slab when deterministic)
-//   dq = dtype(dQ accumulator)                            flash_bwd_dq (sums the slabs in order)
+//     dK += dSᵀ Q,  dQ += dS K  (float32, red.global.add; or, deterministic, added in program
+//                               order into the slab of the block, which takes key tiles x, x + G, ...)
+//   dq = dtype(dQ accumulator)                            flash_bwd_dq (sums the G slabs in order)
 //
 // flash_bwd works on the TRANSPOSED scores: warp w owns 16 keys and computes Sᵀ = K Qᵀ and
 // dPᵀ = V dOᵀ for them ([16 keys, BM queries] in the m16n8 accumulator layout). Pᵀ and dSᵀ are
@@ -229,13 +230,12 @@ flash_bwd_pre(const Params p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Main kernel: one block per (key tile, kv head, batch); loops over the query heads of the
-// group and the query tiles that see the key tile; dK, dV in registers throughout.
+// One key tile n_block of (kv head blockIdx.y, batch blockIdx.z): loops over the query heads of
+// the group and the query tiles that see the key tile; dK, dV in registers throughout.
 // ---------------------------------------------------------------------------------------------
 template <typename E, int D, int BM, int NW, int WD, int NBUF, bool WINDOW, bool SCORE_MOD,
-          bool GENERAL = false>
-__global__ void __launch_bounds__(NW * 32)
-flash_bwd(const Params p) {
+          bool GENERAL>
+__device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_block) {
     typedef typename Elem<E>::storage S;
     constexpr int NT = NW * 32;
     constexpr int BN = 16 * NW / WD;              // keys per block
@@ -262,7 +262,7 @@ flash_bwd(const Params p) {
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;        // accumulator row / column pair of this lane
-    const int n_block = blockIdx.x, head_k = blockIdx.y, batch = blockIdx.z;
+    const int head_k = blockIdx.y, batch = blockIdx.z;
     const int n0 = n_block * BN;
 
     // This block's sequence: batch entry `batch`, or (varlen) packed rows cu_seqlens[batch]..
@@ -466,7 +466,7 @@ flash_bwd(const Params p) {
 #pragma unroll
         for (int j = 0; j < DQW / 8; ++j) dq_frag[j][0] = dq_frag[j][1] = dq_frag[j][2] = dq_frag[j][3] = 0.f;
         mma_tn<E, BN, DQW, PDS, PR>(dq_frag, dst_smem + qrow0, k_smem + qcol0, lane, p.d - qcol0);
-        float* dq_gmem = p.dq_accum + (p.deterministic ? (i64)n_block * p.dq_accum_slab : 0)
+        float* dq_gmem = p.dq_accum + (p.deterministic ? (i64)blockIdx.x * p.dq_accum_slab : 0)
                          + (((i64)lse_b * p.h + head) * p.s_q + q_tok0 + m0) * p.d;   // [s_q − m0, d]
 #pragma unroll
         for (int j = 0; j < DQW / 8; ++j)
@@ -475,7 +475,7 @@ flash_bwd(const Params p) {
                 const int r = qrow0 + g + (e >> 1) * 8, c = qcol0 + j * 8 + 2 * t + (e & 1);
                 if (m0 + r < s_q && c < p.d) {
                     float* dst = dq_gmem + (i64)r * p.d + c;
-                    if (p.deterministic) *dst = dq_frag[j][e];   // this slab's element: one writer
+                    if (p.deterministic) *dst += dq_frag[j][e];   // this block's slab: one writer, program order
                     else red_add_f32(dst, dq_frag[j][e]);
                 }
             }
@@ -497,9 +497,23 @@ flash_bwd(const Params p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// dq = E(dQ accumulator): one thread per element. Deterministic mode sums the slabs of the key
-// tiles that row i can see, in ascending tile order (the others hold nothing for row i); varlen
-// (sequences of their own lengths) sums every slab, zero-filled where its tile did not write.
+// Main kernel, grid (key tiles or G, kv heads, batch): block x takes key tile x, or, when
+// deterministic (gridDim.x = G = p.dq_slabs <= p.num_n_blocks), key tiles x, x + G, ... in order,
+// adding their dQ parts into slab x: G slabs of dQ, not one per key tile (memory stays O(N)).
+// ---------------------------------------------------------------------------------------------
+template <typename E, int D, int BM, int NW, int WD, int NBUF, bool WINDOW, bool SCORE_MOD,
+          bool GENERAL = false>
+__global__ void __launch_bounds__(NW * 32)
+flash_bwd(const Params p) {
+    for (int n_block = blockIdx.x; n_block < p.num_n_blocks; n_block += gridDim.x) {
+        if (n_block != blockIdx.x) __syncthreads();   // the previous key tile's shared K, V, dSᵀ reads are done
+        flash_bwd_key_tile<E, D, BM, NW, WD, NBUF, WINDOW, SCORE_MOD, GENERAL>(p, n_block);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dq = E(dQ accumulator): one thread per element. Deterministic mode sums the p.dq_slabs slabs
+// in order (zeroed by the launcher; a slab holds nothing for rows its key tiles do not see).
 // ---------------------------------------------------------------------------------------------
 template <typename E>
 __global__ void __launch_bounds__(256)
@@ -512,15 +526,9 @@ flash_bwd_dq(const Params p) {
         const int i = (int)(row % p.s_q);
         const int head = (int)((row / p.s_q) % p.h), batch = (int)(row / ((i64)p.s_q * p.h));
         float acc;
-        if (p.deterministic && p.cu_seqlens_q) {   // varlen: every slab (zeroed by the launcher), in order
+        if (p.deterministic) {
             acc = 0.f;
-            for (int nb = 0; nb < p.num_n_blocks; ++nb) acc += p.dq_accum[nb * p.dq_accum_slab + idx];
-        } else if (p.deterministic) {
-            const int diag = i + p.diag_offset;
-            const int j_lo = max(0, diag - p.window_left), j_hi = min(p.s_k - 1, diag + p.window_right);
-            acc = 0.f;
-            if (j_lo <= j_hi)
-                for (int nb = j_lo / p.bn; nb <= j_hi / p.bn; ++nb) acc += p.dq_accum[nb * p.dq_accum_slab + idx];
+            for (int slab = 0; slab < p.dq_slabs; ++slab) acc += p.dq_accum[slab * p.dq_accum_slab + idx];
         } else {
             acc = p.dq_accum[idx];
         }

@@ -67,7 +67,7 @@ struct Params {
     void* dk;               // [b, s_k, h_k, d]
     void* dv;               // [b, s_k, h_k, d_v]
     float* dsum;            // [b, h, s_q] contiguous: D = rowsum(dO ∘ O)
-    float* dq_accum;        // [b, h, s_q, d] float32 contiguous; num_n_blocks such slabs when deterministic
+    float* dq_accum;        // [b, h, s_q, d] float32 contiguous; dq_slabs such slabs when deterministic
     i64 do_stride_b, do_stride_s, do_stride_h;
     i64 dq_stride_b, dq_stride_s, dq_stride_h;
     i64 dk_stride_b, dk_stride_s, dk_stride_h;
@@ -75,7 +75,8 @@ struct Params {
     i64 dq_accum_slab;      // elements of one dQ slab: b * h * s_q * d
     int num_n_blocks;       // ceil(s_k / bn); Hopper varlen backward: the longest sequence's key tiles
     int bn;                 // key rows per block of flash_bwd
-    int deterministic;      // 1: each key tile stores its dQ part in its own slab; 0: float atomics
+    int deterministic;      // 1: dQ parts added in program order into dq_slabs slabs; 0: float atomics
+    int dq_slabs;           // deterministic: flash_bwd's gridDim.x; block x adds key tiles x, x + dq_slabs, ...
     float scale;            // scale in natural units (the dS multiplier)
     // ---- Hopper kernels only (kernels_cu/fwd_sm90.cu, bwd_sm90.cu) ----
     unsigned int* sched;    // [2] Hopper fwd / bwd work-tile counter, blocks finished: zero before and after

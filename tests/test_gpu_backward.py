@@ -221,6 +221,20 @@ def test_deterministic_bit_identical(rng, dtype, kw):
     assert name
 
 
+@pytest.mark.parametrize("dtype,kw", [("bfloat16", dict(causal=True)), ("float32", dict(window=(700, 90)))])
+def test_deterministic_blocks_take_several_key_tiles(rng, dtype, kw):
+    """Enough (kv head, batch) pairs that G = dq_slabs < key tiles: blocks add key tiles x, x + G,
+    ... into one slab in order (the shapes above have a slab per key tile)."""
+    from cupyflash import _gpu_bwd
+
+    b, s_q, s_k, h = 4, 300, 1500, 16
+    num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    plan = _gpu_bwd.plan_backward(dtype, b, s_q, s_k, h, h, 64, 64, scale=0.125,
+                                  deterministic=True, num_sms=num_sms)
+    assert plan.grid[0] < -(-s_k // plan.variant.bn)
+    run_case(rng, dtype, b, s_q, s_k, h, h, 64, deterministic=True, repeats=3, **kw)
+
+
 def test_empty_and_zero_keys(rng):
     from cupyflash._gpu_bwd import backward
     opts = Options(scale=0.125)
