@@ -475,8 +475,9 @@ __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_
                 const int r = qrow0 + g + (e >> 1) * 8, c = qcol0 + j * 8 + 2 * t + (e & 1);
                 if (m0 + r < s_q && c < p.d) {
                     float* dst = dq_gmem + (i64)r * p.d + c;
-                    if (p.deterministic) *dst += dq_frag[j][e];   // this block's slab: one writer, program order
-                    else red_add_f32(dst, dq_frag[j][e]);
+                    // deterministic: this block's slab, and this lane adds this element in every
+                    // key tile: one writer, whose reductions to one address apply in program order
+                    red_add_f32(dst, dq_frag[j][e]);
                 }
             }
     }
