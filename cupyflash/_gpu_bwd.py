@@ -9,11 +9,11 @@ Three kernels in kernels_cu/bwd.cu, launched in order on the current stream:
    and every query tile that sees the key tile (GQA sums in a fixed order, no atomics);
    dQ += dS K into the accumulator with red.global.add.f32, or, when ``opts.deterministic``,
    added in program order into slab x of a zeroed [G, b, h, s_q, d] float32 buffer by block x,
-   which takes key tiles x, x + G, ... (``dq_slabs``: G blocks per (kv head, batch)).
+   which takes key tiles x, x + G, ... (``with_dq_slabs``: G blocks per (kv head, batch)).
 3. ``flash_bwd_dq<E>``: dq = dtype(accumulator); deterministic mode sums the G slabs in order.
 
 Extra device memory: D (4·b·h·s_q bytes) and the accumulator (4·b·h·s_q·d bytes), times
-G = min(ceil(s_k / BN), ceil(2 · SMs / (h_k · b))) in deterministic mode (see docs/backward.md).
+G = min(ceil(s_k / BN), resident blocks / (h_k · b)) in deterministic mode (see docs/backward.md).
 
 ``backward(dout, q, k, v, out, lse, dq, dk, dv, opts, dbias=None) -> str`` is the launcher the
 API calls; with a bias or mask it runs the GENERAL variant (``flash_bwd<..., true, true, true>``)
@@ -196,20 +196,29 @@ def plan_backward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int,
     prm["bn"] = variant.bn
     prm["deterministic"] = int(bool(deterministic))
     prm["dq_accum_slab"] = rows * d
-    slabs = dq_slabs(num_n, h_k * b, num_sms) if deterministic else 1
-    prm["dq_slabs"] = slabs if deterministic else 0
     dq_blocks = max(1, min(-(-rows * d // 256), num_sms * 8))
-    return BwdPlan(variant, (slabs if deterministic else num_n, h_k, b), (variant.threads, 1, 1),
-                   variant.smem_bytes, (-(-rows // 8), 1, 1), (dq_blocks, 1, 1),
-                   rows * d * slabs, prm)
+    plan = BwdPlan(variant, (num_n, h_k, b), (variant.threads, 1, 1), variant.smem_bytes,
+                   (-(-rows // 8), 1, 1), (dq_blocks, 1, 1), rows * d, prm)
+    return with_dq_slabs(plan, 2 * num_sms)
 
 
-def dq_slabs(num_n: int, blocks_per_slab: int, num_sms: int) -> int:
-    """Deterministic mode's dQ slab count G = flash_bwd's grid x: enough blocks (G · kv heads ·
-    batch) for two per SM, at most one per key tile. Block x adds the dQ parts of key tiles x,
-    x + G, ... into slab x in order, so memory is G float32 copies of dq, not one per key tile
-    (that was s_k / BN copies: at s = 16k, hd 128 the size of the float32 score matrix)."""
-    return max(1, min(num_n, -(-2 * num_sms // blocks_per_slab)))
+def with_dq_slabs(plan: BwdPlan, resident_blocks: int) -> BwdPlan:
+    """Deterministic mode: flash_bwd's grid x becomes the dQ slab count G, the most blocks
+    (G · kv heads · batch) that are resident at once (``resident_blocks``: SMs × blocks per SM;
+    the launcher asks the driver, the planner assumes 2 per SM), at least 1 and at most one per
+    key tile. Block x adds the dQ parts of key tiles x, x + G, ... into slab x in order, so
+    memory is G float32 copies of dq, not one per key tile (s_k / BN copies: at s = 16k, hd 128
+    the size of the float32 score matrix), and one wave of blocks takes within a key tile of the
+    same work each. Atomic mode: the plan unchanged (grid x = key tiles, one accumulator)."""
+    prm = plan.params
+    if not prm["deterministic"]:
+        return plan
+    num_n, per_slab = int(prm["num_n_blocks"]), plan.grid[1] * plan.grid[2]
+    g = max(1, min(num_n, resident_blocks // per_slab))
+    prm = prm.copy()
+    prm["dq_slabs"] = g
+    return plan._replace(grid=(g,) + plan.grid[1:], accum_elems=int(prm["dq_accum_slab"]) * g,
+                         params=prm)
 
 
 def plan_backward_varlen(dtype_name: str, batch: int, total_q: int, total_k: int,
@@ -234,10 +243,8 @@ def plan_backward_varlen(dtype_name: str, batch: int, total_q: int, total_k: int
     for side in ("window_left", "window_right"):
         if kw.get(side, -1) < 0:
             prm[side] = unbounded
-    if not kw.get("deterministic"):
-        return plan._replace(grid=(plan.grid[0], h_k, batch))
-    slabs = prm["dq_slabs"] = dq_slabs(int(prm["num_n_blocks"]), h_k * batch, kw.get("num_sms", 132))
-    return plan._replace(grid=(int(slabs), h_k, batch), accum_elems=int(prm["dq_accum_slab"]) * int(slabs))
+    return with_dq_slabs(plan._replace(grid=(int(prm["num_n_blocks"]), h_k, batch)),
+                         2 * kw.get("num_sms", 132))
 
 
 class DbiasPlan(NamedTuple):
@@ -375,6 +382,20 @@ def precompile(variants, workers: int = 8):
 # Launcher
 # ------------------------------------------------------------------------------------------
 _NUM_SMS = {}   # device id -> multiprocessor count
+_RESIDENT = {}  # (device id, variant) -> flash_bwd blocks resident at once on the device
+
+
+def _resident_blocks(variant, dev_id: int, num_sms: int) -> int:
+    """SMs × flash_bwd blocks per SM of ``variant`` (the driver's occupancy query; at least 1)."""
+    key = (dev_id, variant)
+    n = _RESIDENT.get(key)
+    if n is None:
+        from cupy_backends.cuda.api import driver
+        main = get_functions(variant, dev_id)[0]
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(main.ptr, variant.threads,
+                                                                   variant.smem_bytes)
+        n = _RESIDENT[key] = num_sms * max(1, per_sm)
+    return n
 
 
 def _elem_strides(a, what):
@@ -582,6 +603,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
         deterministic=bool(opts.deterministic), smem_optin=smem, num_sms=num_sms,
         variant=kernel if isinstance(kernel, BwdVariant) else None, has_bias=bias is not None,
         has_mask=opts.mask is not None)
+    if opts.deterministic:
+        plan = with_dq_slabs(plan, _resident_blocks(plan.variant, dev_id, num_sms))
     if kernel == "sm90" and plan.variant.general and bias is None:   # a mask alone
         raise ValueError("kernel='sm90': the Hopper backward cannot run this call: a boolean "
                          "mask (not in the Hopper backward)")
@@ -669,6 +692,8 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
         softcap=float(opts.softcap or 0.0), has_alibi=opts.alibi_slopes is not None,
         allow_tf32=bool(opts.allow_tf32), deterministic=bool(opts.deterministic),
         smem_optin=smem, num_sms=num_sms)
+    if opts.deterministic:
+        plan = with_dq_slabs(plan, _resident_blocks(plan.variant, dev_id, num_sms))
     cq = cupy.ascontiguousarray(cu_seqlens_q, dtype=np.int32)
     ck = cupy.ascontiguousarray(cu_seqlens_k, dtype=np.int32)
 

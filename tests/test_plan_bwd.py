@@ -64,17 +64,21 @@ def test_plan_deterministic_slabs_and_softcap():
                                              (4, 4096, 2, 132)],
                          ids=["16k-h16", "8k-b2", "1k-b16", "100k-h1", "4k-b4-h2"])
 def test_deterministic_dq_slabs_are_bounded(b, s, h_k, num_sms):
-    """Deterministic mode keeps G <= ceil(2 SMs / (h_k b)) + 1 dQ slabs (not one per key tile,
-    which at s = 16k, hd 128 is the size of the float32 score matrix), G <= key tiles, and still
-    launches two blocks per SM where the problem has that many key tiles."""
+    """Deterministic mode keeps G = resident blocks / (h_k b) dQ slabs (not one per key tile,
+    which at s = 16k, hd 128 is the size of the float32 score matrix), 1 <= G <= key tiles: one
+    wave of blocks (the planner assumes 2 per SM; the launcher asks the driver)."""
     pl = _gpu_bwd.plan_backward("bfloat16", b, s, s, h_k, h_k, 128, 128, scale=0.1,
                                 deterministic=True, num_sms=num_sms)
     num_n = -(-s // pl.variant.bn)
     g = pl.grid[0]
     assert pl.params["dq_slabs"] == g and pl.params["num_n_blocks"] == num_n
-    assert 1 <= g <= min(num_n, -(-2 * num_sms // (h_k * b)))
-    assert g * h_k * b >= min(num_n * h_k * b, 2 * num_sms)
+    assert g == max(1, min(num_n, 2 * num_sms // (h_k * b)))
+    assert g * h_k * b <= max(h_k * b, 2 * num_sms)          # one wave
     assert pl.accum_elems == g * b * h_k * s * 128
+    three = _gpu_bwd.with_dq_slabs(pl, 3 * num_sms)            # e.g. 3 blocks per SM measured
+    assert three.grid == (max(1, min(num_n, 3 * num_sms // (h_k * b))), h_k, b)
+    assert three.params["dq_slabs"] == three.grid[0] and pl.params["dq_slabs"] == g   # pl untouched
+    assert three.accum_elems == three.grid[0] * b * h_k * s * 128
     atomic = _gpu_bwd.plan_backward("bfloat16", b, s, s, h_k, h_k, 128, 128, scale=0.1, num_sms=num_sms)
     assert atomic.grid[0] == num_n and atomic.params["dq_slabs"] == 0
     assert atomic.accum_elems == b * h_k * s * 128
@@ -182,5 +186,5 @@ def test_varlen_backward_plan():
     many = _gpu_bwd.plan_backward_varlen("bfloat16", 2, 9000, 9000, 8192, 8192, 16, 16, 64, 64,
                                          scale=0.1, deterministic=True, num_sms=132)
     assert many.params["num_n_blocks"] == -(-8192 // many.variant.bn)
-    assert many.grid == (9, 16, 2) and many.params["dq_slabs"] == 9   # ceil(264 / 32)
-    assert many.accum_elems == 9 * 16 * 9000 * 64
+    assert many.grid == (8, 16, 2) and many.params["dq_slabs"] == 8   # 264 // 32
+    assert many.accum_elems == 8 * 16 * 9000 * 64
