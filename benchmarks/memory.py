@@ -98,7 +98,12 @@ def main():
                 base + bias.nbytes + bias.size * 4, "dq dk dv + D + dQ accum + dbias + fp32 dbias accum")
     print(f"{'':44s} of which dbias {bias.nbytes / MiB:.0f} MiB, its float32 accumulator "
           f"{bias.size * 4 / MiB:.0f} MiB (freed before return)")
-    del q, k, v, bias, out, lse, dout
+    # A float32 bias: dbias is its own float32 accumulator (one slab): extra = dbias.
+    bias32 = bias.astype(np.float32)
+    peak, kept, sizes = _bench.measure_memory(lambda: cf.attention_backward(dout, q, k, v, out, lse, bias=bias32))
+    good &= row(f"bwd bias (1,{h},{sb},{sb}) float32 hd128 b{b}", peak, kept, sizes,
+                base + bias32.nbytes, "dq dk dv + D + dQ accum + dbias")
+    del q, k, v, bias, bias32, out, lse, dout
     cp.get_default_memory_pool().free_all_blocks()
 
     if not args.skip_cupy:   # the recipe cupyflash replaces: scores in memory
