@@ -391,8 +391,8 @@ def _resident_blocks(variant, dev_id: int, num_sms: int) -> int:
     n = _RESIDENT.get(key)
     if n is None:
         from cupy_backends.cuda.api import driver
-        main = get_functions(variant, dev_id)[0]
-        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(main.ptr, variant.threads,
+        main = get_functions(variant, dev_id)[0]    # a RawKernel; .kernel: its CUfunction
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(main.kernel.ptr, variant.threads,
                                                                    variant.smem_bytes)
         n = _RESIDENT[key] = num_sms * max(1, per_sm)
     return n
