@@ -65,16 +65,17 @@ class Sm90F32BwdVariant(NamedTuple):
 def smem_bytes(d: int) -> int:
     """Mirrors sm90bf::Layout / LayoutT in bwd_sm90_f32.cu. d = 64: k_big, k_small, v_big
     [128, d]; q / dO big and small, their transposes big and small, two landing stages of raw q
-    and dO (twelve [32, d] tiles); dS big and small [32, 64] per consumer. d = 128: k, v raw
-    [64, d]; q / dO big and small, one landing stage of raw q and dO (six [32, d] tiles); Pᵀ, dSᵀ
-    and dS big and small (six [64, 32] tiles). Both: lse / D rows [2, 32]; the work-tile ring (16
-    bytes); 15 mbarrier slots; 1024 bytes to align the swizzled panels."""
+    and dO (twelve [32, d] tiles); dS big and small [32, 64] per consumer; lse / D rows [2, 32].
+    d = 128: k, v raw [64, d]; q / dO big (landing) and small, raw copies of q and dO (six [32, d]
+    tiles); Pᵀ, dSᵀ and dS big and small (six [64, 32] tiles); lse / D rows [2 steps][2, 32].
+    Both: the work-tile ring (16 bytes); 15 mbarrier slots; 1024 bytes to align the swizzled
+    panels."""
     f = 4
     if d == 128:
-        body = 2 * 64 * d * f + 6 * BM * d * f + 6 * 64 * BM * f
+        body = 2 * 64 * d * f + 6 * BM * d * f + 6 * 64 * BM * f + 2 * 2 * BM * f
     else:
-        body = 3 * BN * d * f + 12 * BM * d * f + 2 * 2 * BM * 64 * f
-    return body + 2 * BM * f + 16 + 8 * N_BARRIERS + 1024
+        body = 3 * BN * d * f + 12 * BM * d * f + 2 * 2 * BM * 64 * f + 2 * BM * f
+    return body + 16 + 8 * N_BARRIERS + 1024
 
 
 def variants():

@@ -107,8 +107,11 @@ struct Layout {
 };
 
 // Design T (hd 128): byte offsets as Layout's, mirrored by _gpu_bwd_sm90_f32.py: smem_bytes.
-// K, V stay raw (A operands split on the fly in registers); Pᵀ, dSᵀ [BN keys, BM query slots]
-// and dS [BM queries, BN key slots] in big / small parts are the consumers' handoffs.
+// K, V stay raw (A operands split on the fly in registers). Q, dO of a step land twice (TMA, the
+// second read from L2): in the big halves of their parts, split there in place by the converters
+// (B of Sᵀ, dPᵀ; free once those are done, so step j + 1 lands and is split while step j's later
+// products run), and raw in rq / rdo (A of dKᵀ_h, dVᵀ_h, split on the fly). Pᵀ, dSᵀ [BN keys, BM
+// query slots] and dS [BM queries, BN key slots] in big / small parts are the consumers' handoffs.
 template <int D>
 struct LayoutT {
     static constexpr int BN = Shape<D>::BN, RAW_STAGES = Shape<D>::RAW_STAGES;
@@ -120,22 +123,21 @@ struct LayoutT {
     static constexpr int DS_PANEL = BM * 128;                // [BM, 32 key slots] panel of dS
     static constexpr int KR = 0;                             // k_raw [D/32][BN][32] (TMA)
     static constexpr int VR = KR + KVT;                      // v_raw [D/32][BN][32] (TMA)
-    static constexpr int QB = VR + KVT;                      // q_big [D/32][BM][32]
+    static constexpr int QB = VR + KVT;                      // q_big [D/32][BM][32] (TMA raw, split in place)
     static constexpr int QS = QB + QT;                       // q_small
-    static constexpr int DOB = QS + QT;                      // do_big
+    static constexpr int DOB = QS + QT;                      // do_big (TMA raw, split in place)
     static constexpr int DOS = DOB + QT;                     // do_small
-    static constexpr int RAW_STAGE = 2 * QT;                 // the landing stage: q raw, dO raw
-    static constexpr int RAWQ = DOS + QT;                    // q raw [D/32][BM][32] (TMA)
-    static constexpr int RAWDO = RAWQ + QT;                  // dO raw (TMA)
-    static constexpr int PTB = RAWQ + RAW_STAGES * RAW_STAGE; // pT_big [BN keys][BM query slots] (c0)
+    static constexpr int RQ = DOS + QT;                      // q raw copy [D/32][BM][32] (TMA)
+    static constexpr int RDO = RQ + QT;                      // dO raw copy (TMA)
+    static constexpr int PTB = RDO + QT;                     // pT_big [BN keys][BM query slots] (c0)
     static constexpr int PTS = PTB + PT;                     // pT_small
     static constexpr int DSTB = PTS + PT;                    // dsT_big [BN keys][BM query slots] (c1)
     static constexpr int DSTS = DSTB + PT;                   // dsT_small
     static constexpr int DSB = DSTS + PT;                    // ds_big [BN/32][BM queries][32 key slots] (c1)
     static constexpr int DSS = DSB + BN * BM * 4;            // ds_small
-    static constexpr int ROWS = DSS + BN * BM * 4;           // [lse·log2 e, D][BM] of the step
-    static constexpr int TILE = ROWS + 2 * BM * 4;           // tile_smem [TILE_RING] int (+ pad)
-    static constexpr int BARS = TILE + 16;                   // 15 mbarrier slots (T uses 10)
+    static constexpr int ROWS = DSS + BN * BM * 4;           // [step % 2][lse·log2 e, D][BM]
+    static constexpr int TILE = ROWS + 2 * 2 * BM * 4;       // tile_smem [TILE_RING] int (+ pad)
+    static constexpr int BARS = TILE + 16;                   // 15 mbarrier slots (T uses 12)
     static constexpr int BYTES = BARS + 8 * 15;
     static constexpr int K_LAND = KR, V_LAND = VR;           // where TMA lands K, V
 };
@@ -240,6 +242,10 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
     const u32 nat_empty = nat_full + 8;                 // every consumer warp is past Sᵀ, dPᵀ, dSᵀ
     const u32 t_full = nat_empty + 8;                   // Qᵀ, dOᵀ big / small written
     const u32 t_empty = t_full + 8;                     // both consumers' dV, dK of the step done
+    // Design T (hd 128) in the same slots: raw_full = Q, dO landed in their big halves (TMA); no
+    // transposes, so two slots take new names: the raw Q, dO copies landed (TMA) / every consumer
+    // warp has loaded its dKᵀ, dVᵀ fragments from them
+    const u32 r_full = raw_empty, r_empty = t_full;
     const int num_n = (p.s_k + BN - 1) / BN;                  // key tiles per (kv head, batch)
     const int num_work = num_n * p.h_k * p.b;
 
@@ -254,11 +260,11 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
         mbar_init(kv_empty, Shape<D>::T ? CONSUMER_WARPS : 2);   // per consumer (T: per consumer warp)
         for (int s = 0; s < RAW_STAGES; ++s) {
             mbar_init(raw_full + 8 * s, 1);              // TMA thread (+ bytes)
-            mbar_init(raw_empty + 8 * s, 1);             // converter leader
+            mbar_init(raw_empty + 8 * s, 1);             // converter leader (T: r_full, TMA thread + bytes)
         }
         mbar_init(nat_full, 1);                          // converter leader
         mbar_init(nat_empty, CONSUMER_WARPS);            // one arrival per consumer warp (rows read)
-        mbar_init(t_full, 1);                            // converter leader
+        mbar_init(t_full, Shape<D>::T ? CONSUMER_WARPS : 1);   // converter leader (T: r_empty, per consumer warp)
         mbar_init(t_empty, 2);                           // one arrival per consumer
         mbar_fence_init();
     }
@@ -289,19 +295,34 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 const WorkTile wt = work_tile<D, WINDOW>(p, w);
                 int head = wt.kv_head * p.h_per_hk, mi = 0;
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
-                    // Q, dO [BM, D] of the step into landing stage q_it % RAW_STAGES, once the
-                    // converters are done with the step that used it before
                     const int m0 = (wt.m_first + mi) * BM;
                     if (++mi == wt.m_count) mi = 0;
-                    const int rs = q_it % RAW_STAGES;
-                    const u32 full = raw_full + 8 * rs, raw = smem + L::RAWQ + rs * L::RAW_STAGE;
-                    if (q_it >= RAW_STAGES) mbar_wait(raw_empty + 8 * rs, (q_it / RAW_STAGES - 1) & 1);
-                    mbar_arrive_expect_tx(full, 2 * BM * D * 4);
+                    // Q, dO [BM, D] of the step (D / 32 panels each) to q_dst, do_dst, counted on `full`
+                    auto load_q_do = [&](u32 full, u32 q_dst, u32 do_dst) {
+                        mbar_arrive_expect_tx(full, 2 * BM * D * 4);
 #pragma unroll
-                    for (int c = 0; c < D / PANEL; ++c) {
-                        tma_load_4d(raw + c * L::Q_PANEL, &p.tma_q, full, c * PANEL, m0, head, wt.batch);
-                        tma_load_4d(raw + L::QT + c * L::Q_PANEL, &p.tma_do, full, c * PANEL, m0, head,
-                                    wt.batch);
+                        for (int c = 0; c < D / PANEL; ++c) {
+                            tma_load_4d(q_dst + c * L::Q_PANEL, &p.tma_q, full, c * PANEL, m0, head, wt.batch);
+                            tma_load_4d(do_dst + c * L::Q_PANEL, &p.tma_do, full, c * PANEL, m0, head,
+                                        wt.batch);
+                        }
+                    };
+                    if constexpr (Shape<D>::T) {
+                        // into the big halves of the parts (raw_full: landed), once every consumer
+                        // warp's Sᵀ / dPᵀ of the last step has read them (nat_empty)
+                        if (q_it > 0) mbar_wait(nat_empty, (q_it - 1) & 1);
+                        load_q_do(raw_full, smem + L::QB, smem + L::DOB);
+                        // the raw copies (r_full: landed), once every consumer warp has loaded the
+                        // last step's dKᵀ / dVᵀ fragments from them (r_empty)
+                        if (q_it > 0) mbar_wait(r_empty, (q_it - 1) & 1);
+                        load_q_do(r_full, smem + L::RQ, smem + L::RDO);
+                    } else {
+                        // into landing stage q_it % RAW_STAGES, once the converters are done with
+                        // the step that used it before
+                        const int rs = q_it % RAW_STAGES;
+                        const u32 raw = smem + L::RAWQ + rs * L::RAW_STAGE;
+                        if (q_it >= RAW_STAGES) mbar_wait(raw_empty + 8 * rs, (q_it / RAW_STAGES - 1) & 1);
+                        load_q_do(raw_full + 8 * rs, raw, raw + L::QT);
                     }
                     if (mi == 0) ++head;
                     if (st == 0) {
@@ -376,23 +397,32 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                         lse_row = p.lse[bh_row + row];
                         dsum_row = p.dsum[bh_row + row];
                     }
-                    const int rs = q_it % RAW_STAGES;
-                    const u32 raw = smem + L::RAWQ + rs * L::RAW_STAGE;   // the step's Q, dO raw
-                    mbar_wait(raw_full + 8 * rs, (q_it / RAW_STAGES) & 1);   // Q, dO of the step landed
-                    if (q_it > 0) mbar_wait(nat_empty, (q_it - 1) & 1);   // the last step's Sᵀ, dPᵀ, rows done
-                    // ---- Q, dO: big / small as stored (B of Sᵀ, dPᵀ), one run over both
-                    static_assert(L::RAWDO == L::RAWQ + L::QT && L::DOB == L::QS + L::QT &&
-                                  L::QS == L::QB + L::QT, "Q, dO landing buffers and parts adjacent");
-                    split_run(raw, smem + L::QB, smem + L::QS, 2 * BM * D / 4, L::QT);
-                    if (cu < BM) {
-                        rows_smem[cu] = lse_row == -CF_INF ? CF_INF : lse_row * CF_LOG2E;
-                        rows_smem[BM + cu] = dsum_row;
-                    }
                     if constexpr (Shape<D>::T) {
-                        // design T: the consumers read Q, dO in this layout only (their A operands
-                        // loaded and split on the fly); the landing stage is free for step q_it + 1
-                        release(nat_full, raw_empty + 8 * rs);
+                        // ---- Q, dO landed raw in their big halves: split in place (B of Sᵀ, dPᵀ);
+                        //      the TMA thread waited for the last step's readers (nat_empty). Rows
+                        //      in buffer q_it % 2 (the last step's D is read until c1's dSᵀ)
+                        mbar_wait(raw_full, q_it & 1);
+                        split_run(smem + L::QB, smem + L::QB, smem + L::QS, BM * D / 4, 0);
+                        split_run(smem + L::DOB, smem + L::DOB, smem + L::DOS, BM * D / 4, 0);
+                        if (cu < BM) {
+                            float* rows_step = rows_smem + (q_it & 1) * 2 * BM;   // [2][BM]
+                            rows_step[cu] = lse_row == -CF_INF ? CF_INF : lse_row * CF_LOG2E;
+                            rows_step[BM + cu] = dsum_row;
+                        }
+                        release(nat_full, 0);
                     } else {
+                        const int rs = q_it % RAW_STAGES;
+                        const u32 raw = smem + L::RAWQ + rs * L::RAW_STAGE;   // the step's Q, dO raw
+                        mbar_wait(raw_full + 8 * rs, (q_it / RAW_STAGES) & 1);   // Q, dO of the step landed
+                        if (q_it > 0) mbar_wait(nat_empty, (q_it - 1) & 1);   // the last step's Sᵀ, dPᵀ, rows done
+                        // ---- Q, dO: big / small as stored (B of Sᵀ, dPᵀ), one run over both
+                        static_assert(L::RAWDO == L::RAWQ + L::QT && L::DOB == L::QS + L::QT &&
+                                      L::QS == L::QB + L::QT, "Q, dO landing buffers and parts adjacent");
+                        split_run(raw, smem + L::QB, smem + L::QS, 2 * BM * D / 4, L::QT);
+                        if (cu < BM) {
+                            rows_smem[cu] = lse_row == -CF_INF ? CF_INF : lse_row * CF_LOG2E;
+                            rows_smem[BM + cu] = dsum_row;
+                        }
                         release(nat_full, 0);
                         if (st == 0) {
                             // ---- K of the tile: big in place, small (A of Sᵀ; Kᵀ fragments of dQᵀ)
@@ -449,30 +479,35 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
         // are relabelled as columns d0, d0 + 1 of the half: every A fragment pair is one 8-byte load,
         // every accumulator pair one 8-byte store or red.add (undone there)
         const int d0 = DH * cw + 16 * (t / 32) + 2 * g;        // column of D
-        const float* lse_smem = rows_smem;                     // [BM] lse·log2 e of the step
-        const float* dsum_smem = rows_smem + BM;               // [BM] D of the step
         // this consumer's first product: c0 Sᵀ = K Qᵀ, c1 dPᵀ = V dOᵀ  [BN keys, BM queries]
         const u32 x_raw = smem + (cw == 0 ? L::KR : L::VR);    // A: K / V raw [D/32][BN][32]
         const u32 y_big = smem + (cw == 0 ? L::QB : L::DOB);   // B: Q / dO big [D/32][BM][32]
         const u32 y_small = y_big + L::QT;                     //    (QS = QB + QT, DOS = DOB + QT)
         static_assert(L::QS == L::QB + L::QT && L::DOS == L::DOB + L::QT, "small parts after big");
 
-        // step_acc [DH columns, BN keys] = Xᵀ_h Y: A = Xᵀ_h from X big / small [BM queries][D]
-        // (columns d0, d0 + 1, queries in key_of_slot order inside each 8-query k-step: 8-byte
-        // loads), B = Y big / small [BN keys][BM query slots] K-major (8 slots = 32 bytes per
-        // k-step); per k-step small·big + big·small + big·big, into a zeroed accumulator (added to
-        // dKᵀ_h / dVᵀ_h in fp32 by the caller: section 8 (3)'s rounding)
+        // step_acc [DH columns, BN keys] = Xᵀ_h Y: A = Xᵀ_h loaded from the raw copy X [BM
+        // queries][D] (columns d0, d0 + 1: one 8-byte load; queries in key_of_slot order inside
+        // each 8-query k-step) and split on the fly, B = Y big / small [BN keys][BM query slots]
+        // K-major (8 slots = 32 bytes per k-step); per k-step small·big + big·small + big·big, into
+        // a zeroed accumulator (added to dKᵀ_h / dVᵀ_h in fp32 by the caller: section 8 (3)).
+        // last_raw_read: once its fragments are in registers this warp is done with the raw
+        // copies (r_empty arrival).
         float step_acc[NT];
-        auto step_product = [&](u32 x_big, u32 x_small, u32 yb, u32 ys) {
+        auto step_product = [&](u32 x_raw_tile, u32 yb, u32 ys, bool last_raw_read) {
             u32 fb[NS], fs[NS];   // [BM/8 k-steps][A(d0, c), A(d0 + 1, c), A(d0, c + 4), A(d0 + 1, c + 4)]
 #pragma unroll
             for (int kk = 0; kk < BM / 8; ++kk) {
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
-                    const u32 off = swz(key_of_slot(8 * kk + c4 + 4 * hh), d0, L::Q_PANEL);
-                    lds64(x_big + off, fb[4 * kk + 2 * hh], fb[4 * kk + 2 * hh + 1]);
-                    lds64(x_small + off, fs[4 * kk + 2 * hh], fs[4 * kk + 2 * hh + 1]);
+                    u32 x, y;
+                    lds64(x_raw_tile + swz(key_of_slot(8 * kk + c4 + 4 * hh), d0, L::Q_PANEL), x, y);
+                    split_tf32(__uint_as_float(x), fb[4 * kk + 2 * hh], fs[4 * kk + 2 * hh]);
+                    split_tf32(__uint_as_float(y), fb[4 * kk + 2 * hh + 1], fs[4 * kk + 2 * hh + 1]);
                 }
+            }
+            if (last_raw_read) {
+                __syncwarp();                                  // every lane's fragments loaded
+                if (t % 32 == 0) mbar_arrive(r_empty);
             }
 #pragma unroll
             for (int i = 0; i < NT; ++i) step_acc[i] = 0.f;
@@ -506,6 +541,8 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             for (int st = 0; st < wt.steps; ++st, ++q_it) {
                 const int m0 = step_m0(wt, st);
                 const int head = step_head(p, wt, st);
+                const float* lse_smem = rows_smem + (q_it & 1) * 2 * BM;   // [BM] lse·log2 e of the step
+                const float* dsum_smem = lse_smem + BM;                    // [BM] D of the step
                 mbar_wait(nat_full, q_it & 1);             // Q, dO parts and rows written
 
                 // ---- c0: Sᵀ = K Qᵀ, c1: dPᵀ = V dOᵀ  [BN keys, BM]: D / 8 k-steps of 8 columns;
@@ -549,6 +586,9 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 fence_regs<16>(a_small[0]);
                 fence_regs<16>(a_big[1]);
                 fence_regs<16>(a_small[1]);
+                __syncwarp();
+                // this warp's Sᵀ / dPᵀ done: the parts may take the next step (TMA, converters)
+                if (t % 32 == 0) mbar_arrive(nat_empty);
 
                 // accumulator register i: key row_in_wg + 8·((i % 4) >= 2), query (i / 4)·8 + col_in_8 + i % 2;
                 // its place in the [BN keys][BM query slots] tiles Pᵀ, dSᵀ (one 128-byte swizzled panel)
@@ -616,18 +656,18 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     named_bar_sync(WG_BAR + 1, 128);           // every c1 warp's rows, for dKᵀ_1, dQᵀ_1
                 }
 
-                // ---- dVᵀ_h [DH, BN] += dOᵀ_h P  (A from dO big / small, B = Pᵀ)
-                step_product(smem + L::DOB, smem + L::DOS, smem + L::PTB, smem + L::PTS);
+                // ---- dVᵀ_h [DH, BN] += dOᵀ_h P  (A from the raw dO copy, B = Pᵀ)
+                mbar_wait(r_full, q_it & 1);                   // the raw Q, dO copies landed
+                step_product(smem + L::RDO, smem + L::PTB, smem + L::PTS, false);
 #pragma unroll
                 for (int i = 0; i < NT; ++i) dvt_acc[i] += step_acc[i];
                 if (cw == 1) named_bar_arrive(PT_EMPTY, 256);  // c1 is done with this Pᵀ
                 else named_bar_sync(DS_FULL, 256);             // c1's dSᵀ, dS of the step written
-                // ---- dKᵀ_h [DH, BN] += Qᵀ_h dS  (A from Q big / small, B = dSᵀ)
-                step_product(smem + L::QB, smem + L::QS, smem + L::DSTB, smem + L::DSTS);
+                // ---- dKᵀ_h [DH, BN] += Qᵀ_h dS  (A from the raw Q copy, B = dSᵀ); once its
+                //      fragments are loaded, this warp is done with the raw copies
+                step_product(smem + L::RQ, smem + L::DSTB, smem + L::DSTS, true);
 #pragma unroll
                 for (int i = 0; i < NT; ++i) dkt_acc[i] += step_acc[i];
-                __syncwarp();                                  // every lane's last Q, dO, rows reads
-                if (t % 32 == 0) mbar_arrive(nat_empty);       // Q, dO parts and rows free (per warp)
 
                 // ---- dQᵀ_h [DH, BM] = Kᵀ_h dSᵀ over the BN keys: A = Kᵀ_h split on the fly from
                 //      raw K (columns d0, d0 + 1: one 8-byte load per key; keys in slot order),

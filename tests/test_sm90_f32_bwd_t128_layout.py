@@ -5,9 +5,10 @@ positions); the wgmma reads of B go through the descriptor (start + n·128 + 4·
 
 * the shared-memory map (LayoutT) against its Python mirror and the 232,448-byte limit;
 * one whole step of both consumers on random data: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ with A split on the
-  fly from the raw K / V tiles, c0's Pᵀ stores and c1's read-back at the same places, c1's dSᵀ and
-  dS stores, the transposed products dVᵀ_h = dOᵀ_h P and dKᵀ_h = Qᵀ_h dS (A fragments loaded from
-  the natural Q / dO parts as 8-byte column pairs, queries in slot order; rows relabelled), and
+  fly from the raw K / V tiles (B = the Q / dO parts, split in place where TMA landed them), c0's
+  Pᵀ stores and c1's read-back at the same places, c1's dSᵀ and dS stores, the transposed products
+  dVᵀ_h = dOᵀ_h P and dKᵀ_h = Qᵀ_h dS (A fragments loaded from the raw Q / dO copies as 8-byte
+  column pairs, queries in slot order, split on the fly; rows relabelled), and
   dQᵀ_h = Kᵀ_h dSᵀ (Kᵀ_h split on the fly from raw K), against float64 products: the d-half
   ownership (consumer h: columns 64h ..) and every relabelling;
 * the stores: every (key, column) of dK, dV and every (query, column) of dq written / added
@@ -36,8 +37,8 @@ def layout_t(d=D):
     kvt, qt, pt = BN * d * 4, BM * d * 4, BN * BM * 4
     off, o = {}, 0
     for name, size in (("KR", kvt), ("VR", kvt), ("QB", qt), ("QS", qt), ("DOB", qt), ("DOS", qt),
-                       ("RAWQ", qt), ("RAWDO", qt), ("PTB", pt), ("PTS", pt), ("DSTB", pt),
-                       ("DSTS", pt), ("DSB", pt), ("DSS", pt), ("ROWS", 2 * BM * 4), ("TILE", 16),
+                       ("RQ", qt), ("RDO", qt), ("PTB", pt), ("PTS", pt), ("DSTB", pt),
+                       ("DSTS", pt), ("DSB", pt), ("DSS", pt), ("ROWS", 2 * 2 * BM * 4), ("TILE", 16),
                        ("BARS", 8 * 15)):
         off[name] = o
         o += size
@@ -95,12 +96,11 @@ def test_layout_fits_and_matches_the_mirror():
     off = layout_t()
     assert off["BYTES"] + 1024 == f32b.smem_bytes(D) == f32b.Sm90F32BwdVariant(D, True).smem_bytes
     assert f32b.smem_bytes(D) <= 232_448
-    for name in ("KR", "VR", "QB", "QS", "DOB", "DOS", "RAWQ", "RAWDO", "PTB", "PTS", "DSTB", "DSTS",
+    for name in ("KR", "VR", "QB", "QS", "DOB", "DOS", "RQ", "RDO", "PTB", "PTS", "DSTB", "DSTS",
                  "DSB", "DSS"):
-        assert off[name] % 1024 == 0, name   # swizzled panels, descriptors: 1024-byte aligned
-    # the kernel takes the small part at big + QT, the landing buffers adjacent
+        assert off[name] % 1024 == 0, name   # swizzled panels, descriptors, TMA: 1024-byte aligned
+    # the kernel takes the small part at big + QT
     assert off["QS"] == off["QB"] + BM * D * 4 and off["DOS"] == off["DOB"] + BM * D * 4
-    assert off["RAWDO"] == off["RAWQ"] + BM * D * 4
 
 
 def jit_a_first_product(t, kk, x_smem):
@@ -123,12 +123,12 @@ def test_one_step_of_both_consumers():
     kr, vr = np.zeros(BN * D), np.zeros(BN * D)
     tma_store(kr, 0, K)
     tma_store(vr, 0, V)
-    parts = {}
-    for name, X in (("Q", Q), ("DO", dO)):   # the converters' elementwise split keeps the layout
-        big, small = split(X)
-        parts[name] = (np.zeros(BM * D), np.zeros(BM * D))
-        tma_store(parts[name][0], 0, big)
-        tma_store(parts[name][1], 0, small)
+    parts, raw = {}, {}
+    for name, X in (("Q", Q), ("DO", dO)):
+        raw[name] = np.zeros(BM * D)         # the raw copy (TMA)
+        tma_store(raw[name], 0, X)
+        landed = raw[name].copy()            # TMA into the big half, split there in place: the
+        parts[name] = split(landed)          # elementwise split keeps the layout
 
     # ---- first products: c0 Sᵀ = K Qᵀ (B = Q parts), c1 dPᵀ = V dOᵀ (B = dO parts)
     first = {}
@@ -212,8 +212,7 @@ def test_one_step_of_both_consumers():
                     for j in range(2):            # fragment registers 2hh + j: columns d0 + j
                         m, col = a_frag_pos(t, 2 * hh + j)
                         assert (d_of_row(m, cw), key_of_slot(8 * kk + col)) == (d0 + j, q)
-                        Ab[m, col] = parts[xname][0][off // 4 + j]
-                        As[m, col] = parts[xname][1][off // 4 + j]
+                        Ab[m, col], As[m, col] = split(raw[xname][off // 4 + j])
             yb, ys = (b_tile(y[j], 32 * kk, BN) for j in (0, 1))
             acc += As @ yb + Ab @ ys + Ab @ yb
         assert worst == 2     # 8-byte loads: two wavefronts, no conflict beyond them
