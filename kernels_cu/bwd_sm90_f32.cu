@@ -547,20 +547,34 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
 
                 // ---- c0: Sᵀ = K Qᵀ, c1: dPᵀ = V dOᵀ  [BN keys, BM]: D / 8 k-steps of 8 columns;
                 //      A (K / V rows row_in_wg, +8) loaded raw and split on the fly, 4 k-steps per
-                //      batch, two batches in flight; per k-step small·big + big·small + big·big
-                float x_acc[NS];
+                //      batch, two batches in flight; per k-step small·big + big·small + big·big.
+                //      Each batch (12 products) into its own zeroed accumulator (part b % 2), the
+                //      four added in fp32 (round to nearest) as they complete: the tensor cores'
+                //      accumulation rounds toward zero, and 48 products in one accumulator biased
+                //      dPᵀ by ~48·2⁻²⁴ relative, which dSᵀ = Pᵀ(dPᵀ − D) does not cancel (D is
+                //      summed to nearest): dK 5.05e-5 with one key (P = 1, true dSᵀ ≈ 0, H200)
+                float x_acc[NS], x_part[2][NS];
 #pragma unroll
-                for (int i = 0; i < NS; ++i) x_acc[i] = 0.f;
-                fence_regs<NS>(x_acc);
+                for (int i = 0; i < NS; ++i) x_part[0][i] = x_part[1][i] = 0.f;
+                fence_regs<NS>(x_part[0]);
+                fence_regs<NS>(x_part[1]);
                 u32 a_big[2][16], a_small[2][16];              // [batch buffer][4 k-steps][4]
 #pragma unroll
                 for (int b = 0; b < D / 32; ++b) {
                     u32* fb = a_big[b % 2];
                     u32* fs = a_small[b % 2];
-                    if (b >= 2) {                              // batch b − 2 has read this buffer
+                    float* pa = x_part[b % 2];
+                    if (b >= 2) {                              // batch b − 2 is done (buffers, part)
                         wgmma_wait<1>();
                         fence_regs<16>(fb);
                         fence_regs<16>(fs);
+                        fence_regs<NS>(pa);
+#pragma unroll
+                        for (int i = 0; i < NS; ++i) {
+                            x_acc[i] = b == 2 ? pa[i] : x_acc[i] + pa[i];
+                            pa[i] = 0.f;
+                        }
+                        fence_regs<NS>(pa);
                     }
 #pragma unroll
                     for (int k = 0; k < 4; ++k) {
@@ -574,14 +588,18 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
 #pragma unroll
                     for (int k = 0; k < 4; ++k) {
                         const u32 off = b * L::Q_PANEL + 32 * k;
-                        wgmma_rs_tf32<BM>(x_acc, fs + 4 * k, smem_desc(y_big + off, 16, 1024));
-                        wgmma_rs_tf32<BM>(x_acc, fb + 4 * k, smem_desc(y_small + off, 16, 1024));
-                        wgmma_rs_tf32<BM>(x_acc, fb + 4 * k, smem_desc(y_big + off, 16, 1024));
+                        wgmma_rs_tf32<BM>(pa, fs + 4 * k, smem_desc(y_big + off, 16, 1024));
+                        wgmma_rs_tf32<BM>(pa, fb + 4 * k, smem_desc(y_small + off, 16, 1024));
+                        wgmma_rs_tf32<BM>(pa, fb + 4 * k, smem_desc(y_big + off, 16, 1024));
                     }
                     wgmma_commit();
                 }
+                static_assert(D / 32 == 4, "four batches: parts 0, 1 folded in before batches 2, 3");
                 wgmma_wait<0>();
-                fence_regs<NS>(x_acc);
+                fence_regs<NS>(x_part[0]);
+                fence_regs<NS>(x_part[1]);
+#pragma unroll
+                for (int i = 0; i < NS; ++i) x_acc[i] = (x_acc[i] + x_part[0][i]) + x_part[1][i];
                 fence_regs<16>(a_big[0]);                      // read by the last batches until here
                 fence_regs<16>(a_small[0]);
                 fence_regs<16>(a_big[1]);
