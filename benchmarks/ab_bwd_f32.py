@@ -10,8 +10,8 @@ relative difference: dQ is added with float atomics, so bits may differ between 
 Every tree's kernel is launched with the device's largest opt-in shared memory (the kernel checks
 only that it got at least its Layout's bytes), so candidate trees whose layout differs from this
 tree's Python mirror run too. Shapes as benchmarks/bench_f32_bwd.py (16k tokens, hidden 2048,
-hd 64 or --head-dim 128, bhsd storage). Prints per cell the median TFLOP/s of each tree over --rounds rounds and each
-tree's ratio to the first.
+hd 64 or --head-dim 128, bhsd storage). Prints per cell the median TFLOP/s of each tree over
+--rounds rounds and each tree's ratio to the first.
 """
 from __future__ import annotations
 
