@@ -9,9 +9,9 @@ relative difference: dQ is added with float atomics, so bits may differ between 
 
 Every tree's kernel is launched with the device's largest opt-in shared memory (the kernel checks
 only that it got at least its Layout's bytes), so candidate trees whose layout differs from this
-tree's Python mirror run too. Shapes as benchmarks/bench_f32_bwd.py (16k tokens, hidden 2048, hd
-64, bhsd storage). Prints per cell the median TFLOP/s of each tree over --rounds rounds and each
-tree's ratio to the first.
+tree's Python mirror run too. Shapes as benchmarks/bench_f32_bwd.py (16k tokens, hidden 2048,
+hd 64 or --head-dim 128, bhsd storage). Prints per cell the median TFLOP/s of each tree over
+--rounds rounds and each tree's ratio to the first.
 """
 from __future__ import annotations
 
@@ -52,13 +52,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=10, help="timed calls per tree and round")
     ap.add_argument("--memeff", action="store_true", help="SDPA memory-efficient peer")
+    ap.add_argument("--head-dim", type=int, default=64, choices=[64, 128])
     args = ap.parse_args(argv)
     trees = [Path(t).resolve() for t in args.trees]
     causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
     dev_id = cp.cuda.Device().id
     smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
     f32b.smem_bytes = lambda d: smem   # every tree's launch: the whole opt-in shared memory
-    d = 64
+    d = args.head_dim
     print(f"# {_bench.device_line()}; trees: " + ", ".join(f"[{i}] {t}" for i, t in enumerate(trees)))
     print(f"{'seqlen':>6} {'causal':>6} | " + " ".join(f"{f'[{i}]':>7}" for i in range(len(trees)))
           + f" {'memeff':>7} | " + " ".join(f"{f'[{i}]/[0]':>7}" for i in range(1, len(trees)))

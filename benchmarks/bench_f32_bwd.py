@@ -1,10 +1,11 @@
 """float32 attention backward on the H200: the Hopper 3xTF32 backward (bwd_sm90_f32.cu, forced with
-kernel="sm90"; hd 64 only: other head dims print the refusal), the portable 3xTF32 backward
+kernel="sm90"; hd 64 and 128: other head dims print the refusal), the portable 3xTF32 backward
 (bwd.cu) and PyTorch SDPA's memory-efficient backend on float32 (when torch imports);
 FlashAttention's shapes (16k tokens, hidden 2048), tensors stored bhsd.
 
     python benchmarks/bench_f32_bwd.py                          # hd 64, s 1k / 4k / 16k, both
     python benchmarks/bench_f32_bwd.py --seqlens 4096 --causal no
+    python benchmarks/bench_f32_bwd.py --head-dims 128 --seqlens 1024 4096 16384   # design T
 
 TFLOP/s = 2.5 · 4·b·h·s²·d (halved for causal) / median time of the backward alone (the
 forward's out / lse computed once beforehand). Each cell also prints the Hopper kernel's largest

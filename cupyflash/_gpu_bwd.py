@@ -564,7 +564,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
     "auto" (the planner: the Hopper main kernel, _gpu_bwd_sm90, on compute capability 9.0 where
     it covers the call, else the portable one), "portable", "sm90" (ValueError where it cannot
     run), or a BwdVariant to force (tuning, benchmarks); anything else is a ValueError. On
-    float32 the Hopper main kernel is bwd_sm90_f32.cu (_gpu_bwd_sm90_f32: 3xTF32, hd 64, dense,
+    float32 the Hopper main kernel is bwd_sm90_f32.cu (_gpu_bwd_sm90_f32: 3xTF32, hd 64 / 128, dense,
     no softcap / ALiBi / bias / mask, not deterministic); other float32 calls run bwd.cu.
     With ``opts.bias`` / ``opts.mask`` the GENERAL variant runs (a bias without a mask: the Hopper
     kernel's BIAS variant on compute capability 9.0 where it covers the call); ``dbias`` (a CuPy

@@ -2,10 +2,12 @@
 coverage, compilation and launch. _gpu_bwd's planner runs it for float32 calls it covers on
 compute capability 9.0 (docs/f32-backward-design.md).
 
-``flash_bwd_sm90_f32<f32x3_t, 64, WINDOW>``: dK, dV and dQ at float32 accuracy, 3xTF32 on wgmma;
-work tiles of 128 keys (two 64-key consumers), steps of 32 query rows; dQ is added into the float32
-dq output itself. One helper kernel before it: ``flash_bwd_pre_sm90_f32<64>`` (D = rowsum(dO ∘ O),
-dq zeroed); no dQ accumulator, no conversion kernel.
+``flash_bwd_sm90_f32<f32x3_t, D, WINDOW>``: dK, dV and dQ at float32 accuracy, 3xTF32 on wgmma;
+steps of 32 query rows; dQ is added into the float32 dq output itself. D = 64 (design S): work
+tiles of 128 keys (two 64-key consumers). D = 128 (design T, docs/f32-backward-design.md section
+15): work tiles of 64 keys, the two consumers own column halves of dK, dV, dQ and split the roles
+of Sᵀ / Pᵀ and dPᵀ / dS. One helper kernel before it: ``flash_bwd_pre_sm90_f32<D>`` (D =
+rowsum(dO ∘ O), dq zeroed); no dQ accumulator, no conversion kernel.
 """
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ from typing import NamedTuple, Optional
 
 from . import _plan
 
-BN = 128           # keys per work tile
 BM = 32            # query rows per step
 THREADS = 384
-HEAD_DIMS = (64,)
+HEAD_DIMS = (64, 128)
+#: keys per work tile, per head dim (sm90bf::Shape in bwd_sm90_f32.cu)
+BN_OF = {64: 128, 128: 64}
+BN = BN_OF[64]     # the hd 64 kernel's (kept for callers that predate hd 128)
 TILE_RING = 2
 N_BARRIERS = 15
 
@@ -30,9 +34,12 @@ class Sm90F32BwdVariant(NamedTuple):
 
     file = "bwd_sm90_f32.cu"
     arch_options = ("-arch=sm_90a",)
-    bn = BN
     bm = BM
     threads = THREADS
+
+    @property
+    def bn(self) -> int:
+        return BN_OF[self.d]
 
     @property
     def name_expression(self) -> str:
@@ -48,7 +55,7 @@ class Sm90F32BwdVariant(NamedTuple):
 
     @property
     def name(self) -> str:
-        return f"bwd90_f32_d{self.d}_{BM}x{BN}" + ("_window" if self.window else "")
+        return f"bwd90_f32_d{self.d}_{BM}x{self.bn}" + ("_window" if self.window else "")
 
     @property
     def smem_bytes(self) -> int:
@@ -56,13 +63,19 @@ class Sm90F32BwdVariant(NamedTuple):
 
 
 def smem_bytes(d: int) -> int:
-    """Mirrors sm90bf::Layout in bwd_sm90_f32.cu: k_big, k_small, v_big [128, d]; q / dO big and
-    small, their transposes big and small, two landing stages of raw q and dO (twelve [32, d]
-    tiles); dS big and small [32, 64] per consumer; lse / D rows [2, 32]; the work-tile ring (16
-    bytes); 15 mbarriers; 1024 bytes to align the swizzled panels."""
+    """Mirrors sm90bf::Layout / LayoutT in bwd_sm90_f32.cu. d = 64: k_big, k_small, v_big
+    [128, d]; q / dO big and small, their transposes big and small, two landing stages of raw q
+    and dO (twelve [32, d] tiles); dS big and small [32, 64] per consumer; lse / D rows [2, 32].
+    d = 128: k, v raw [64, d]; q / dO big (landing) and small, raw copies of q and dO (six [32, d]
+    tiles); Pᵀ, dSᵀ and dS big and small (six [64, 32] tiles); lse / D rows [2 steps][2, 32].
+    Both: the work-tile ring (16 bytes); 15 mbarrier slots; 1024 bytes to align the swizzled
+    panels."""
     f = 4
-    return (3 * BN * d * f + 12 * BM * d * f + 2 * 2 * BM * 64 * f
-            + 2 * BM * f + 16 + 8 * N_BARRIERS + 1024)
+    if d == 128:
+        body = 2 * 64 * d * f + 6 * BM * d * f + 6 * 64 * BM * f + 2 * 2 * BM * f
+    else:
+        body = 3 * BN * d * f + 12 * BM * d * f + 2 * 2 * BM * 64 * f + 2 * BM * f
+    return body + 16 + 8 * N_BARRIERS + 1024
 
 
 def variants():
@@ -118,14 +131,15 @@ def launch(variant: Sm90F32BwdVariant, prm, q, k, v, dout, dev_id,
     s_k, h_k = k.shape[1], k.shape[2]
     if h > 65535 or b > 65535:   # the pre kernel's grid.y, grid.z
         return None
-    for field, a, rows in (("tma_q", q, BM), ("tma_k", k, BN), ("tma_v", v, BN),
+    bn = variant.bn
+    for field, a, rows in (("tma_q", q, BM), ("tma_k", k, bn), ("tma_v", v, bn),
                            ("tma_do", dout, BM)):
         dims, byte_strides, box = _plan.tma_tensor(a.shape, _gpu._elem_strides(a, field), 4, rows)
         prm[field] = _tma.encode("float32", a.data.ptr, dims, byte_strides, box)
     prm["sched"] = _gpu._sched_counter(dev_id, _gpu._current_stream().ptr)
     main, pre = get_functions(variant, dev_id)
     rec = prm.reshape(1)[0]
-    num_work = -(-s_k // BN) * h_k * b
+    num_work = -(-s_k // bn) * h_k * b
     pre((-(-s_q // (256 // (variant.d // 4))), h, b), (256, 1, 1), (rec,))
     main((min(num_sms, num_work), 1, 1), (THREADS, 1, 1), (rec,), shared_mem=variant.smem_bytes)
     return variant.name

@@ -46,7 +46,14 @@
 
 namespace sm90bf {
 
-constexpr int BN = 128;              // keys per work tile: two consumers x 64
+// Per head-dim bucket: hd 64 (design S above), hd 128 (design T, below the hd 64 notes)
+template <int D>
+struct Shape {
+    static constexpr bool T = D == 128;           // design T: consumers own d halves
+    static constexpr int BN = T ? 64 : 128;       // keys per work tile (hd 64: two consumers x 64)
+    static constexpr int RAW_STAGES = T ? 1 : 2;  // Q, dO landing buffers (hd 64: step j + 1 lands
+                                                  // while step j's transposes still read step j's)
+};
 constexpr int BM = 32;               // query rows per step
 constexpr int THREADS = 384;
 constexpr int PRODUCER_REGS = 56;
@@ -56,9 +63,12 @@ constexpr int PANEL = 32;            // 32 floats = one 128-byte swizzle row
 constexpr int CONV_THREADS = 96;     // producer warps 1..3
 constexpr int CONV_BAR = 3;          // named barrier of the converters
 constexpr int WG_BAR = 4;            // named barriers 4, 5: the 128 threads of consumer 0, 1
+// Design T's handoffs between the consumers (256 threads each: one side arrives, the other syncs)
+constexpr int PT_FULL = 6;           // c0 wrote the step's Pᵀ (c1 waits)
+constexpr int DS_FULL = 7;           // c1 wrote the step's dSᵀ, dS (c0 waits)
+constexpr int PT_EMPTY = 8;          // c1 is done with the last Pᵀ (c0 waits before the next)
+constexpr int DS_EMPTY = 9;          // c0 is done with the last dSᵀ, dS (c1 waits before the next)
 constexpr int TILE_RING = 2;
-constexpr int RAW_STAGES = 2;        // Q, dO landing buffers: step j + 1 lands while step j's
-                                     // transposes still read step j's
 constexpr int TILE_READERS = 2 * 4 + 3;   // consumer warps + converter warps
 constexpr int CONSUMER_WARPS = 2 * 4;
 
@@ -66,6 +76,7 @@ constexpr int CONSUMER_WARPS = 2 * 4;
 // cupyflash/_gpu_bwd_sm90_f32.py: smem_bytes.
 template <int D>
 struct Layout {
+    static constexpr int BN = Shape<D>::BN, RAW_STAGES = Shape<D>::RAW_STAGES;
     static constexpr int KV_PANEL = BN * 128;                // [BN, 32] panel of K / V
     static constexpr int KVT = BN * D * 4;                   // one K / V tile part
     static constexpr int Q_PANEL = BM * 128;                 // [BM, 32] panel of Q / dO
@@ -92,7 +103,46 @@ struct Layout {
     static constexpr int TILE = ROWS + 2 * BM * 4;           // tile_smem [TILE_RING] int (+ pad)
     static constexpr int BARS = TILE + 16;                   // 15 mbarriers (see the kernel)
     static constexpr int BYTES = BARS + 8 * 15;
+    static constexpr int K_LAND = KB, V_LAND = VB;           // where TMA lands K, V
 };
+
+// Design T (hd 128): byte offsets as Layout's, mirrored by _gpu_bwd_sm90_f32.py: smem_bytes.
+// K, V stay raw (A operands split on the fly in registers). Q, dO of a step land twice (TMA, the
+// second read from L2): in the big halves of their parts, split there in place by the converters
+// (B of Sᵀ, dPᵀ; free once those are done, so step j + 1 lands and is split while step j's later
+// products run), and raw in rq / rdo (A of dKᵀ_h, dVᵀ_h, split on the fly). Pᵀ, dSᵀ [BN keys, BM
+// query slots] and dS [BM queries, BN key slots] in big / small parts are the consumers' handoffs.
+template <int D>
+struct LayoutT {
+    static constexpr int BN = Shape<D>::BN, RAW_STAGES = Shape<D>::RAW_STAGES;
+    static constexpr int KV_PANEL = BN * 128;                // [BN, 32] panel of K / V
+    static constexpr int KVT = BN * D * 4;                   // K or V raw [BN, D]
+    static constexpr int Q_PANEL = BM * 128;                 // [BM, 32] panel of Q / dO
+    static constexpr int QT = BM * D * 4;                    // one Q / dO tile part
+    static constexpr int PT = BN * BM * 4;                   // one part of Pᵀ / dSᵀ [BN][BM] (one panel)
+    static constexpr int DS_PANEL = BM * 128;                // [BM, 32 key slots] panel of dS
+    static constexpr int KR = 0;                             // k_raw [D/32][BN][32] (TMA)
+    static constexpr int VR = KR + KVT;                      // v_raw [D/32][BN][32] (TMA)
+    static constexpr int QB = VR + KVT;                      // q_big [D/32][BM][32] (TMA raw, split in place)
+    static constexpr int QS = QB + QT;                       // q_small
+    static constexpr int DOB = QS + QT;                      // do_big (TMA raw, split in place)
+    static constexpr int DOS = DOB + QT;                     // do_small
+    static constexpr int RQ = DOS + QT;                      // q raw copy [D/32][BM][32] (TMA)
+    static constexpr int RDO = RQ + QT;                      // dO raw copy (TMA)
+    static constexpr int PTB = RDO + QT;                     // pT_big [BN keys][BM query slots] (c0)
+    static constexpr int PTS = PTB + PT;                     // pT_small
+    static constexpr int DSTB = PTS + PT;                    // dsT_big [BN keys][BM query slots] (c1)
+    static constexpr int DSTS = DSTB + PT;                   // dsT_small
+    static constexpr int DSB = DSTS + PT;                    // ds_big [BN/32][BM queries][32 key slots] (c1)
+    static constexpr int DSS = DSB + BN * BM * 4;            // ds_small
+    static constexpr int ROWS = DSS + BN * BM * 4;           // [step % 2][lse·log2 e, D][BM]
+    static constexpr int TILE = ROWS + 2 * 2 * BM * 4;       // tile_smem [TILE_RING] int (+ pad)
+    static constexpr int BARS = TILE + 16;                   // 15 mbarrier slots (T uses 12)
+    static constexpr int BYTES = BARS + 8 * 15;
+    static constexpr int K_LAND = KR, V_LAND = VR;           // where TMA lands K, V
+};
+template <int D> struct LayoutOf { using type = Layout<D>; };
+template <> struct LayoutOf<128> { using type = LayoutT<128>; };
 
 // Work tile w = n_block + num_n · (kv_head + h_k · batch) (dense; bwd_sm90.cu's order)
 struct WorkTile {
@@ -100,8 +150,9 @@ struct WorkTile {
     int m_first, m_count;     // the BM-row query tiles that see them
     int steps;                // m_count x the query heads of the group
 };
-template <bool WINDOW>
+template <int D, bool WINDOW>
 __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
+    constexpr int BN = Shape<D>::BN;
     const int num_n = (p.s_k + BN - 1) / BN;
     WorkTile wt;
     wt.n0 = (w % num_n) * BN;
@@ -139,6 +190,21 @@ __device__ __forceinline__ u32 swz(int row, int col, int panel) {
     return (col / PANEL) * panel + row * 128 + ((((col % PANEL) / 4) ^ (row % 8)) << 4) + 4 * (col % 4);
 }
 
+// dq rows m0 .. m0 + BM of one (batch, head) (dq_bh: float32 [s_q, D], zeroed by
+// flash_bwd_pre_sm90_f32) += one consumer's dQᵀ partial [columns d0, d0 + 1 (relabelled rows),
+// BM queries] straight from registers: register i holds (column d0 or d0 + 1 for i % 4 < 2 or
+// >= 2, query (i / 4)·8 + 2c + i % 2), so (acc[i], acc[i + 2]) are two adjacent columns: one
+// red.global.add.v2.f32 each (rows past s_q skipped)
+__device__ __forceinline__ void add_dq(float* dq_bh, i64 stride_s, int m0, int s_q, int d0, int col_in_8,
+                                       const float* acc) {
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) {
+        if (i % 4 >= 2) continue;
+        const int q = (i / 4) * 8 + col_in_8 + (i % 2);
+        if (m0 + q < s_q) sm90b::red_add_v2(dq_bh + (m0 + q) * stride_s + d0, acc[i], acc[i + 2]);
+    }
+}
+
 }  // namespace sm90bf
 
 template <typename E, int D, bool WINDOW>
@@ -148,9 +214,10 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
     // bwd_sm90.cu's red.add; its constants, Layout and WorkTile are named with their namespace
     // where both exist (sm90bf's are used here)
     using sm90b::red_add_v2;
-    using L = sm90bf::Layout<D>;
+    using L = typename LayoutOf<D>::type;
+    constexpr int BN = Shape<D>::BN, RAW_STAGES = Shape<D>::RAW_STAGES;
     static_assert(Elem<E>::split && !Elem<E>::is16, "float32 at float32 accuracy (f32x3_t)");
-    static_assert(D == 64, "hd 64 only: hd 128 fits no layout (docs/f32-backward-design.md)");
+    static_assert(D == 64 || D == 128, "hd 64 (design S) or hd 128 (design T)");
     constexpr int NS = BM / 2;       // Sᵀ / dPᵀ accumulator registers per lane: [64 keys, BM]
     constexpr int NKV = D / 2;       // dK / dV accumulator registers per lane: [64 keys, D]
     constexpr int NQ = BM / 2;       // dQᵀ accumulator registers per lane: [D, BM]
@@ -175,6 +242,10 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
     const u32 nat_empty = nat_full + 8;                 // every consumer warp is past Sᵀ, dPᵀ, dSᵀ
     const u32 t_full = nat_empty + 8;                   // Qᵀ, dOᵀ big / small written
     const u32 t_empty = t_full + 8;                     // both consumers' dV, dK of the step done
+    // Design T (hd 128) in the same slots: raw_full = Q, dO landed in their big halves (TMA); no
+    // transposes, so two slots take new names: the raw Q, dO copies landed (TMA) / every consumer
+    // warp has loaded its dKᵀ, dVᵀ fragments from them
+    const u32 r_full = raw_empty, r_empty = t_full;
     const int num_n = (p.s_k + BN - 1) / BN;                  // key tiles per (kv head, batch)
     const int num_work = num_n * p.h_k * p.b;
 
@@ -186,14 +257,14 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
         }
         mbar_init(kv_raw, 1);                            // TMA thread's expect_tx arrival (+ bytes)
         mbar_init(kv_full, 1);                           // converter leader
-        mbar_init(kv_empty, 2);                          // one arrival per consumer
+        mbar_init(kv_empty, Shape<D>::T ? CONSUMER_WARPS : 2);   // per consumer (T: per consumer warp)
         for (int s = 0; s < RAW_STAGES; ++s) {
             mbar_init(raw_full + 8 * s, 1);              // TMA thread (+ bytes)
-            mbar_init(raw_empty + 8 * s, 1);             // converter leader
+            mbar_init(raw_empty + 8 * s, 1);             // converter leader (T: r_full, TMA thread + bytes)
         }
         mbar_init(nat_full, 1);                          // converter leader
         mbar_init(nat_empty, CONSUMER_WARPS);            // one arrival per consumer warp (rows read)
-        mbar_init(t_full, 1);                            // converter leader
+        mbar_init(t_full, Shape<D>::T ? CONSUMER_WARPS : 1);   // converter leader (T: r_empty, per consumer warp)
         mbar_init(t_empty, 2);                           // one arrival per consumer
         mbar_fence_init();
     }
@@ -221,22 +292,37 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 tile_smem[ts] = w < num_work ? w : -1;
                 mbar_arrive(tile_full + 8 * ts);           // publishes tile_smem[ts] (release)
                 if (w >= num_work) break;
-                const WorkTile wt = work_tile<WINDOW>(p, w);
+                const WorkTile wt = work_tile<D, WINDOW>(p, w);
                 int head = wt.kv_head * p.h_per_hk, mi = 0;
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
-                    // Q, dO [BM, D] of the step into landing stage q_it % RAW_STAGES, once the
-                    // converters are done with the step that used it before
                     const int m0 = (wt.m_first + mi) * BM;
                     if (++mi == wt.m_count) mi = 0;
-                    const int rs = q_it % RAW_STAGES;
-                    const u32 full = raw_full + 8 * rs, raw = smem + L::RAWQ + rs * L::RAW_STAGE;
-                    if (q_it >= RAW_STAGES) mbar_wait(raw_empty + 8 * rs, (q_it / RAW_STAGES - 1) & 1);
-                    mbar_arrive_expect_tx(full, 2 * BM * D * 4);
+                    // Q, dO [BM, D] of the step (D / 32 panels each) to q_dst, do_dst, counted on `full`
+                    auto load_q_do = [&](u32 full, u32 q_dst, u32 do_dst) {
+                        mbar_arrive_expect_tx(full, 2 * BM * D * 4);
 #pragma unroll
-                    for (int c = 0; c < D / PANEL; ++c) {
-                        tma_load_4d(raw + c * L::Q_PANEL, &p.tma_q, full, c * PANEL, m0, head, wt.batch);
-                        tma_load_4d(raw + L::QT + c * L::Q_PANEL, &p.tma_do, full, c * PANEL, m0, head,
-                                    wt.batch);
+                        for (int c = 0; c < D / PANEL; ++c) {
+                            tma_load_4d(q_dst + c * L::Q_PANEL, &p.tma_q, full, c * PANEL, m0, head, wt.batch);
+                            tma_load_4d(do_dst + c * L::Q_PANEL, &p.tma_do, full, c * PANEL, m0, head,
+                                        wt.batch);
+                        }
+                    };
+                    if constexpr (Shape<D>::T) {
+                        // into the big halves of the parts (raw_full: landed), once every consumer
+                        // warp's Sᵀ / dPᵀ of the last step has read them (nat_empty)
+                        if (q_it > 0) mbar_wait(nat_empty, (q_it - 1) & 1);
+                        load_q_do(raw_full, smem + L::QB, smem + L::DOB);
+                        // the raw copies (r_full: landed), once every consumer warp has loaded the
+                        // last step's dKᵀ / dVᵀ fragments from them (r_empty)
+                        if (q_it > 0) mbar_wait(r_empty, (q_it - 1) & 1);
+                        load_q_do(r_full, smem + L::RQ, smem + L::RDO);
+                    } else {
+                        // into landing stage q_it % RAW_STAGES, once the converters are done with
+                        // the step that used it before
+                        const int rs = q_it % RAW_STAGES;
+                        const u32 raw = smem + L::RAWQ + rs * L::RAW_STAGE;
+                        if (q_it >= RAW_STAGES) mbar_wait(raw_empty + 8 * rs, (q_it / RAW_STAGES - 1) & 1);
+                        load_q_do(raw_full + 8 * rs, raw, raw + L::QT);
                     }
                     if (mi == 0) ++head;
                     if (st == 0) {
@@ -246,10 +332,10 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                         mbar_arrive_expect_tx(kv_raw, 2 * BN * D * 4);
 #pragma unroll
                         for (int c = 0; c < D / PANEL; ++c) {
-                            tma_load_4d(smem + L::KB + c * L::KV_PANEL, &p.tma_k, kv_raw, c * PANEL, wt.n0,
-                                        wt.kv_head, wt.batch);
-                            tma_load_4d(smem + L::VB + c * L::KV_PANEL, &p.tma_v, kv_raw, c * PANEL, wt.n0,
-                                        wt.kv_head, wt.batch);
+                            tma_load_4d(smem + L::K_LAND + c * L::KV_PANEL, &p.tma_k, kv_raw, c * PANEL,
+                                        wt.n0, wt.kv_head, wt.batch);
+                            tma_load_4d(smem + L::V_LAND + c * L::KV_PANEL, &p.tma_v, kv_raw, c * PANEL,
+                                        wt.n0, wt.kv_head, wt.batch);
                         }
                         ++kv_it;
                     }
@@ -294,28 +380,11 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     }
                 }
             };
-            // Xᵀ big / small of the raw Q and dO of a step ([BM, D] tiles, query rows, swizzled
-            // [D/32][BM][32], QT bytes apart) -> qT_big, qT_small, doT_big, doT_small, each
-            // [BM/32][D][32] (row = column d, queries permuted inside each 8-query k-step: query
-            // 2c -> slot c, 2c + 1 -> slot c + 4, matching the P / dS A fragments), split as they
-            // are written. Item i of tile i / ITEMS (Q, dO) = 4 queries x 4 columns: sm90.cuh's
-            // TransposeItem, as fwd_sm90_f32.cu's transpose_v with BN := BM (bank-conflict-free
-            // phases, checked by tests/test_sm90_f32_bwd_layout.py)
-            auto transpose_split = [&](u32 src0) {
-                constexpr int ITEMS = BM * D / 16, ALL = 2 * ITEMS;
-                for (int ia = cu; ia < ALL; ia += CONV_THREADS) {
-                    const int part = ia / ITEMS;
-                    const TransposeItem<BM, D> it(ia % ITEMS);
-                    const u32 src = src0 + part * L::QT;
-                    const u32 dst_big = smem + L::QTB + part * 2 * L::QT;
-                    it.template move<true>(src, dst_big, dst_big + L::QT);
-                }
-            };
             int kv_it = 0, q_it = 0;
             for (int tile_i = 0;; ++tile_i) {
                 const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING, cu % 32 == 0);
                 if (w < 0) break;
-                const WorkTile wt = work_tile<WINDOW>(p, w);
+                const WorkTile wt = work_tile<D, WINDOW>(p, w);
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
                     const int head = step_head(p, wt, st), m0 = step_m0(wt, st);
                     // ---- lse·log2 e and D of the step's rows, loaded first so the global-memory
@@ -328,33 +397,65 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                         lse_row = p.lse[bh_row + row];
                         dsum_row = p.dsum[bh_row + row];
                     }
-                    const int rs = q_it % RAW_STAGES;
-                    const u32 raw = smem + L::RAWQ + rs * L::RAW_STAGE;   // the step's Q, dO raw
-                    mbar_wait(raw_full + 8 * rs, (q_it / RAW_STAGES) & 1);   // Q, dO of the step landed
-                    if (q_it > 0) mbar_wait(nat_empty, (q_it - 1) & 1);   // the last step's Sᵀ, dPᵀ, rows done
-                    // ---- Q, dO: big / small as stored (B of Sᵀ, dPᵀ), one run over both
-                    static_assert(L::RAWDO == L::RAWQ + L::QT && L::DOB == L::QS + L::QT &&
-                                  L::QS == L::QB + L::QT, "Q, dO landing buffers and parts adjacent");
-                    split_run(raw, smem + L::QB, smem + L::QS, 2 * BM * D / 4, L::QT);
-                    if (cu < BM) {
-                        rows_smem[cu] = lse_row == -CF_INF ? CF_INF : lse_row * CF_LOG2E;
-                        rows_smem[BM + cu] = dsum_row;
+                    if constexpr (Shape<D>::T) {
+                        // ---- Q, dO landed raw in their big halves: split in place (B of Sᵀ, dPᵀ);
+                        //      the TMA thread waited for the last step's readers (nat_empty). Rows
+                        //      in buffer q_it % 2 (the last step's D is read until c1's dSᵀ)
+                        mbar_wait(raw_full, q_it & 1);
+                        split_run(smem + L::QB, smem + L::QB, smem + L::QS, BM * D / 4, 0);
+                        split_run(smem + L::DOB, smem + L::DOB, smem + L::DOS, BM * D / 4, 0);
+                        if (cu < BM) {
+                            float* rows_step = rows_smem + (q_it & 1) * 2 * BM;   // [2][BM]
+                            rows_step[cu] = lse_row == -CF_INF ? CF_INF : lse_row * CF_LOG2E;
+                            rows_step[BM + cu] = dsum_row;
+                        }
+                        release(nat_full, 0);
+                    } else {
+                        const int rs = q_it % RAW_STAGES;
+                        const u32 raw = smem + L::RAWQ + rs * L::RAW_STAGE;   // the step's Q, dO raw
+                        mbar_wait(raw_full + 8 * rs, (q_it / RAW_STAGES) & 1);   // Q, dO of the step landed
+                        if (q_it > 0) mbar_wait(nat_empty, (q_it - 1) & 1);   // the last step's Sᵀ, dPᵀ, rows done
+                        // ---- Q, dO: big / small as stored (B of Sᵀ, dPᵀ), one run over both
+                        static_assert(L::RAWDO == L::RAWQ + L::QT && L::DOB == L::QS + L::QT &&
+                                      L::QS == L::QB + L::QT, "Q, dO landing buffers and parts adjacent");
+                        split_run(raw, smem + L::QB, smem + L::QS, 2 * BM * D / 4, L::QT);
+                        if (cu < BM) {
+                            rows_smem[cu] = lse_row == -CF_INF ? CF_INF : lse_row * CF_LOG2E;
+                            rows_smem[BM + cu] = dsum_row;
+                        }
+                        release(nat_full, 0);
+                        if (st == 0) {
+                            // ---- K of the tile: big in place, small (A of Sᵀ; Kᵀ fragments of dQᵀ)
+                            mbar_wait(kv_raw, kv_it & 1);
+                            split_run(smem + L::KB, smem + L::KB, smem + L::KS, BN * D / 4, 0);
+                            release(kv_full, 0);
+                            ++kv_it;
+                        }
+                        // Xᵀ big / small of the raw Q and dO of a step ([BM, D] tiles, query rows, swizzled
+                        // [D/32][BM][32], QT bytes apart) -> qT_big, qT_small, doT_big, doT_small, each
+                        // [BM/32][D][32] (row = column d, queries permuted inside each 8-query k-step: query
+                        // 2c -> slot c, 2c + 1 -> slot c + 4, matching the P / dS A fragments), split as they
+                        // are written. Item i of tile i / ITEMS (Q, dO) = 4 queries x 4 columns: sm90.cuh's
+                        // TransposeItem, as fwd_sm90_f32.cu's transpose_v with BN := BM (bank-conflict-free
+                        // phases, checked by tests/test_sm90_f32_bwd_layout.py)
+                        auto transpose_split = [&](u32 src0) {
+                            constexpr int ITEMS = BM * D / 16, ALL = 2 * ITEMS;
+                            for (int ia = cu; ia < ALL; ia += CONV_THREADS) {
+                                const int part = ia / ITEMS;
+                                const TransposeItem<BM, D> it(ia % ITEMS);
+                                const u32 src = src0 + part * L::QT;
+                                const u32 dst_big = smem + L::QTB + part * 2 * L::QT;
+                                it.template move<true>(src, dst_big, dst_big + L::QT);
+                            }
+                        };
+                        // ---- Qᵀ, dOᵀ big / small (B of dK, dV) from the raw Q, dO, once the last
+                        //      step's dV, dK are done; then the landing stage may take step q_it + 2
+                        if (q_it > 0) mbar_wait(t_empty, (q_it - 1) & 1);
+                        static_assert(L::QTS == L::QTB + L::QT && L::DOTB == L::QTS + L::QT &&
+                                      L::DOTS == L::DOTB + L::QT, "transposed parts adjacent");
+                        transpose_split(raw);
+                        release(t_full, raw_empty + 8 * rs);
                     }
-                    release(nat_full, 0);
-                    if (st == 0) {
-                        // ---- K of the tile: big in place, small (A of Sᵀ; Kᵀ fragments of dQᵀ)
-                        mbar_wait(kv_raw, kv_it & 1);
-                        split_run(smem + L::KB, smem + L::KB, smem + L::KS, BN * D / 4, 0);
-                        release(kv_full, 0);
-                        ++kv_it;
-                    }
-                    // ---- Qᵀ, dOᵀ big / small (B of dK, dV) from the raw Q, dO, once the last
-                    //      step's dV, dK are done; then the landing stage may take step q_it + 2
-                    if (q_it > 0) mbar_wait(t_empty, (q_it - 1) & 1);
-                    static_assert(L::QTS == L::QTB + L::QT && L::DOTB == L::QTS + L::QT &&
-                                  L::DOTS == L::DOTB + L::QT, "transposed parts adjacent");
-                    transpose_split(raw);
-                    release(t_full, raw_empty + 8 * rs);
                 }
             }
         }
@@ -363,266 +464,546 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
 
     // ================================ consumers ================================
     regs_acquire<CONSUMER_REGS>();
-    const int cw = wg - 1;                                 // consumer 0 or 1: keys n0 + 64·cw ..
-    const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8
-    const int c4 = t % 4;
-    const int col_in_8 = 2 * c4;                           // accumulator columns col_in_8, +1 (of 8)
-    const u32 k_wg = smem + L::KB + cw * 64 * 128;         // this consumer's 64 rows of k_big
-    const u32 ks_wg = smem + L::KS + cw * 64 * 128;        // ... of k_small
-    const u32 v_wg = smem + L::VB + cw * 64 * 128;         // ... of v_big
-    const u32 ds_big = smem + L::DS + cw * 2 * L::DS_PART; // dS [BM, 64 keys] big, then small
-    const u32 ds_small = ds_big + L::DS_PART;
-    const float* lse_smem = rows_smem;                     // [BM] lse·log2 e of the step
-    const float* dsum_smem = rows_smem + BM;               // [BM] D of the step
+    if constexpr (Shape<D>::T) {
+        // ============================ design T consumers (hd 128) ============================
+        // Consumer h = cw owns columns 64h .. 64h + 63 of dK, dV, dQ. Per step (32 queries, the
+        // tile's 64 keys) c0 makes Sᵀ and Pᵀ, c1 makes dPᵀ and dSᵀ / dS (the role split); both then
+        // make their column halves of dVᵀ, dKᵀ and dQᵀ (transposed products: M = 64 columns d).
+        constexpr int DH = D / 2;                              // columns per consumer
+        constexpr int NT = BN / 2;                             // dKᵀ_h / dVᵀ_h registers per lane: [DH, BN]
+        const int cw = wg - 1;                                 // consumer 0 (Pᵀ) or 1 (dSᵀ, dS)
+        const int g = (t % 32) / 4, c4 = t % 4;
+        const int row_in_wg = 16 * (t / 32) + g;               // Sᵀ / dPᵀ accumulator rows (keys) row_in_wg, +8
+        const int col_in_8 = 2 * c4;                           // accumulator columns col_in_8, +1 (of 8)
+        // Rows r, r + 8 of the transposed products' M (this lane's fragment and accumulator rows)
+        // are relabelled as columns d0, d0 + 1 of the half: every A fragment pair is one 8-byte load,
+        // every accumulator pair one 8-byte store or red.add (undone there)
+        const int d0 = DH * cw + 16 * (t / 32) + 2 * g;        // column of D
+        // this consumer's first product: c0 Sᵀ = K Qᵀ, c1 dPᵀ = V dOᵀ  [BN keys, BM queries]
+        const u32 x_raw = smem + (cw == 0 ? L::KR : L::VR);    // A: K / V raw [D/32][BN][32]
+        const u32 y_big = smem + (cw == 0 ? L::QB : L::DOB);   // B: Q / dO big [D/32][BM][32]
+        const u32 y_small = y_big + L::QT;                     //    (QS = QB + QT, DOS = DOB + QT)
+        static_assert(L::QS == L::QB + L::QT && L::DOS == L::DOB + L::QT, "small parts after big");
 
-    float dk_acc[NKV], dv_acc[NKV];   // dK, dV [64 keys, D], fp32
-    u32 vs_frag[D / 2];               // V small [64 keys, D] as TF32 A fragments (4 per k-step)
-
-    int q_it = 0, kv_it = 0;          // steps and K/V tiles consumed so far (barrier phases)
-    for (int tile_i = 0;; ++tile_i) {
-        const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING, t % 32 == 0);
-        if (w < 0) break;
-        const WorkTile wt = work_tile<WINDOW>(p, w);
-        const int n0 = wt.n0;
-        const int key0 = n0 + cw * 64 + row_in_wg;         // this lane's keys: key0, key0 + 8
-
-#pragma unroll
-        for (int i = 0; i < NKV; ++i) dk_acc[i] = dv_acc[i] = 0.f;
-        if (wt.steps > 0) {
-            mbar_wait(kv_raw, kv_it & 1);                  // V landed (the phase cannot move on
-                                                           // before this consumer's kv_empty)
-            // ---- V rows of this consumer: big back in place (the shared operand of v_big·do_big,
-            //      v_big·do_small), small kept in vs_frag. Per 8-column k-step kk the A fragment is
-            //      V(r, 8kk + c), V(r + 8, 8kk + c), V(r, 8kk + c + 4), V(r + 8, 8kk + c + 4)
-            //      (r = row_in_wg, c = t % 4)
-#pragma unroll
-            for (int kk = 0; kk < D / 8; ++kk) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = row_in_wg + 8 * (e % 2), x = 8 * kk + c4 + 4 * (e / 2);
-                    const u32 a = v_wg + swz(r, x, L::KV_PANEL);
-                    u32 big;
-                    split_tf32(lds32(a), big, vs_frag[4 * kk + e]);
-                    sts32(a, big);
-                }
-            }
-            fence_proxy_async();                   // the big part is read by wgmma (async proxy)
-            named_bar_sync(WG_BAR + cw, 128);      // every warp of the warpgroup has written its rows
-            // K split: waited after the V split, so the two splits overlap
-            mbar_wait(kv_full, kv_it & 1);
-        }
-
-        for (int st = 0; st < wt.steps; ++st, ++q_it) {
-            const int m0 = step_m0(wt, st);
-            const int head = step_head(p, wt, st);
-            mbar_wait(nat_full, q_it & 1);                 // Q, dO parts and rows written
-
-            // ---- Sᵀ = K Qᵀ  [64 keys, BM]: k-steps of 8 columns (32 bytes) through the D / 32
-            //      panels; per k-step k_small·q_big + k_big·q_small + k_big·q_big (all SS)
-            float s_acc[NS], dp_acc[NS];
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 8; ++kk) {
-                const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
-                const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
-                wgmma_ss_tf32<BM>(s_acc, smem_desc(ks_wg + k_off, 16, 1024),
-                                  smem_desc(smem + L::QB + q_off, 16, 1024), kk > 0);
-                wgmma_ss_tf32<BM>(s_acc, smem_desc(k_wg + k_off, 16, 1024),
-                                  smem_desc(smem + L::QS + q_off, 16, 1024), 1);
-                wgmma_ss_tf32<BM>(s_acc, smem_desc(k_wg + k_off, 16, 1024),
-                                  smem_desc(smem + L::QB + q_off, 16, 1024), 1);
-            }
-            wgmma_commit();
-            // ---- dPᵀ = V dOᵀ  [64 keys, BM]: v_big·do_big (first: it overwrites), v_big·do_small,
-            //      v_small·do_big (registers); its own group, so Pᵀ starts when Sᵀ is done
-#pragma unroll
-            for (int kk = 0; kk < D / 8; ++kk) {
-                const u32 v_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
-                const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
-                wgmma_ss_tf32<BM>(dp_acc, smem_desc(v_wg + v_off, 16, 1024),
-                                  smem_desc(smem + L::DOB + q_off, 16, 1024), kk > 0);
-                wgmma_ss_tf32<BM>(dp_acc, smem_desc(v_wg + v_off, 16, 1024),
-                                  smem_desc(smem + L::DOS + q_off, 16, 1024), 1);
-                wgmma_rs_tf32<BM>(dp_acc, vs_frag + 4 * kk, smem_desc(smem + L::DOB + q_off, 16, 1024));
-            }
-            wgmma_commit();
-            wgmma_wait<1>();                               // Sᵀ done (dPᵀ may still run)
-            fence_regs<NS>(s_acc);
-
-            // ---- Pᵀ = exp2(Sᵀ·scale·log2 e − lse·log2 e), masked, in place in s_acc
-            bool need_mask = n0 + BN > p.s_k;
-            if (WINDOW)
-                need_mask |= n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
-                             n0 < m0 + BM - 1 + p.diag_offset - p.window_left;
-#pragma unroll
-            for (int i = 0; i < NS; ++i) {
-                const int col = (i / 4) * 8 + col_in_8 + (i % 2);   // query row m0 + col
-                const int key = key0 + ((i % 4) >= 2 ? 8 : 0);
-                float pe = fast_exp2(s_acc[i] * p.scale_log2 - lse_smem[col]);
-                if (need_mask) {
-                    const int diag = m0 + col + p.diag_offset;
-                    bool keep = key < p.s_k;
-                    if (WINDOW) keep = keep && key <= diag + p.window_right && key >= diag - p.window_left;
-                    if (!keep) pe = 0.f;
-                }
-                s_acc[i] = pe;
-            }
-            wgmma_wait<0>();                               // dPᵀ done
-            fence_regs<NS>(dp_acc);
-            fence_regs<D / 2>(vs_frag);                    // read by dPᵀ until here
-
-            // ---- dSᵀ = Pᵀ ∘ (dPᵀ − D)·scale; Pᵀ and dSᵀ split into TF32 A fragments. Accumulator
-            //      registers 4kk .. 4kk + 3 of query step kk hold (key r, query 2c), (r, 2c + 1),
-            //      (r + 8, 2c), (r + 8, 2c + 1); fragment slots c, c + 4 are queries 2c, 2c + 1
-            //      (Qᵀ / dOᵀ are stored to match): a = {x[4kk], x[4kk + 2], x[4kk + 1], x[4kk + 3]}
-            u32 p_big[NS], p_small[NS], ds_bigf[NS], ds_smallf[NS];
+        // step_acc [DH columns, BN keys] = Xᵀ_h Y: A = Xᵀ_h loaded from the raw copy X [BM
+        // queries][D] (columns d0, d0 + 1: one 8-byte load; queries in key_of_slot order inside
+        // each 8-query k-step) and split on the fly, B = Y big / small [BN keys][BM query slots]
+        // K-major (8 slots = 32 bytes per k-step); per k-step small·big + big·small + big·big, into
+        // a zeroed accumulator (added to dKᵀ_h / dVᵀ_h in fp32 by the caller: section 8 (3)).
+        // last_raw_read: once its fragments are in registers this warp is done with the raw
+        // copies (r_empty arrival).
+        float step_acc[NT];
+        auto step_product = [&](u32 x_raw_tile, u32 yb, u32 ys, bool last_raw_read) {
+            u32 fb[NS], fs[NS];   // [BM/8 k-steps][A(d0, c), A(d0 + 1, c), A(d0, c + 4), A(d0 + 1, c + 4)]
 #pragma unroll
             for (int kk = 0; kk < BM / 8; ++kk) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = 4 * kk + (e == 1 ? 2 : e == 2 ? 1 : e);
-                    const int col = kk * 8 + col_in_8 + (i % 2);
-                    const float ds = s_acc[i] * (dp_acc[i] - dsum_smem[col]) * p.scale;
-                    split_tf32(s_acc[i], p_big[4 * kk + e], p_small[4 * kk + e]);
-                    split_tf32(ds, ds_bigf[4 * kk + e], ds_smallf[4 * kk + e]);
+                for (int hh = 0; hh < 2; ++hh) {
+                    u32 x, y;
+                    lds64(x_raw_tile + swz(key_of_slot(8 * kk + c4 + 4 * hh), d0, L::Q_PANEL), x, y);
+                    split_tf32(__uint_as_float(x), fb[4 * kk + 2 * hh], fs[4 * kk + 2 * hh]);
+                    split_tf32(__uint_as_float(y), fb[4 * kk + 2 * hh + 1], fs[4 * kk + 2 * hh + 1]);
                 }
             }
-            __syncwarp();                                  // every lane of the warp has read the rows
-            if (t % 32 == 0) mbar_arrive(nat_empty);       // Sᵀ, dPᵀ done: Q, dO parts and rows free
-
-            // ---- dS big / small -> this consumer's dS tile [BM queries, 64 keys] (keys
-            //      contiguous in slot order, 128-byte swizzle, panels of 32 keys): the B operand of
-            //      dQᵀ = Kᵀ dSᵀ. Slot e of step kk is key row_in_wg + 8(e % 2), query 8kk + 2c + e / 2.
-#pragma unroll
-            for (int kk = 0; kk < BM / 8; ++kk) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int kl = row_in_wg + 8 * (e % 2), q = 8 * kk + col_in_8 + e / 2;
-                    const u32 off = swz(q, slot_of_key(kl), L::DS_PANEL);
-                    sts32(ds_big + off, ds_bigf[4 * kk + e]);
-                    sts32(ds_small + off, ds_smallf[4 * kk + e]);
-                }
+            if (last_raw_read) {
+                __syncwarp();                                  // every lane's fragments loaded
+                if (t % 32 == 0) mbar_arrive(r_empty);
             }
-            fence_proxy_async();   // for the dQᵀ product (before the dV / dK group: ptxas 12.9)
-
-            // ---- dV += Pᵀ dO, dK += dSᵀ Q  [64 keys, D]: B = dOᵀ / Qᵀ [D, BM] K-major, 8 queries
-            //      (32 bytes) per k-step; per k-step small·big + big·small + big·big. Each step's
-            //      product goes to a zeroed step accumulator, added to dV / dK in fp32 (round to
-            //      nearest): the tensor cores' accumulation rounds toward zero, and 12 products per
-            //      step into dV / dK directly biased them by ~steps·12·2⁻²⁴ relative (2048 rows:
-            //      5e-5). dV, then dK, through the one step accumulator (32 registers).
-            float step_acc[NKV];
-            // step_acc [64 keys, D] += A [64 keys, BM] (big / small TF32 fragments) · B [BM, D]
-            // (its transposed parts xt_big / xt_small [D, BM] K-major), issued and committed
-            auto issue_step_product = [&](const u32* a_big, const u32* a_small, u32 xt_big, u32 xt_small) {
-                fence_regs<NKV>(step_acc);
-                wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < BM / 8; ++kk) {
-                    const u32 off = (kk / 4) * L::T_PANEL + (kk % 4) * 32;
-                    wgmma_rs_tf32<D>(step_acc, a_small + 4 * kk, smem_desc(xt_big + off, 16, 1024));
-                    wgmma_rs_tf32<D>(step_acc, a_big + 4 * kk, smem_desc(xt_small + off, 16, 1024));
-                    wgmma_rs_tf32<D>(step_acc, a_big + 4 * kk, smem_desc(xt_big + off, 16, 1024));
-                }
-                wgmma_commit();
-            };
-            mbar_wait(t_full, q_it & 1);                   // Qᵀ, dOᵀ parts written
-#pragma unroll
-            for (int i = 0; i < NKV; ++i) step_acc[i] = 0.f;
-            issue_step_product(p_big, p_small, smem + L::DOTB, smem + L::DOTS);   // dV
-            // every warp of this consumer has stored its dS rows (for dQᵀ below)
-            named_bar_sync(WG_BAR + cw, 128);
-            wgmma_wait<0>();                               // dV's step product done
-            fence_regs<NKV>(step_acc);
-            fence_regs<NS>(p_big);
-            fence_regs<NS>(p_small);
-#pragma unroll
-            for (int i = 0; i < NKV; ++i) {
-                dv_acc[i] += step_acc[i];
-                step_acc[i] = 0.f;
-            }
-            issue_step_product(ds_bigf, ds_smallf, smem + L::QTB, smem + L::QTS);   // dK
-            wgmma_wait<0>();                               // dK's step product done: fragments free
-            fence_regs<NKV>(step_acc);
-            fence_regs<NS>(ds_bigf);
-            fence_regs<NS>(ds_smallf);
-#pragma unroll
-            for (int i = 0; i < NKV; ++i) dk_acc[i] += step_acc[i];
-            if (t == 0) mbar_arrive(t_empty);              // Qᵀ, dOᵀ parts no longer needed
-
-            // ---- dQᵀ_c [D, BM] = Kᵀ_c dSᵀ_c over this consumer's 64 keys: A = Kᵀ fragments from
-            //      k_big / k_small, B = its dS tile [BM, 64 key slots] K-major (k-steps of 8 slots =
-            //      32 bytes); kt_small·ds_big first (dq_acc zeroed: register-A products always
-            //      accumulate), kt_big·ds_small, kt_big·ds_big. The fragment rows r, r + 8 are
-            //      columns d0, d0 + 1 of K (d0 = 16·warp + 2·(lane / 4): a permutation of dQᵀ's rows,
-            //      undone at the store), so each pair is one 8-byte load; columns c, c + 4 are the
-            //      keys in slots c, c + 4.
-            float dq_acc[NQ];
-#pragma unroll
-            for (int i = 0; i < NQ; ++i) dq_acc[i] = 0.f;
-            const int d0 = 16 * (t / 32) + 2 * ((t % 32) / 4);
-            u32 kt_big[D / 2], kt_small[D / 2];
-#pragma unroll
-            for (int kk = 0; kk < 64 / 8; ++kk) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const u32 off = swz(key_of_slot(8 * kk + c4 + 4 * h), d0, L::KV_PANEL);
-                    lds64(k_wg + off, kt_big[4 * kk + 2 * h], kt_big[4 * kk + 2 * h + 1]);
-                    lds64(ks_wg + off, kt_small[4 * kk + 2 * h], kt_small[4 * kk + 2 * h + 1]);
-                }
-            }
-            fence_regs<NQ>(dq_acc);
+            for (int i = 0; i < NT; ++i) step_acc[i] = 0.f;
+            fence_regs<NT>(step_acc);
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < 64 / 8; ++kk) {
-                const u32 off = (kk / 4) * L::DS_PANEL + (kk % 4) * 32;
-                wgmma_rs_tf32<BM>(dq_acc, kt_small + 4 * kk, smem_desc(ds_big + off, 16, 1024));
-                wgmma_rs_tf32<BM>(dq_acc, kt_big + 4 * kk, smem_desc(ds_small + off, 16, 1024));
-                wgmma_rs_tf32<BM>(dq_acc, kt_big + 4 * kk, smem_desc(ds_big + off, 16, 1024));
+            for (int kk = 0; kk < BM / 8; ++kk) {
+                wgmma_rs_tf32<BN>(step_acc, fs + 4 * kk, smem_desc(yb + 32 * kk, 16, 1024));
+                wgmma_rs_tf32<BN>(step_acc, fb + 4 * kk, smem_desc(ys + 32 * kk, 16, 1024));
+                wgmma_rs_tf32<BN>(step_acc, fb + 4 * kk, smem_desc(yb + 32 * kk, 16, 1024));
             }
             wgmma_commit();
             wgmma_wait<0>();
-            fence_regs<NQ>(dq_acc);
-            fence_regs<D / 2>(kt_big);
-            fence_regs<D / 2>(kt_small);
-            // every warp's dQᵀ product has read its dS tile before the next step's stores (and,
-            // in the last step, its Kᵀ fragments: K, V free)
-            named_bar_sync(WG_BAR + cw, 128);
-            // the tile's last reads of K (Sᵀ, Kᵀ fragments) and V (dPᵀ) have completed: the next
-            // tile's K, V may land while this one's dQ is added and dK, dV are stored
-            if (st == wt.steps - 1 && t == 0) mbar_arrive(kv_empty);
+            fence_regs<NT>(step_acc);
+            fence_regs<NS>(fb);                                // read by the products until here
+            fence_regs<NS>(fs);
+        };
 
-            // ---- dq rows m0 .. (float32 [b, s_q, h, D], zeroed by flash_bwd_pre_sm90_f32) +=
-            //      dQᵀ_cᵀ: this consumer's partial, straight from registers; register i holds (d0 or
-            //      d0 + 1 for i % 4 < 2 or >= 2, query (i / 4)·8 + 2c + i % 2), so (dq_acc[i],
-            //      dq_acc[i + 2]) are two adjacent columns: one red.global.add.v2.f32 each (rows
-            //      past s_q skipped)
-            float* dq_bh = (float*)p.dq + wt.batch * p.dq_stride_b + head * p.dq_stride_h;   // [s_q, D]
+        float dkt_acc[NT], dvt_acc[NT];   // dKᵀ_h, dVᵀ_h [DH columns (relabelled), BN keys], fp32
+        int q_it = 0, kv_it = 0;          // steps and K/V tiles consumed so far (barrier phases)
+        for (int tile_i = 0;; ++tile_i) {
+            const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING, t % 32 == 0);
+            if (w < 0) break;
+            const WorkTile wt = work_tile<D, WINDOW>(p, w);
+            const int n0 = wt.n0;
 #pragma unroll
-            for (int i = 0; i < NQ; ++i) {
+            for (int i = 0; i < NT; ++i) dkt_acc[i] = dvt_acc[i] = 0.f;
+            // K, V landed (the phase cannot move on before this consumer's warps' kv_empty)
+            if (wt.steps > 0) mbar_wait(kv_raw, kv_it & 1);
+
+            for (int st = 0; st < wt.steps; ++st, ++q_it) {
+                const int m0 = step_m0(wt, st);
+                const int head = step_head(p, wt, st);
+                const float* lse_smem = rows_smem + (q_it & 1) * 2 * BM;   // [BM] lse·log2 e of the step
+                const float* dsum_smem = lse_smem + BM;                    // [BM] D of the step
+                mbar_wait(nat_full, q_it & 1);             // Q, dO parts and rows written
+
+                // ---- c0: Sᵀ = K Qᵀ, c1: dPᵀ = V dOᵀ  [BN keys, BM]: D / 8 k-steps of 8 columns;
+                //      A (K / V rows row_in_wg, +8) loaded raw and split on the fly, 4 k-steps per
+                //      batch, two batches in flight; per k-step small·big + big·small + big·big.
+                //      Each batch (12 products) into its own zeroed accumulator (part b % 2), the
+                //      four added in fp32 (round to nearest) as they complete: the tensor cores'
+                //      accumulation rounds toward zero, and 48 products in one accumulator biased
+                //      dPᵀ by ~48·2⁻²⁴ relative, which dSᵀ = Pᵀ(dPᵀ − D) does not cancel (D is
+                //      summed to nearest): dK 5.05e-5 with one key (P = 1, true dSᵀ ≈ 0, H200)
+                float x_acc[NS], x_part[2][NS];
+#pragma unroll
+                for (int i = 0; i < NS; ++i) x_part[0][i] = x_part[1][i] = 0.f;
+                fence_regs<NS>(x_part[0]);
+                fence_regs<NS>(x_part[1]);
+                u32 a_big[2][16], a_small[2][16];              // [batch buffer][4 k-steps][4]
+#pragma unroll
+                for (int b = 0; b < D / 32; ++b) {
+                    u32* fb = a_big[b % 2];
+                    u32* fs = a_small[b % 2];
+                    float* pa = x_part[b % 2];
+                    if (b >= 2) {                              // batch b − 2 is done (buffers, part)
+                        wgmma_wait<1>();
+                        fence_regs<16>(fb);
+                        fence_regs<16>(fs);
+                        fence_regs<NS>(pa);
+#pragma unroll
+                        for (int i = 0; i < NS; ++i) {
+                            x_acc[i] = b == 2 ? pa[i] : x_acc[i] + pa[i];
+                            pa[i] = 0.f;
+                        }
+                        fence_regs<NS>(pa);
+                    }
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {          // A(r, c), A(r + 8, c), A(r, c + 4), A(r + 8, c + 4)
+                            const int r = row_in_wg + 8 * (e % 2), x = 32 * b + 8 * k + c4 + 4 * (e / 2);
+                            split_tf32(lds32(x_raw + swz(r, x, L::KV_PANEL)), fb[4 * k + e], fs[4 * k + e]);
+                        }
+                    }
+                    wgmma_fence();
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        const u32 off = b * L::Q_PANEL + 32 * k;
+                        wgmma_rs_tf32<BM>(pa, fs + 4 * k, smem_desc(y_big + off, 16, 1024));
+                        wgmma_rs_tf32<BM>(pa, fb + 4 * k, smem_desc(y_small + off, 16, 1024));
+                        wgmma_rs_tf32<BM>(pa, fb + 4 * k, smem_desc(y_big + off, 16, 1024));
+                    }
+                    wgmma_commit();
+                }
+                static_assert(D / 32 == 4, "four batches: parts 0, 1 folded in before batches 2, 3");
+                wgmma_wait<0>();
+                fence_regs<NS>(x_part[0]);
+                fence_regs<NS>(x_part[1]);
+#pragma unroll
+                for (int i = 0; i < NS; ++i) x_acc[i] = (x_acc[i] + x_part[0][i]) + x_part[1][i];
+                fence_regs<16>(a_big[0]);                      // read by the last batches until here
+                fence_regs<16>(a_small[0]);
+                fence_regs<16>(a_big[1]);
+                fence_regs<16>(a_small[1]);
+                __syncwarp();
+                // this warp's Sᵀ / dPᵀ done: the parts may take the next step (TMA, converters)
+                if (t % 32 == 0) mbar_arrive(nat_empty);
+
+                // accumulator register i: key row_in_wg + 8·((i % 4) >= 2), query (i / 4)·8 + col_in_8 + i % 2;
+                // its place in the [BN keys][BM query slots] tiles Pᵀ, dSᵀ (one 128-byte swizzled panel)
+                auto t_off = [&](int i) {
+                    return swz(row_in_wg + ((i % 4) >= 2 ? 8 : 0), slot_of_key((i / 4) * 8 + col_in_8 + (i % 2)), 0);
+                };
+                if (cw == 0) {
+                    // ---- Pᵀ = exp2(Sᵀ·scale·log2 e − lse·log2 e), masked, in place in x_acc
+                    bool need_mask = n0 + BN > p.s_k;
+                    if (WINDOW)
+                        need_mask |= n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
+                                     n0 < m0 + BM - 1 + p.diag_offset - p.window_left;
+#pragma unroll
+                    for (int i = 0; i < NS; ++i) {
+                        const int col = (i / 4) * 8 + col_in_8 + (i % 2);   // query row m0 + col
+                        const int key = n0 + row_in_wg + ((i % 4) >= 2 ? 8 : 0);
+                        float pe = fast_exp2(x_acc[i] * p.scale_log2 - lse_smem[col]);
+                        if (need_mask) {
+                            const int diag = m0 + col + p.diag_offset;
+                            bool keep = key < p.s_k;
+                            if (WINDOW) keep = keep && key <= diag + p.window_right && key >= diag - p.window_left;
+                            if (!keep) pe = 0.f;
+                        }
+                        x_acc[i] = pe;
+                    }
+                    // c1's reads of the last Pᵀ (its dSᵀ, its dVᵀ_1) and every c0 warp's dVᵀ_0 are done
+                    if (q_it > 0) named_bar_sync(PT_EMPTY, 256);
+                    // ---- Pᵀ big / small -> pT tile [BN keys][BM query slots]: B of dVᵀ_0, dVᵀ_1
+#pragma unroll
+                    for (int i = 0; i < NS; ++i) {
+                        u32 big, small;
+                        split_tf32(x_acc[i], big, small);
+                        sts32(smem + L::PTB + t_off(i), big);
+                        sts32(smem + L::PTS + t_off(i), small);
+                    }
+                    fence_proxy_async();                       // read by wgmma (async proxy)
+                    named_bar_arrive(PT_FULL, 256);            // Pᵀ written: c1 may read it
+                    named_bar_sync(WG_BAR, 128);               // every c0 warp's Pᵀ rows, for dVᵀ_0
+                } else {
+                    named_bar_sync(PT_FULL, 256);              // c0's Pᵀ of the step written
+                    // ---- dSᵀ = Pᵀ ∘ (dPᵀ − D)·scale, Pᵀ read back (big + small) where c0's lane t
+                    //      wrote it: the same accumulator position as this lane's dPᵀ register
+                    u32 ds_big[NS], ds_small[NS];
+#pragma unroll
+                    for (int i = 0; i < NS; ++i) {
+                        const int col = (i / 4) * 8 + col_in_8 + (i % 2);
+                        const float pe = lds32(smem + L::PTB + t_off(i)) + lds32(smem + L::PTS + t_off(i));
+                        split_tf32(pe * (x_acc[i] - dsum_smem[col]) * p.scale, ds_big[i], ds_small[i]);
+                    }
+                    // c0's reads of the last dSᵀ, dS (its dKᵀ_0, dQᵀ_0) and every c1 warp's are done
+                    if (q_it > 0) named_bar_sync(DS_EMPTY, 256);
+                    // ---- dSᵀ [BN keys][BM query slots] (B of dKᵀ_h) and dS [BN/32][BM queries]
+                    //      [32 key slots] (B of dQᵀ_h), big / small
+#pragma unroll
+                    for (int i = 0; i < NS; ++i) {
+                        const int kl = row_in_wg + ((i % 4) >= 2 ? 8 : 0), q = (i / 4) * 8 + col_in_8 + (i % 2);
+                        const u32 off = swz(q, slot_of_key(kl), L::DS_PANEL);
+                        sts32(smem + L::DSTB + t_off(i), ds_big[i]);
+                        sts32(smem + L::DSTS + t_off(i), ds_small[i]);
+                        sts32(smem + L::DSB + off, ds_big[i]);
+                        sts32(smem + L::DSS + off, ds_small[i]);
+                    }
+                    fence_proxy_async();                       // read by wgmma (async proxy)
+                    named_bar_arrive(DS_FULL, 256);            // dSᵀ, dS written: c0 may read them
+                    named_bar_sync(WG_BAR + 1, 128);           // every c1 warp's rows, for dKᵀ_1, dQᵀ_1
+                }
+
+                // ---- dVᵀ_h [DH, BN] += dOᵀ_h P  (A from the raw dO copy, B = Pᵀ)
+                mbar_wait(r_full, q_it & 1);                   // the raw Q, dO copies landed
+                step_product(smem + L::RDO, smem + L::PTB, smem + L::PTS, false);
+#pragma unroll
+                for (int i = 0; i < NT; ++i) dvt_acc[i] += step_acc[i];
+                if (cw == 1) named_bar_arrive(PT_EMPTY, 256);  // c1 is done with this Pᵀ
+                else named_bar_sync(DS_FULL, 256);             // c1's dSᵀ, dS of the step written
+                // ---- dKᵀ_h [DH, BN] += Qᵀ_h dS  (A from the raw Q copy, B = dSᵀ); once its
+                //      fragments are loaded, this warp is done with the raw copies
+                step_product(smem + L::RQ, smem + L::DSTB, smem + L::DSTS, true);
+#pragma unroll
+                for (int i = 0; i < NT; ++i) dkt_acc[i] += step_acc[i];
+
+                // ---- dQᵀ_h [DH, BM] = Kᵀ_h dSᵀ over the BN keys: A = Kᵀ_h split on the fly from
+                //      raw K (columns d0, d0 + 1: one 8-byte load per key; keys in slot order),
+                //      B = dS [BM][BN key slots] K-major; kt_small·ds_big first (zeroed dq_acc)
+                float dq_acc[NS];
+                u32 kt_big[NT], kt_small[NT];                  // [BN/8 k-steps][4]
+#pragma unroll
+                for (int kk = 0; kk < BN / 8; ++kk) {
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        u32 x, y;
+                        lds64(smem + L::KR + swz(key_of_slot(8 * kk + c4 + 4 * hh), d0, L::KV_PANEL), x, y);
+                        split_tf32(__uint_as_float(x), kt_big[4 * kk + 2 * hh], kt_small[4 * kk + 2 * hh]);
+                        split_tf32(__uint_as_float(y), kt_big[4 * kk + 2 * hh + 1], kt_small[4 * kk + 2 * hh + 1]);
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < NS; ++i) dq_acc[i] = 0.f;
+                fence_regs<NS>(dq_acc);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < BN / 8; ++kk) {
+                    const u32 off = (kk / 4) * L::DS_PANEL + (kk % 4) * 32;
+                    wgmma_rs_tf32<BM>(dq_acc, kt_small + 4 * kk, smem_desc(smem + L::DSB + off, 16, 1024));
+                    wgmma_rs_tf32<BM>(dq_acc, kt_big + 4 * kk, smem_desc(smem + L::DSS + off, 16, 1024));
+                    wgmma_rs_tf32<BM>(dq_acc, kt_big + 4 * kk, smem_desc(smem + L::DSB + off, 16, 1024));
+                }
+                wgmma_commit();
+                // the tile's last reads of K, V by this warp are done (K, V are only loaded into
+                // registers): the next tile's K, V may land
+                if (st == wt.steps - 1) {
+                    __syncwarp();
+                    if (t % 32 == 0) mbar_arrive(kv_empty);
+                }
+                wgmma_wait<0>();
+                fence_regs<NS>(dq_acc);
+                fence_regs<NT>(kt_big);
+                fence_regs<NT>(kt_small);
+                if (cw == 0) named_bar_arrive(DS_EMPTY, 256);  // c0 is done with this dSᵀ, dS
+
+                // ---- dq rows m0 .. += dQᵀ_hᵀ: this consumer's columns over the tile's keys
+                float* dq_bh = (float*)p.dq + wt.batch * p.dq_stride_b + head * p.dq_stride_h;   // [s_q, D]
+                add_dq(dq_bh, p.dq_stride_s, m0, p.s_q, d0, col_in_8, dq_acc);
+            }
+            if (wt.steps > 0) ++kv_it;
+
+            // ---- dK, dV rows n0 .. n0 + BN, this consumer's columns (GQA: summed over the group's
+            //      query heads; zeros for a tile that no query sees): register i holds (column d0
+            //      or d0 + 1 for i % 4 < 2 or >= 2, key 8·(i / 4) + col_in_8 + i % 2), float32 pairs
+#pragma unroll
+            for (int i = 0; i < NT; ++i) {
                 if (i % 4 >= 2) continue;
-                const int q = (i / 4) * 8 + col_in_8 + (i % 2);
-                if (m0 + q < p.s_q)
-                    red_add_v2(dq_bh + (m0 + q) * p.dq_stride_s + d0, dq_acc[i], dq_acc[i + 2]);
+                const int key = n0 + (i / 4) * 8 + col_in_8 + (i % 2);
+                if (key < p.s_k) {
+                    float* dk_row = (float*)p.dk + wt.batch * p.dk_stride_b + (i64)key * p.dk_stride_s +
+                                    wt.kv_head * p.dk_stride_h;   // [D]
+                    float* dv_row = (float*)p.dv + wt.batch * p.dv_stride_b + (i64)key * p.dv_stride_s +
+                                    wt.kv_head * p.dv_stride_h;   // [D]
+                    *(float2*)(dk_row + d0) = make_float2(dkt_acc[i], dkt_acc[i + 2]);
+                    *(float2*)(dv_row + d0) = make_float2(dvt_acc[i], dvt_acc[i + 2]);
+                }
             }
         }
-        if (wt.steps > 0) ++kv_it;
+        // the handoffs' last arrivals (c1's PT_EMPTY, c0's DS_EMPTY) taken, so every named
+        // barrier ends the kernel complete
+        if (q_it > 0) named_bar_sync(cw == 0 ? PT_EMPTY : DS_EMPTY, 256);
+    } else {
+        const int cw = wg - 1;                                 // consumer 0 or 1: keys n0 + 64·cw ..
+        const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8
+        const int c4 = t % 4;
+        const int col_in_8 = 2 * c4;                           // accumulator columns col_in_8, +1 (of 8)
+        const u32 k_wg = smem + L::KB + cw * 64 * 128;         // this consumer's 64 rows of k_big
+        const u32 ks_wg = smem + L::KS + cw * 64 * 128;        // ... of k_small
+        const u32 v_wg = smem + L::VB + cw * 64 * 128;         // ... of v_big
+        const u32 ds_big = smem + L::DS + cw * 2 * L::DS_PART; // dS [BM, 64 keys] big, then small
+        const u32 ds_small = ds_big + L::DS_PART;
+        const float* lse_smem = rows_smem;                     // [BM] lse·log2 e of the step
+        const float* dsum_smem = rows_smem + BM;               // [BM] D of the step
 
-        // ---- dK, dV of this consumer's 64 keys (GQA: summed over the group's query heads;
-        //      zeros for a tile that no query sees), float32 pairs
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int key = key0 + 8 * r;
-            if (key < p.s_k) {
-                float* dk_row = (float*)p.dk + wt.batch * p.dk_stride_b + (i64)key * p.dk_stride_s +
-                                wt.kv_head * p.dk_stride_h;
-                float* dv_row = (float*)p.dv + wt.batch * p.dv_stride_b + (i64)key * p.dv_stride_s +
-                                wt.kv_head * p.dv_stride_h;
-#pragma unroll
-                for (int i = 0; i < NKV; i += 4) {
-                    const int col = (i / 4) * 8 + col_in_8;
-                    *(float2*)(dk_row + col) = make_float2(dk_acc[i + 2 * r], dk_acc[i + 2 * r + 1]);
-                    *(float2*)(dv_row + col) = make_float2(dv_acc[i + 2 * r], dv_acc[i + 2 * r + 1]);
+        float dk_acc[NKV], dv_acc[NKV];   // dK, dV [64 keys, D], fp32
+        u32 vs_frag[D / 2];               // V small [64 keys, D] as TF32 A fragments (4 per k-step)
+
+        int q_it = 0, kv_it = 0;          // steps and K/V tiles consumed so far (barrier phases)
+        for (int tile_i = 0;; ++tile_i) {
+            const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING, t % 32 == 0);
+            if (w < 0) break;
+            const WorkTile wt = work_tile<D, WINDOW>(p, w);
+            const int n0 = wt.n0;
+            const int key0 = n0 + cw * 64 + row_in_wg;         // this lane's keys: key0, key0 + 8
+
+    #pragma unroll
+            for (int i = 0; i < NKV; ++i) dk_acc[i] = dv_acc[i] = 0.f;
+            if (wt.steps > 0) {
+                mbar_wait(kv_raw, kv_it & 1);                  // V landed (the phase cannot move on
+                                                               // before this consumer's kv_empty)
+                // ---- V rows of this consumer: big back in place (the shared operand of v_big·do_big,
+                //      v_big·do_small), small kept in vs_frag. Per 8-column k-step kk the A fragment is
+                //      V(r, 8kk + c), V(r + 8, 8kk + c), V(r, 8kk + c + 4), V(r + 8, 8kk + c + 4)
+                //      (r = row_in_wg, c = t % 4)
+    #pragma unroll
+                for (int kk = 0; kk < D / 8; ++kk) {
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int r = row_in_wg + 8 * (e % 2), x = 8 * kk + c4 + 4 * (e / 2);
+                        const u32 a = v_wg + swz(r, x, L::KV_PANEL);
+                        u32 big;
+                        split_tf32(lds32(a), big, vs_frag[4 * kk + e]);
+                        sts32(a, big);
+                    }
+                }
+                fence_proxy_async();                   // the big part is read by wgmma (async proxy)
+                named_bar_sync(WG_BAR + cw, 128);      // every warp of the warpgroup has written its rows
+                // K split: waited after the V split, so the two splits overlap
+                mbar_wait(kv_full, kv_it & 1);
+            }
+
+            for (int st = 0; st < wt.steps; ++st, ++q_it) {
+                const int m0 = step_m0(wt, st);
+                const int head = step_head(p, wt, st);
+                mbar_wait(nat_full, q_it & 1);                 // Q, dO parts and rows written
+
+                // ---- Sᵀ = K Qᵀ  [64 keys, BM]: k-steps of 8 columns (32 bytes) through the D / 32
+                //      panels; per k-step k_small·q_big + k_big·q_small + k_big·q_big (all SS)
+                float s_acc[NS], dp_acc[NS];
+                wgmma_fence();
+    #pragma unroll
+                for (int kk = 0; kk < D / 8; ++kk) {
+                    const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
+                    const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
+                    wgmma_ss_tf32<BM>(s_acc, smem_desc(ks_wg + k_off, 16, 1024),
+                                      smem_desc(smem + L::QB + q_off, 16, 1024), kk > 0);
+                    wgmma_ss_tf32<BM>(s_acc, smem_desc(k_wg + k_off, 16, 1024),
+                                      smem_desc(smem + L::QS + q_off, 16, 1024), 1);
+                    wgmma_ss_tf32<BM>(s_acc, smem_desc(k_wg + k_off, 16, 1024),
+                                      smem_desc(smem + L::QB + q_off, 16, 1024), 1);
+                }
+                wgmma_commit();
+                // ---- dPᵀ = V dOᵀ  [64 keys, BM]: v_big·do_big (first: it overwrites), v_big·do_small,
+                //      v_small·do_big (registers); its own group, so Pᵀ starts when Sᵀ is done
+    #pragma unroll
+                for (int kk = 0; kk < D / 8; ++kk) {
+                    const u32 v_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
+                    const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
+                    wgmma_ss_tf32<BM>(dp_acc, smem_desc(v_wg + v_off, 16, 1024),
+                                      smem_desc(smem + L::DOB + q_off, 16, 1024), kk > 0);
+                    wgmma_ss_tf32<BM>(dp_acc, smem_desc(v_wg + v_off, 16, 1024),
+                                      smem_desc(smem + L::DOS + q_off, 16, 1024), 1);
+                    wgmma_rs_tf32<BM>(dp_acc, vs_frag + 4 * kk, smem_desc(smem + L::DOB + q_off, 16, 1024));
+                }
+                wgmma_commit();
+                wgmma_wait<1>();                               // Sᵀ done (dPᵀ may still run)
+                fence_regs<NS>(s_acc);
+
+                // ---- Pᵀ = exp2(Sᵀ·scale·log2 e − lse·log2 e), masked, in place in s_acc
+                bool need_mask = n0 + BN > p.s_k;
+                if (WINDOW)
+                    need_mask |= n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
+                                 n0 < m0 + BM - 1 + p.diag_offset - p.window_left;
+    #pragma unroll
+                for (int i = 0; i < NS; ++i) {
+                    const int col = (i / 4) * 8 + col_in_8 + (i % 2);   // query row m0 + col
+                    const int key = key0 + ((i % 4) >= 2 ? 8 : 0);
+                    float pe = fast_exp2(s_acc[i] * p.scale_log2 - lse_smem[col]);
+                    if (need_mask) {
+                        const int diag = m0 + col + p.diag_offset;
+                        bool keep = key < p.s_k;
+                        if (WINDOW) keep = keep && key <= diag + p.window_right && key >= diag - p.window_left;
+                        if (!keep) pe = 0.f;
+                    }
+                    s_acc[i] = pe;
+                }
+                wgmma_wait<0>();                               // dPᵀ done
+                fence_regs<NS>(dp_acc);
+                fence_regs<D / 2>(vs_frag);                    // read by dPᵀ until here
+
+                // ---- dSᵀ = Pᵀ ∘ (dPᵀ − D)·scale; Pᵀ and dSᵀ split into TF32 A fragments. Accumulator
+                //      registers 4kk .. 4kk + 3 of query step kk hold (key r, query 2c), (r, 2c + 1),
+                //      (r + 8, 2c), (r + 8, 2c + 1); fragment slots c, c + 4 are queries 2c, 2c + 1
+                //      (Qᵀ / dOᵀ are stored to match): a = {x[4kk], x[4kk + 2], x[4kk + 1], x[4kk + 3]}
+                u32 p_big[NS], p_small[NS], ds_bigf[NS], ds_smallf[NS];
+    #pragma unroll
+                for (int kk = 0; kk < BM / 8; ++kk) {
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int i = 4 * kk + (e == 1 ? 2 : e == 2 ? 1 : e);
+                        const int col = kk * 8 + col_in_8 + (i % 2);
+                        const float ds = s_acc[i] * (dp_acc[i] - dsum_smem[col]) * p.scale;
+                        split_tf32(s_acc[i], p_big[4 * kk + e], p_small[4 * kk + e]);
+                        split_tf32(ds, ds_bigf[4 * kk + e], ds_smallf[4 * kk + e]);
+                    }
+                }
+                __syncwarp();                                  // every lane of the warp has read the rows
+                if (t % 32 == 0) mbar_arrive(nat_empty);       // Sᵀ, dPᵀ done: Q, dO parts and rows free
+
+                // ---- dS big / small -> this consumer's dS tile [BM queries, 64 keys] (keys
+                //      contiguous in slot order, 128-byte swizzle, panels of 32 keys): the B operand of
+                //      dQᵀ = Kᵀ dSᵀ. Slot e of step kk is key row_in_wg + 8(e % 2), query 8kk + 2c + e / 2.
+    #pragma unroll
+                for (int kk = 0; kk < BM / 8; ++kk) {
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int kl = row_in_wg + 8 * (e % 2), q = 8 * kk + col_in_8 + e / 2;
+                        const u32 off = swz(q, slot_of_key(kl), L::DS_PANEL);
+                        sts32(ds_big + off, ds_bigf[4 * kk + e]);
+                        sts32(ds_small + off, ds_smallf[4 * kk + e]);
+                    }
+                }
+                fence_proxy_async();   // for the dQᵀ product (before the dV / dK group: ptxas 12.9)
+
+                // ---- dV += Pᵀ dO, dK += dSᵀ Q  [64 keys, D]: B = dOᵀ / Qᵀ [D, BM] K-major, 8 queries
+                //      (32 bytes) per k-step; per k-step small·big + big·small + big·big. Each step's
+                //      product goes to a zeroed step accumulator, added to dV / dK in fp32 (round to
+                //      nearest): the tensor cores' accumulation rounds toward zero, and 12 products per
+                //      step into dV / dK directly biased them by ~steps·12·2⁻²⁴ relative (2048 rows:
+                //      5e-5). dV, then dK, through the one step accumulator (32 registers).
+                float step_acc[NKV];
+                // step_acc [64 keys, D] += A [64 keys, BM] (big / small TF32 fragments) · B [BM, D]
+                // (its transposed parts xt_big / xt_small [D, BM] K-major), issued and committed
+                auto issue_step_product = [&](const u32* a_big, const u32* a_small, u32 xt_big, u32 xt_small) {
+                    fence_regs<NKV>(step_acc);
+                    wgmma_fence();
+    #pragma unroll
+                    for (int kk = 0; kk < BM / 8; ++kk) {
+                        const u32 off = (kk / 4) * L::T_PANEL + (kk % 4) * 32;
+                        wgmma_rs_tf32<D>(step_acc, a_small + 4 * kk, smem_desc(xt_big + off, 16, 1024));
+                        wgmma_rs_tf32<D>(step_acc, a_big + 4 * kk, smem_desc(xt_small + off, 16, 1024));
+                        wgmma_rs_tf32<D>(step_acc, a_big + 4 * kk, smem_desc(xt_big + off, 16, 1024));
+                    }
+                    wgmma_commit();
+                };
+                mbar_wait(t_full, q_it & 1);                   // Qᵀ, dOᵀ parts written
+    #pragma unroll
+                for (int i = 0; i < NKV; ++i) step_acc[i] = 0.f;
+                issue_step_product(p_big, p_small, smem + L::DOTB, smem + L::DOTS);   // dV
+                // every warp of this consumer has stored its dS rows (for dQᵀ below)
+                named_bar_sync(WG_BAR + cw, 128);
+                wgmma_wait<0>();                               // dV's step product done
+                fence_regs<NKV>(step_acc);
+                fence_regs<NS>(p_big);
+                fence_regs<NS>(p_small);
+    #pragma unroll
+                for (int i = 0; i < NKV; ++i) {
+                    dv_acc[i] += step_acc[i];
+                    step_acc[i] = 0.f;
+                }
+                issue_step_product(ds_bigf, ds_smallf, smem + L::QTB, smem + L::QTS);   // dK
+                wgmma_wait<0>();                               // dK's step product done: fragments free
+                fence_regs<NKV>(step_acc);
+                fence_regs<NS>(ds_bigf);
+                fence_regs<NS>(ds_smallf);
+    #pragma unroll
+                for (int i = 0; i < NKV; ++i) dk_acc[i] += step_acc[i];
+                if (t == 0) mbar_arrive(t_empty);              // Qᵀ, dOᵀ parts no longer needed
+
+                // ---- dQᵀ_c [D, BM] = Kᵀ_c dSᵀ_c over this consumer's 64 keys: A = Kᵀ fragments from
+                //      k_big / k_small, B = its dS tile [BM, 64 key slots] K-major (k-steps of 8 slots =
+                //      32 bytes); kt_small·ds_big first (dq_acc zeroed: register-A products always
+                //      accumulate), kt_big·ds_small, kt_big·ds_big. The fragment rows r, r + 8 are
+                //      columns d0, d0 + 1 of K (d0 = 16·warp + 2·(lane / 4): a permutation of dQᵀ's rows,
+                //      undone at the store), so each pair is one 8-byte load; columns c, c + 4 are the
+                //      keys in slots c, c + 4.
+                float dq_acc[NQ];
+    #pragma unroll
+                for (int i = 0; i < NQ; ++i) dq_acc[i] = 0.f;
+                const int d0 = 16 * (t / 32) + 2 * ((t % 32) / 4);
+                u32 kt_big[D / 2], kt_small[D / 2];
+    #pragma unroll
+                for (int kk = 0; kk < 64 / 8; ++kk) {
+    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const u32 off = swz(key_of_slot(8 * kk + c4 + 4 * h), d0, L::KV_PANEL);
+                        lds64(k_wg + off, kt_big[4 * kk + 2 * h], kt_big[4 * kk + 2 * h + 1]);
+                        lds64(ks_wg + off, kt_small[4 * kk + 2 * h], kt_small[4 * kk + 2 * h + 1]);
+                    }
+                }
+                fence_regs<NQ>(dq_acc);
+                wgmma_fence();
+    #pragma unroll
+                for (int kk = 0; kk < 64 / 8; ++kk) {
+                    const u32 off = (kk / 4) * L::DS_PANEL + (kk % 4) * 32;
+                    wgmma_rs_tf32<BM>(dq_acc, kt_small + 4 * kk, smem_desc(ds_big + off, 16, 1024));
+                    wgmma_rs_tf32<BM>(dq_acc, kt_big + 4 * kk, smem_desc(ds_small + off, 16, 1024));
+                    wgmma_rs_tf32<BM>(dq_acc, kt_big + 4 * kk, smem_desc(ds_big + off, 16, 1024));
+                }
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_regs<NQ>(dq_acc);
+                fence_regs<D / 2>(kt_big);
+                fence_regs<D / 2>(kt_small);
+                // every warp's dQᵀ product has read its dS tile before the next step's stores (and,
+                // in the last step, its Kᵀ fragments: K, V free)
+                named_bar_sync(WG_BAR + cw, 128);
+                // the tile's last reads of K (Sᵀ, Kᵀ fragments) and V (dPᵀ) have completed: the next
+                // tile's K, V may land while this one's dQ is added and dK, dV are stored
+                if (st == wt.steps - 1 && t == 0) mbar_arrive(kv_empty);
+
+                // ---- dq rows m0 .. += dQᵀ_cᵀ: this consumer's partial over its keys
+                float* dq_bh = (float*)p.dq + wt.batch * p.dq_stride_b + head * p.dq_stride_h;   // [s_q, D]
+                add_dq(dq_bh, p.dq_stride_s, m0, p.s_q, d0, col_in_8, dq_acc);
+            }
+            if (wt.steps > 0) ++kv_it;
+
+            // ---- dK, dV of this consumer's 64 keys (GQA: summed over the group's query heads;
+            //      zeros for a tile that no query sees), float32 pairs
+    #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int key = key0 + 8 * r;
+                if (key < p.s_k) {
+                    float* dk_row = (float*)p.dk + wt.batch * p.dk_stride_b + (i64)key * p.dk_stride_s +
+                                    wt.kv_head * p.dk_stride_h;
+                    float* dv_row = (float*)p.dv + wt.batch * p.dv_stride_b + (i64)key * p.dv_stride_s +
+                                    wt.kv_head * p.dv_stride_h;
+    #pragma unroll
+                    for (int i = 0; i < NKV; i += 4) {
+                        const int col = (i / 4) * 8 + col_in_8;
+                        *(float2*)(dk_row + col) = make_float2(dk_acc[i + 2 * r], dk_acc[i + 2 * r + 1]);
+                        *(float2*)(dv_row + col) = make_float2(dv_acc[i + 2 * r], dv_acc[i + 2 * r + 1]);
+                    }
                 }
             }
         }
@@ -632,33 +1013,40 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
 // ---------------------------------------------------------------------------------------------
 // Before the main kernel: D = rowsum(dO ∘ O) [b, h, s_q] and the float32 dq rows zeroed (the main
 // kernel adds its dQ partials into dq). Grid (row blocks, h, b) x 256 threads, D / 4 threads per
-// query row (consecutive lanes of one warp). Lane j of a row holds the products of columns j,
-// j + D/4, j + D/2, j + 3D/4, summed in bwd.cu's flash_bwd_pre order for D = 64 (its lane l sums
-// columns l, l + 32; its butterfly adds lanes l ^ 16, l ^ 8, l ^ 4, l ^ 1, l ^ 2), so D is the same
-// bits as that kernel's; the loads and the zero stores are 4-byte and coalesced (any O or dq row
-// alignment).
+// query row (consecutive lanes of one warp), summed in bwd.cu's flash_bwd_pre order, so D is the
+// same bits as that kernel's: there lane l sums columns l, l + 32, ... in order and the butterfly
+// adds lanes l ^ 16, l ^ 8, l ^ 4, l ^ 1, l ^ 2. D = 64: lane j of a row (16 lanes) holds that
+// kernel's lanes j, j + 16 (columns j, j + 32 / j + 16, j + 48) and adds them first (its l ^ 16);
+// D = 128: one warp per row, lane j = its lane j (columns j, j + 32, j + 64, j + 96). The loads
+// and the zero stores are 4-byte and coalesced (any O or dq row alignment).
 // ---------------------------------------------------------------------------------------------
 template <int D>
 __global__ void __launch_bounds__(256)
 flash_bwd_pre_sm90_f32(const Params p) {
-    static_assert(D == 64, "the summation order mirrors flash_bwd_pre's for 64 columns");
+    static_assert(D == 64 || D == 128, "the summation order mirrors flash_bwd_pre's for 64 / 128 columns");
     constexpr int LANES = D / 4;             // threads per row
     constexpr int ROWS = 256 / LANES;        // rows per block
     const int head = blockIdx.y, batch = blockIdx.z;
     const int i = blockIdx.x * ROWS + threadIdx.x / LANES;   // query row
-    const int j = threadIdx.x % LANES;                       // columns j + 16·e, e = 0..3
-    float lo = 0.f, hi = 0.f;   // flash_bwd_pre's lanes j and j + 16: columns j, j + 32 / j + 16, j + 48
+    const int j = threadIdx.x % LANES;                       // columns j + LANES·e, e = 0..3
+    float acc = 0.f;
     if (i < p.s_q) {
         const float* do_row = (const float*)p.dout + batch * p.do_stride_b + (i64)i * p.do_stride_s +
                               head * p.do_stride_h;   // [D]
         const float* o_row = (const float*)p.o + batch * p.o_stride_b + (i64)i * p.o_stride_s +
                              head * p.o_stride_h;     // [D]
-        lo = fmaf(do_row[j + 32], o_row[j + 32], fmaf(do_row[j], o_row[j], 0.f));
-        hi = fmaf(do_row[j + 48], o_row[j + 48], fmaf(do_row[j + 16], o_row[j + 16], 0.f));
+        if constexpr (D == 64) {
+            // flash_bwd_pre's lanes j and j + 16: columns j, j + 32 / j + 16, j + 48
+            const float lo = fmaf(do_row[j + 32], o_row[j + 32], fmaf(do_row[j], o_row[j], 0.f));
+            const float hi = fmaf(do_row[j + 48], o_row[j + 48], fmaf(do_row[j + 16], o_row[j + 16], 0.f));
+            acc = lo + hi;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc = fmaf(do_row[j + 32 * e], o_row[j + 32 * e], acc);
+        }
     }
-    // the butterfly over the row's lanes: its lane pairs l ^ 16 first (here: in the thread), then
-    // l ^ 8, l ^ 4, l ^ 1, l ^ 2 (here: lanes j ^ 8, j ^ 4, j ^ 1, j ^ 2 of the same 16)
-    float acc = lo + hi;
+    // the rest of the butterfly: (D = 128: l ^ 16,) l ^ 8, l ^ 4, l ^ 1, l ^ 2
+    if constexpr (D == 128) acc += __shfl_xor_sync(0xffffffffu, acc, 16);
     acc += __shfl_xor_sync(0xffffffffu, acc, 8);
     acc += __shfl_xor_sync(0xffffffffu, acc, 4);
     acc += __shfl_xor_sync(0xffffffffu, acc, 1);
@@ -668,6 +1056,6 @@ flash_bwd_pre_sm90_f32(const Params p) {
         float* dq_row = (float*)p.dq + batch * p.dq_stride_b + (i64)i * p.dq_stride_s +
                         head * p.dq_stride_h;         // [D]
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dq_row[j + 16 * e] = 0.f;
+        for (int e = 0; e < 4; ++e) dq_row[j + LANES * e] = 0.f;
     }
 }

@@ -208,7 +208,7 @@ def test_dq_reductions_into_dq():
 
 # ---- the work decomposition, as a float64 NumPy backward -----------------------------------------
 
-def work_tile(w, s_q, s_k, h_k, h_per_hk, diag_offset, window, left, right):
+def work_tile(w, s_q, s_k, h_k, h_per_hk, diag_offset, window, left, right, BN=BN):
     num_n = -(-s_k // BN)
     n0 = (w % num_n) * BN
     kv_head = (w // num_n) % h_k
@@ -223,8 +223,10 @@ def work_tile(w, s_q, s_k, h_k, h_per_hk, diag_offset, window, left, right):
     return n0, kv_head, batch, m_first, m_count, m_count * h_per_hk
 
 
-def model_backward(dout, q, k, v, scale, causal=False, window=None):
-    """The kernel's loops (work tiles, steps, need_mask) in float64; bottom-right alignment."""
+def model_backward(dout, q, k, v, scale, causal=False, window=None, bn=BN):
+    """The kernel's loops (work tiles, steps, need_mask) in float64; bottom-right alignment;
+    ``bn`` keys per work tile (128 at hd 64, 64 at hd 128)."""
+    BN = bn
     b, s_q, h, d = q.shape
     s_k, h_k = k.shape[1], k.shape[2]
     hp = h // h_k
@@ -240,7 +242,7 @@ def model_backward(dout, q, k, v, scale, causal=False, window=None):
     dv = np.full(v.shape, np.nan)
     num_work = -(-s_k // BN) * h_k * b
     for w in range(num_work):
-        n0, kvh, bb, m_first, m_count, steps = work_tile(w, s_q, s_k, h_k, hp, diag_offset, win, left, right)
+        n0, kvh, bb, m_first, m_count, steps = work_tile(w, s_q, s_k, h_k, hp, diag_offset, win, left, right, BN)
         dk_t = np.zeros((BN, d))
         dv_t = np.zeros((BN, d))
         K = np.zeros((BN, d))
@@ -313,11 +315,14 @@ def _why(dtype="float32", d=64, cc=90, **kw):
 
 
 def test_coverage_rules():
-    """What bwd_sm90_f32.cu accepts: float32, hd 64, cc 9.0, no extras."""
+    """What bwd_sm90_f32.cu accepts: float32, hd 64 or 128 (d = d_v), cc 9.0, no extras."""
     assert _why() is None
     assert _why(window_left=10, window_right=0) is None
+    assert _why(d=128) is None
+    assert "shared memory" in _why(d=128, smem_optin=f32b.smem_bytes(128) - 1)
     assert "dtype" in _why("bfloat16")
-    assert "head dims" in _why(d=128)
+    for d in (32, 96, 100, 256):
+        assert "head dims" in _why(d=d)
     assert "compute capability" in _why(cc=80)
     assert "allow_tf32" in _why(allow_tf32=True)
     assert "deterministic" in _why(deterministic=True)
