@@ -22,7 +22,7 @@ import pytest
 from cupyflash import _gpu_bwd_sm90_f32 as f32b
 from cupyflash import reference
 
-from test_sm90_f32_layout import (a_frag_pos, acc_pos, staged_q_k, swz, test_pv_product_through_the_layouts,
+from test_sm90_f32_layout import (a_frag_pos, acc_pos, swz, test_pv_product_through_the_layouts,
                                   test_s_product_through_the_layouts, test_split_q_fragments_and_s_product,
                                   test_transpose_covers_and_has_no_bank_conflicts, tma_store)
 
@@ -146,7 +146,6 @@ def test_dq_product_through_the_ds_tile_and_kt_fragments():
     for cw in range(2):
         ds_tile = np.full(BM * 64, np.nan)
         for t in range(128):
-            row_in_wg = (t // 32) * 16 + (t % 32) // 4
             for kk in range(BM // 8):
                 for e in range(4):
                     off, kl, q = ds_store_offset(t, kk, e)
