@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from cupyflash import _gpu_bwd_sm90_f32 as f32b  # noqa: E402
 from cupyflash._options import Options  # noqa: E402
 
 from ab_fwd_kernels import kernels_tree  # noqa: E402
+from ab_timing import interleaved_tflops, tflops_columns  # noqa: E402
 
 
 def functions_from(tree: Path, variant, tag: int, smem: int):
@@ -94,19 +94,17 @@ def main(argv=None) -> int:
             if args.memeff:
                 import peers
                 me = peers.try_peer("memeff", q, k, v, causal, "bwd")
-            times, t_me = [[] for _ in fns], []
-            for _ in range(args.rounds):
-                for i, fn in enumerate(fns):
+            def with_tree(fn):   # the launch with tree fn's kernel in the function cache
+                def run():
                     _gpu_bwd._functions[key] = fn
-                    times[i].append(_bench.time_ms(call, warmup=2, rep=args.rep))
-                if me is not None:
-                    t_me.append(_bench.time_ms(me, warmup=2, rep=args.rep))
-            fl = _bench.flops(b, h, s, s, d, causal, "bwd")
-            tf = [fl / statistics.median(t) / 1e9 for t in times]
-            tme = fl / statistics.median(t_me) / 1e9 if t_me else math.nan
-            print(f"{s:>6} {'yes' if causal else 'no':>6} | " + " ".join(f"{x:7.1f}" for x in tf)
-                  + f" {tme:7.1f} | " + " ".join(f"{x / tf[0]:7.3f}" for x in tf[1:])
-                  + f" {tf[-1] / tme:7.2f}  " + " ".join(f"{x:.1e}" for x in diff), flush=True)
+                    call()
+                return run
+
+            tf, tme = interleaved_tflops([with_tree(fn) for fn in fns], me,
+                                         _bench.flops(b, h, s, s, d, causal, "bwd"),
+                                         args.rounds, args.rep, _bench.time_ms)
+            print(f"{s:>6} {'yes' if causal else 'no':>6} | " + tflops_columns(tf, tme)
+                  + "  " + " ".join(f"{x:.1e}" for x in diff), flush=True)
             _gpu_bwd._functions.pop(key, None)
             del q, k, v, dout, out, lse, g, me
             cp.get_default_memory_pool().free_all_blocks()

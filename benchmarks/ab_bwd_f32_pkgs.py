@@ -21,13 +21,14 @@ import argparse
 import importlib
 import importlib.util
 import math
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupy as cp  # noqa: E402
+
+from ab_timing import interleaved_tflops, tflops_columns  # noqa: E402
 
 
 def load_package(root: Path, alias: str):
@@ -97,18 +98,10 @@ def main(argv=None) -> int:
                 import peers
                 me = peers.try_peer("memeff", q, k, v, causal, "bwd")
             # ---- interleaved timing
-            times, t_me = [[] for _ in calls], []
-            for _ in range(args.rounds):
-                for i, call in enumerate(calls):
-                    times[i].append(bench0.time_ms(call, warmup=2, rep=args.rep))
-                if me is not None:
-                    t_me.append(bench0.time_ms(me, warmup=2, rep=args.rep))
-            fl = bench0.flops(b, h, s, s, d, causal, "bwd")
-            tf = [fl / statistics.median(t) / 1e9 for t in times]
-            tme = fl / statistics.median(t_me) / 1e9 if t_me else math.nan
-            print(f"{s:>6} {'yes' if causal else 'no':>6} | " + " ".join(f"{x:7.1f}" for x in tf)
-                  + f" {tme:7.1f} | " + " ".join(f"{x / tf[0]:7.3f}" for x in tf[1:])
-                  + f" {tf[-1] / tme:7.2f}  " + "; ".join(notes)
+            tf, tme = interleaved_tflops(calls, me, bench0.flops(b, h, s, s, d, causal, "bwd"),
+                                         args.rounds, args.rep, bench0.time_ms)
+            print(f"{s:>6} {'yes' if causal else 'no':>6} | " + tflops_columns(tf, tme)
+                  + "  " + "; ".join(notes)
                   + ("" if len(set(names)) == 1 else f"  kernels {names}"), flush=True)
             del q, k, v, dout, out, lse, g, me, calls, ref
             cp.get_default_memory_pool().free_all_blocks()

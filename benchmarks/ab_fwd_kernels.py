@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,6 +27,8 @@ import ml_dtypes  # noqa: E402
 
 from cupyflash import _bench, _gpu, _modules  # noqa: E402
 from cupyflash._options import Options  # noqa: E402
+
+from ab_timing import interleaved_tflops, tflops_columns  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -106,23 +107,18 @@ def main(argv=None) -> int:
                 if peer:
                     import peers
                     me = peers.try_peer(peer, q, k, v, causal, "fwd")   # bshd views
-                times = [[] for _ in fns]
-                t_me = []
-                call = lambda: _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")   # noqa: E731
-                for _ in range(args.rounds):
-                    for i, fn in enumerate(fns):
+                def with_tree(fn):   # the launch with tree fn's kernel in the cached entry
+                    def call():
                         ent.fn = fn
-                        times[i].append(_bench.time_ms(call, warmup=2, rep=args.rep))
-                    if me is not None:
-                        t_me.append(_bench.time_ms(me, warmup=2, rep=args.rep))
+                        _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")
+                    return call
+
+                tf, tme = interleaved_tflops([with_tree(fn) for fn in fns], me,
+                                             _bench.flops(b, h, s, s, d, causal, "fwd"),
+                                             args.rounds, args.rep, _bench.time_ms)
                 ent.fn = fns[-1]
-                fl = _bench.flops(b, h, s, s, d, causal, "fwd")
-                tf = [fl / statistics.median(t) / 1e9 for t in times]
-                tme = fl / statistics.median(t_me) / 1e9 if t_me else math.nan
-                print(f"{d:>3} {s:>6} {'yes' if causal else 'no':>6} | "
-                      + " ".join(f"{x:7.1f}" for x in tf) + f" {tme:7.1f} | "
-                      + " ".join(f"{x / tf[0]:7.3f}" for x in tf[1:]) + f" {tf[-1] / tme:7.2f}  "
-                      + f"{'yes' if all(same) else 'NO':>9}  {name}", flush=True)
+                print(f"{d:>3} {s:>6} {'yes' if causal else 'no':>6} | " + tflops_columns(tf, tme)
+                      + f"  {'yes' if all(same) else 'NO':>9}  {name}", flush=True)
                 del q, k, v, out, lse, me
                 cp.get_default_memory_pool().free_all_blocks()
     return 0

@@ -24,7 +24,6 @@ compute capability 9.0 a bias without a mask runs the Hopper main kernel's BIAS 
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np

@@ -1,7 +1,6 @@
 """CPU tests of the backward planner (cupyflash._gpu_bwd): no GPU needed."""
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest

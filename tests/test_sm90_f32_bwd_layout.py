@@ -22,7 +22,7 @@ import pytest
 from cupyflash import _gpu_bwd_sm90_f32 as f32b
 from cupyflash import reference
 
-from test_sm90_f32_layout import (a_frag_pos, acc_pos, staged_q_k, swz, test_pv_product_through_the_layouts,
+from test_sm90_f32_layout import (a_frag_pos, acc_pos, swz, test_pv_product_through_the_layouts,
                                   test_s_product_through_the_layouts, test_split_q_fragments_and_s_product,
                                   test_transpose_covers_and_has_no_bank_conflicts, tma_store)
 
@@ -146,7 +146,6 @@ def test_dq_product_through_the_ds_tile_and_kt_fragments():
     for cw in range(2):
         ds_tile = np.full(BM * 64, np.nan)
         for t in range(128):
-            row_in_wg = (t // 32) * 16 + (t % 32) // 4
             for kk in range(BM // 8):
                 for e in range(4):
                     off, kl, q = ds_store_offset(t, kk, e)
@@ -285,14 +284,18 @@ def model_backward(dout, q, k, v, scale, causal=False, window=None, bn=BN):
     return dq.transpose(0, 2, 1, 3), dk, dv
 
 
+@pytest.mark.parametrize("head_dim", sorted(f32b.BN_OF), ids=lambda d: f"hd{d}")
 @pytest.mark.parametrize("s_q,s_k,h,h_k,causal,window", [
     (33, 200, 2, 1, False, None),
     (200, 33, 2, 2, True, None),
     (100, 300, 4, 2, True, None),
     (300, 100, 1, 1, False, (40, 7)),
     (1, 129, 2, 1, True, None),
+    (97, 64, 2, 1, True, None),
 ])
-def test_work_decomposition_matches_the_reference(s_q, s_k, h, h_k, causal, window):
+def test_work_decomposition_matches_the_reference(s_q, s_k, h, h_k, causal, window, head_dim):
+    """The kernel's work tiles and steps (BN_OF[head_dim] keys per tile: 128 at hd 64, 64 at
+    hd 128) cover every kept (query, key) pair exactly once."""
     rng = np.random.default_rng(7)
     d = 16   # the decomposition does not depend on d
     q = rng.standard_normal((2, s_q, h, d))
@@ -300,7 +303,7 @@ def test_work_decomposition_matches_the_reference(s_q, s_k, h, h_k, causal, wind
     v = rng.standard_normal((2, s_k, h_k, d))
     dout = rng.standard_normal((2, s_q, h, d))
     scale = d ** -0.5
-    dq, dk, dv = model_backward(dout, q, k, v, scale, causal, window)
+    dq, dk, dv = model_backward(dout, q, k, v, scale, causal, window, bn=f32b.BN_OF[head_dim])
     rq, rk, rv, _ = reference.attention_backward(dout, q, k, v, scale=scale, causal=causal, window=window)
     for got, ref in ((dq, rq), (dk, rk), (dv, rv)):
         np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
