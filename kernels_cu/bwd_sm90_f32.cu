@@ -640,23 +640,34 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     return swz(row_in_wg + ((i % 4) >= 2 ? 8 : 0), slot_of_key((i / 4) * 8 + col_in_8 + (i % 2)), 0);
                 };
                 if (cw == 0) {
-                    // ---- Pᵀ = exp2(Sᵀ·scale·log2 e − lse·log2 e), masked, in place in x_acc
+                    // ---- Pᵀ = exp2(Sᵀ·scale·log2 e − lse·log2 e), in place in x_acc
+#pragma unroll
+                    for (int i = 0; i < NS; ++i) {
+                        const int col = (i / 4) * 8 + col_in_8 + (i % 2);   // query row m0 + col
+                        x_acc[i] = fast_exp2(x_acc[i] * p.scale_log2 - lse_smem[col]);
+                    }
+                    // ---- the mask, one branch for the step: P = 0 for keys past s_k and, with a
+                    //      window, outside [diag − window_left, diag + window_right] (diag = query row
+                    //      + diag_offset), tested on key − diag = rel0 + (key offset) − col. A test per
+                    //      value inside the exp loop made ptxas branch around each of the 16 values
+                    //      (~3 KB of SASS in the step loop: its size matters, see t_first_product)
                     bool need_mask = n0 + BN > p.s_k;
                     if (WINDOW)
                         need_mask |= n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
                                      n0 < m0 + BM - 1 + p.diag_offset - p.window_left;
+                    if (need_mask) {
+                        const int key0 = n0 + row_in_wg, rel0 = key0 - m0 - p.diag_offset;
 #pragma unroll
-                    for (int i = 0; i < NS; ++i) {
-                        const int col = (i / 4) * 8 + col_in_8 + (i % 2);   // query row m0 + col
-                        const int key = n0 + row_in_wg + ((i % 4) >= 2 ? 8 : 0);
-                        float pe = fast_exp2(x_acc[i] * p.scale_log2 - lse_smem[col]);
-                        if (need_mask) {
-                            const int diag = m0 + col + p.diag_offset;
-                            bool keep = key < p.s_k;
-                            if (WINDOW) keep = keep && key <= diag + p.window_right && key >= diag - p.window_left;
-                            if (!keep) pe = 0.f;
+                        for (int i = 0; i < NS; ++i) {
+                            const int col = (i / 4) * 8 + col_in_8 + (i % 2);
+                            const int kr = (i % 4) >= 2 ? 8 : 0;            // key key0 + kr
+                            bool keep = key0 + kr < p.s_k;
+                            if (WINDOW) {
+                                const int rel = rel0 + kr - col;             // key − diag
+                                keep = keep && rel <= p.window_right && rel >= -p.window_left;
+                            }
+                            if (!keep) x_acc[i] = 0.f;
                         }
-                        x_acc[i] = pe;
                     }
                     // c1's reads of the last Pᵀ (its dSᵀ, its dVᵀ_1) and every c0 warp's dVᵀ_0 are done
                     if (q_it > 0) named_bar_sync(PT_EMPTY, 256);
