@@ -208,40 +208,39 @@ __device__ __forceinline__ void add_dq(float* dq_bh, i64 stride_s, int m0, int s
 // Design T's first product of a step, c0: Sᵀ = K Qᵀ, c1: dPᵀ = V dOᵀ  [BN keys, BM] -> x_acc: D / 8
 // k-steps of 8 columns; A (K / V rows row_in_wg, +8, from x_raw) loaded raw and split on the fly,
 // 4 k-steps per batch, two batches in flight; B = y_big / y_small; per k-step small·big +
-// big·small + big·big.
-// PARTS (c1's dPᵀ): each batch (12 products) into its own zeroed accumulator (part b % 2), the four
-// added in fp32 (round to nearest) as they complete: the tensor cores' accumulation rounds toward
-// zero, and 48 products in one accumulator biased dPᵀ by ~48·2⁻²⁴ relative, which dSᵀ = Pᵀ(dPᵀ − D)
-// does not cancel (D is summed to nearest): dK 5.05e-5 with one key (P = 1, true dSᵀ ≈ 0, H200).
-// !PARTS (c0's Sᵀ): one accumulator, 48 products, as the forward's S that made lse: its bias only
-// scales P by a relative ~scale·|S|·48·2⁻²⁴ that nothing downstream cancels (P multiplies
-// dPᵀ − D; tools/dp_cancellation_model.py --ordinary)
-template <int D, bool PARTS, typename L>
+// big·small + big·big. Batch b goes to accumulator part b % 2 (two, alternating: its A buffers
+// and part are free once batch b − 2 is done).
+// fold (c1's dPᵀ): each batch (12 products) into its own zeroed part, the four added in fp32 (round
+// to nearest) as they complete: the tensor cores' accumulation rounds toward zero, and 48 products
+// in one accumulator biased dPᵀ by ~48·2⁻²⁴ relative, which dSᵀ = Pᵀ(dPᵀ − D) does not cancel (D is
+// summed to nearest): dK 5.05e-5 with one key (P = 1, true dSᵀ ≈ 0, H200).
+// !fold (c0's Sᵀ): each part runs on through batches b, b + 2 (two accumulators of 24 products,
+// added once): Sᵀ has no such cancellation, its bias only scales P by a relative ~scale·|S|·n·2⁻²⁴
+// that nothing downstream cancels (P multiplies dPᵀ − D), and the forward's S that made lse had one
+// accumulator of 48, so fewer parts keep P closer to it (tools/dp_cancellation_model.py --ordinary).
+// One copy of the code for both consumers: fold is a run-time (warpgroup-uniform) choice around
+// ALU work only. aed45d9's two inlined copies (c0 one accumulator) made the step loop 40-43 KB
+// of SASS against main's 34-37 KB, and lost 17-22 % causal (where the loop is the longer one).
+template <int D, typename L>
 __device__ __forceinline__ void t_first_product(float* x_acc, u32 x_raw, u32 y_big, u32 y_small, int row_in_wg,
-                                                int c4) {
+                                                int c4, bool fold) {
     constexpr int NS = BM / 2;
     float x_part[2][NS];
-    if constexpr (PARTS) {
 #pragma unroll
-        for (int i = 0; i < NS; ++i) x_part[0][i] = x_part[1][i] = 0.f;
-        fence_regs<NS>(x_part[0]);
-        fence_regs<NS>(x_part[1]);
-    } else {
-#pragma unroll
-        for (int i = 0; i < NS; ++i) x_acc[i] = 0.f;
-        fence_regs<NS>(x_acc);
-    }
+    for (int i = 0; i < NS; ++i) x_part[0][i] = x_part[1][i] = 0.f;
+    fence_regs<NS>(x_part[0]);
+    fence_regs<NS>(x_part[1]);
     u32 a_big[2][16], a_small[2][16];                  // [batch buffer][4 k-steps][4]
 #pragma unroll
     for (int b = 0; b < D / 32; ++b) {
         u32* fb = a_big[b % 2];
         u32* fs = a_small[b % 2];
-        float* pa = PARTS ? x_part[b % 2] : x_acc;
+        float* pa = x_part[b % 2];
         if (b >= 2) {                                  // batch b − 2 is done (buffers, part)
             wgmma_wait<1>();
             fence_regs<16>(fb);
             fence_regs<16>(fs);
-            if constexpr (PARTS) {
+            if (fold) {
                 fence_regs<NS>(pa);
 #pragma unroll
                 for (int i = 0; i < NS; ++i) {
@@ -269,15 +268,16 @@ __device__ __forceinline__ void t_first_product(float* x_acc, u32 x_raw, u32 y_b
         }
         wgmma_commit();
     }
-    static_assert(D / 32 == 4, "four batches: parts 0, 1 folded in before batches 2, 3");
+    static_assert(D / 32 == 4, "four batches: parts 0, 1 folded in (fold) before batches 2, 3");
     wgmma_wait<0>();
-    if constexpr (PARTS) {
-        fence_regs<NS>(x_part[0]);
-        fence_regs<NS>(x_part[1]);
+    fence_regs<NS>(x_part[0]);
+    fence_regs<NS>(x_part[1]);
+    if (fold) {
 #pragma unroll
         for (int i = 0; i < NS; ++i) x_acc[i] = (x_acc[i] + x_part[0][i]) + x_part[1][i];
     } else {
-        fence_regs<NS>(x_acc);
+#pragma unroll
+        for (int i = 0; i < NS; ++i) x_acc[i] = x_part[0][i] + x_part[1][i];
     }
     fence_regs<16>(a_big[0]);                          // read by the last batches until here
     fence_regs<16>(a_small[0]);
@@ -625,11 +625,10 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 const float* dsum_smem = lse_smem + BM;                    // [BM] D of the step
                 mbar_wait(nat_full, q_it & 1);             // Q, dO parts and rows written
 
-                // ---- c0: Sᵀ = K Qᵀ (one accumulator), c1: dPᵀ = V dOᵀ (four per-batch accumulators)
+                // ---- c0: Sᵀ = K Qᵀ (two accumulators), c1: dPᵀ = V dOᵀ (four per-batch accumulators)
                 //      [BN keys, BM]: t_first_product
                 float x_acc[NS];
-                if (cw == 0) t_first_product<D, false, L>(x_acc, x_raw, y_big, y_small, row_in_wg, c4);
-                else t_first_product<D, true, L>(x_acc, x_raw, y_big, y_small, row_in_wg, c4);
+                t_first_product<D, L>(x_acc, x_raw, y_big, y_small, row_in_wg, c4, cw == 1);
                 __syncwarp();
                 // this warp's Sᵀ / dPᵀ done: the parts may take the next step (TMA, converters)
                 if (t % 32 == 0) mbar_arrive(nat_empty);
