@@ -571,10 +571,11 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
         // K-major (8 slots = 32 bytes per k-step); per k-step small·big + big·small + big·big, into
         // a zeroed accumulator (added to dKᵀ_h / dVᵀ_h in fp32 by the caller: section 8 (3)).
         // last_raw_read: once its fragments are in registers this warp is done with the raw
-        // copies (r_empty arrival).
+        // copies (r_empty arrival). step_issue loads, splits and issues (committed, not waited
+        // for: step_acc, fb, fs stay the product's until step_done).
         float step_acc[NT];
-        auto step_product = [&](u32 x_raw_tile, u32 yb, u32 ys, bool last_raw_read) {
-            u32 fb[NS], fs[NS];   // [BM/8 k-steps][A(d0, c), A(d0 + 1, c), A(d0, c + 4), A(d0 + 1, c + 4)]
+        u32 fb[NS], fs[NS];   // [BM/8 k-steps][A(d0, c), A(d0 + 1, c), A(d0, c + 4), A(d0 + 1, c + 4)]
+        auto step_issue = [&](u32 x_raw_tile, u32 yb, u32 ys, bool last_raw_read) {
 #pragma unroll
             for (int kk = 0; kk < BM / 8; ++kk) {
 #pragma unroll
@@ -600,6 +601,8 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 wgmma_rs_tf32<BN>(step_acc, fb + 4 * kk, smem_desc(yb + 32 * kk, 16, 1024));
             }
             wgmma_commit();
+        };
+        auto step_done = [&]() {
             wgmma_wait<0>();
             fence_regs<NT>(step_acc);
             fence_regs<NS>(fb);                                // read by the products until here
@@ -683,14 +686,22 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     named_bar_sync(WG_BAR, 128);               // every c0 warp's Pᵀ rows, for dVᵀ_0
                 } else {
                     named_bar_sync(PT_FULL, 256);              // c0's Pᵀ of the step written
+                }
+
+                // ---- dVᵀ_h [DH, BN] += dOᵀ_h P  (A from the raw dO copy, B = Pᵀ), issued here and
+                //      waited for below: c1's runs under its dSᵀ / dS phase
+                mbar_wait(r_full, q_it & 1);                   // the raw Q, dO copies landed
+                step_issue(smem + L::RDO, smem + L::PTB, smem + L::PTS, false);
+                if (cw == 1) {
                     // ---- dSᵀ = Pᵀ ∘ (dPᵀ − D)·scale, Pᵀ read back (big + small) where c0's lane t
                     //      wrote it: the same accumulator position as this lane's dPᵀ register
-                    u32 ds_big[NS], ds_small[NS];
+                    //      (kept in fp32 and split at the stores: fewer registers while dVᵀ_1 runs)
+                    float ds[NS];
 #pragma unroll
                     for (int i = 0; i < NS; ++i) {
                         const int col = (i / 4) * 8 + col_in_8 + (i % 2);
                         const float pe = lds32(smem + L::PTB + t_off(i)) + lds32(smem + L::PTS + t_off(i));
-                        split_tf32(pe * (x_acc[i] - dsum_smem[col]) * p.scale, ds_big[i], ds_small[i]);
+                        ds[i] = pe * (x_acc[i] - dsum_smem[col]) * p.scale;
                     }
                     // c0's reads of the last dSᵀ, dS (its dKᵀ_0, dQᵀ_0) and every c1 warp's are done
                     if (q_it > 0) named_bar_sync(DS_EMPTY, 256);
@@ -700,26 +711,26 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     for (int i = 0; i < NS; ++i) {
                         const int kl = row_in_wg + ((i % 4) >= 2 ? 8 : 0), q = (i / 4) * 8 + col_in_8 + (i % 2);
                         const u32 off = swz(q, slot_of_key(kl), L::DS_PANEL);
-                        sts32(smem + L::DSTB + t_off(i), ds_big[i]);
-                        sts32(smem + L::DSTS + t_off(i), ds_small[i]);
-                        sts32(smem + L::DSB + off, ds_big[i]);
-                        sts32(smem + L::DSS + off, ds_small[i]);
+                        u32 ds_big, ds_small;
+                        split_tf32(ds[i], ds_big, ds_small);
+                        sts32(smem + L::DSTB + t_off(i), ds_big);
+                        sts32(smem + L::DSTS + t_off(i), ds_small);
+                        sts32(smem + L::DSB + off, ds_big);
+                        sts32(smem + L::DSS + off, ds_small);
                     }
                     fence_proxy_async();                       // read by wgmma (async proxy)
                     named_bar_arrive(DS_FULL, 256);            // dSᵀ, dS written: c0 may read them
                     named_bar_sync(WG_BAR + 1, 128);           // every c1 warp's rows, for dKᵀ_1, dQᵀ_1
                 }
-
-                // ---- dVᵀ_h [DH, BN] += dOᵀ_h P  (A from the raw dO copy, B = Pᵀ)
-                mbar_wait(r_full, q_it & 1);                   // the raw Q, dO copies landed
-                step_product(smem + L::RDO, smem + L::PTB, smem + L::PTS, false);
+                step_done();
 #pragma unroll
                 for (int i = 0; i < NT; ++i) dvt_acc[i] += step_acc[i];
                 if (cw == 1) named_bar_arrive(PT_EMPTY, 256);  // c1 is done with this Pᵀ
                 else named_bar_sync(DS_FULL, 256);             // c1's dSᵀ, dS of the step written
                 // ---- dKᵀ_h [DH, BN] += Qᵀ_h dS  (A from the raw Q copy, B = dSᵀ); once its
                 //      fragments are loaded, this warp is done with the raw copies
-                step_product(smem + L::RQ, smem + L::DSTB, smem + L::DSTS, true);
+                step_issue(smem + L::RQ, smem + L::DSTB, smem + L::DSTS, true);
+                step_done();
 #pragma unroll
                 for (int i = 0; i < NT; ++i) dkt_acc[i] += step_acc[i];
 
