@@ -11,8 +11,9 @@ allows beside it:
 
 * forward: out + lse (issue 3);
 * backward: dq, dk, dv + D + the float32 dQ accumulator where the kernel uses one (issue 4);
-* backward with a bias: the same + dbias (and its float32 accumulator when dbias is 16-bit
-  and more than one (batch, head, query) adds into an element; issue 6).
+* backward with a bias: the same + dbias, + a float32 accumulator of dbias's shape where dbias
+  is 16-bit (the default, faster); with flash_bwd_dbias (``_gpu_bwd.DBIAS_KERNEL = True``, the
+  default in deterministic mode and when the accumulator does not fit) dbias only (issue 6).
 
 The plain CuPy recipe (scores materialized) is the comparison for the forward.
 """
@@ -23,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 import cupyflash as cf
-from cupyflash import _bench
+from cupyflash import _bench, _gpu_bwd
 
 MiB = 2**20
 
@@ -83,7 +84,8 @@ def main():
         cp.get_default_memory_pool().free_all_blocks()
 
     # Bias (1, h, s, s) bf16, hd 128, batch 2 (16k tokens at s = 8k): forward out + lse;
-    # backward grads + D + dQ accum + dbias (+ its float32 accumulator: dbias sums over batch).
+    # backward grads + D + dQ accum + dbias (+ its float32 accumulator: dbias sums over batch),
+    # then with flash_bwd_dbias (sums the batch in registers): dbias only.
     sb, b = args.bias_seqlen, max(1, 16384 // args.bias_seqlen)
     q, k, v = (rand(rng, (b, sb, h, 128), bf16) for _ in range(3))
     bias = rand(rng, (1, h, sb, sb), bf16)
@@ -98,6 +100,11 @@ def main():
                 base + bias.nbytes + bias.size * 4, "dq dk dv + D + dQ accum + dbias + fp32 dbias accum")
     print(f"{'':44s} of which dbias {bias.nbytes / MiB:.0f} MiB, its float32 accumulator "
           f"{bias.size * 4 / MiB:.0f} MiB (freed before return)")
+    _gpu_bwd.DBIAS_KERNEL = True
+    peak, kept, sizes = _bench.measure_memory(lambda: cf.attention_backward(dout, q, k, v, out, lse, bias=bias))
+    _gpu_bwd.DBIAS_KERNEL = None
+    good &= row(f"bwd bias (1,{h},{sb},{sb}) bf16 b{b} flash_bwd_dbias", peak, kept, sizes,
+                base + bias.nbytes, "dq dk dv + D + dQ accum + dbias")
     # A float32 bias: dbias is its own float32 accumulator (one slab): extra = dbias.
     bias32 = bias.astype(np.float32)
     peak, kept, sizes = _bench.measure_memory(lambda: cf.attention_backward(dout, q, k, v, out, lse, bias=bias32))

@@ -259,6 +259,8 @@ DBIAS_ROWS, DBIAS_ATOMIC, DBIAS_SLAB_B, DBIAS_SLAB_H = 1, 2, 4, 8
 DBIAS_STORE = 16   # Hopper backward only: each element has one writer, plain stores
 DBIAS_SCHED_B = 32  # Hopper backward only: work tiles batch-fastest (dbias summed over batch)
 HOPPER_SCHED_B = True   # use DBIAS_SCHED_B (a switch for A/B measurements)
+DBIAS_KERNEL = None     # flash_bwd_dbias where eligible: None = deterministic mode, or when the
+                        # float32 accumulator does not fit; True / False force it (A/B, tests)
 
 
 def hopper_dbias_mode(dplan: "DbiasPlan", b: int, h: int) -> int:
@@ -313,6 +315,78 @@ def dbias_plan(bias_shape, b: int, h_k: int, deterministic: bool) -> DbiasPlan:
         strides.append(0 if n == 1 else acc)
         acc *= n
     return DbiasPlan(mode, slabs, shape, tuple(reversed(strides)))
+
+
+class DbiasVariant(NamedTuple):
+    """One instantiation of flash_bwd_dbias (bwd.cu): dbias planes summed in registers."""
+
+    elem: str
+    d: int        # head-dim bucket (covers d and d_v)
+    bm: int       # queries per tile (BM / 16 warps)
+    bn: int       # keys per tile
+    nbuf: int = 1  # 2: the next (batch, head) pair's tiles load while this one is computed
+
+    @property
+    def name_expression(self) -> str:
+        return f"flash_bwd_dbias<{self.elem}, {self.d}, {self.bm}, {self.bn}, {self.nbuf}>"
+
+    @property
+    def helper_expressions(self):
+        return ()
+
+    @property
+    def name(self) -> str:
+        return f"bwd_dbias_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}b{self.nbuf}"
+
+    @property
+    def threads(self) -> int:
+        return 32 * (self.bm // 16)
+
+    @property
+    def smem_bytes(self) -> int:
+        """NBUF x (Q, dO [BM, pitch], K, V [BN, pitch], lse and D [BM] float32); BwdPitch in bwd.cu."""
+        es = _ELEM_SIZE[self.elem]
+        pr = self.d + 8 if es == 2 else self.d + 4
+        return self.nbuf * ((2 * self.bm + 2 * self.bn) * pr * es + 2 * self.bm * 4)
+
+
+#: flash_bwd_dbias tiles (BM, BN, NBUF), first choice first: the first whose shared memory fits
+#: the device (two buffers: one block per SM whose loads overlap its own products) or, with one
+#: buffer, DBIAS_SMEM_CAP (at most half an H100 / H200 SM: blocks overlap each other instead).
+DBIAS_TILES = ((128, 64, 2), (64, 64, 1), (64, 32, 1), (32, 32, 1), (32, 16, 1), (16, 16, 1))
+DBIAS_SMEM_CAP = 112 * 1024
+
+
+def dbias_variant(elem: str, d_bucket: int, smem_optin: int = 227 * 1024) -> DbiasVariant:
+    """The flash_bwd_dbias instantiation for this element type and head-dim bucket."""
+    for bm, bn, nbuf in DBIAS_TILES:
+        v = DbiasVariant(elem, d_bucket, bm, bn, nbuf)
+        if v.smem_bytes <= (smem_optin if nbuf == 2 else min(smem_optin, DBIAS_SMEM_CAP)):
+            return v
+    raise NotImplementedError(f"no flash_bwd_dbias tile fits {smem_optin} bytes of shared memory")
+
+
+def all_dbias_variants(smem_optin: int = 227 * 1024):
+    """Every DbiasVariant the launcher can select on a device with this shared-memory limit."""
+    return [dbias_variant(e, d, smem_optin) for e in ELEMS for d in HEAD_DIM_BUCKETS]
+
+
+def dbias_by_kernel(dplan: DbiasPlan, bias_dtype, operand_dtype, dbias_direct: bool) -> bool:
+    """Whether flash_bwd_dbias can give dbias (a tile per block, the broadcast pairs summed in
+    registers, stored once in the bias's type; flash_bwd then writes none) instead of
+    flash_bwd's float32 accumulator: a bias with whole query and key dimensions (shape[2],
+    shape[3] > 1) whose dbias is not its own float32 accumulator (``dbias_direct``: float32,
+    contiguous, one slab), when the kernels read the bias itself (``operand_dtype`` = the bias's
+    dtype, so dbias is written in the type the kernel reads). Extra memory is then dbias only
+    (no float32 copy, no deterministic slabs), at the cost of recomputing S and dP (measured on
+    the H200: the bias backward 1.2-1.7x memeff instead of 1.8-2.3x). The launcher takes it in
+    deterministic mode, and where the float32 accumulator does not fit in device memory
+    (``DBIAS_KERNEL`` forces either way). A bias broadcast over the query rows (DBIAS_ROWS, a
+    float32 accumulator of b'·h'·s_k elements) and a bias of another dtype than q / float32
+    keep flash_bwd's accumulator."""
+    if dplan.mode < 0 or dplan.shape[2] == 1 or dbias_direct:
+        return False
+    return np.dtype(bias_dtype) == np.dtype(operand_dtype)
 
 
 def query_tiles(n_block: int, bn: int, bm: int, s_q: int, s_k: int, window_left: int,
@@ -439,12 +513,14 @@ def _device():
 
 def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
                      zero_batch_strides=False, extra=None, hopper=None,
-                     hopper_accum=True):
+                     hopper_accum=True, after=None):
     """Strides, pointers, ALiBi slopes into the plan's Params; D and dQ accumulator allocated;
     ``extra(prm)`` writes the GENERAL fields; the three kernels launched in order, or
     ``hopper(prm)`` launches them with the Hopper main kernel (None: it could not).
     ``hopper_accum=False``: the Hopper kernels add dQ into dq (bwd_sm90_f32.cu), so the
-    accumulator is allocated only if ``hopper`` falls back."""
+    accumulator is allocated only if ``hopper`` falls back. ``after(record)`` launches more
+    kernels reading the same Params record (flash_bwd_dbias) after the main kernels, while D
+    is alive."""
     import cupy
 
     from . import _gpu
@@ -476,19 +552,20 @@ def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
 
     accum = accumulator() if hopper is None or hopper_accum else None
     keep = extra(prm) if extra is not None else ()
-    if hopper is not None:
-        ran = hopper(prm)
-        if ran is not None:
-            return ran
-    if accum is None:
-        accum = accumulator()
-    main, pre, conv = get_functions(plan.variant, dev_id)
-    rec = prm.reshape(1)[0]
-    pre(plan.pre_grid, (256, 1, 1), (rec,))
-    main(plan.grid, plan.block, (rec,), shared_mem=plan.smem)
-    conv(plan.dq_grid, (256, 1, 1), (rec,))
-    del keep, alibi, accum
-    return plan.variant.name
+    ran = hopper(prm) if hopper is not None else None
+    if ran is None:
+        if accum is None:
+            accum = accumulator()
+        main, pre, conv = get_functions(plan.variant, dev_id)
+        rec = prm.reshape(1)[0]
+        pre(plan.pre_grid, (256, 1, 1), (rec,))
+        main(plan.grid, plan.block, (rec,), shared_mem=plan.smem)
+        conv(plan.dq_grid, (256, 1, 1), (rec,))
+        ran = plan.variant.name
+    if after is not None:
+        after(prm.reshape(1)[0])
+    del keep, alibi, accum, dsum
+    return ran
 
 
 def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, forced,
@@ -615,27 +692,42 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
             operand = _gpu.bias_operand(bias, q.dtype)
         hopper = _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms,
                                   forced=kernel == "sm90", bias_operand=operand)
-    extra = None
-    dplan = accum = None
+    extra = after = None
+    dplan = accum = by_kernel = None
     if plan.variant.general:
         from . import _gpu
 
         if bias is not None:
             dplan = dbias_plan(bias.shape, b, h_k, bool(opts.deterministic))
             hopper_mode = hopper_dbias_mode(dplan, b, h)
-            if dplan.mode >= 0:
-                n = dplan.slabs * int(np.prod(dplan.shape))
-                direct = (dplan.slabs == 1 and dbias.dtype == np.float32
-                          and dbias.flags.c_contiguous and dbias.shape == dplan.shape
-                          and dbias.data.ptr % 8 == 0)   # Hopper: 8-byte pairs
+            if operand is None:
+                operand = _gpu.bias_operand(bias, q.dtype)
+            direct = (dplan.slabs == 1 and dbias.dtype == np.float32
+                      and dbias.flags.c_contiguous and dbias.shape == dplan.shape
+                      and dbias.data.ptr % 8 == 0)   # Hopper: 8-byte pairs
+            eligible = (dbias.flags.c_contiguous and dbias.shape == dplan.shape
+                        and dbias_by_kernel(dplan, dbias.dtype, operand[0].dtype, direct))
+            use = bool(opts.deterministic) if DBIAS_KERNEL is None else DBIAS_KERNEL
+            if eligible and use:
+                by_kernel = dbias_variant(plan.variant.elem, plan.variant.d, smem)
+            elif dplan.mode >= 0:
                 if direct:   # the float32 output is its own accumulator
                     accum = dbias.reshape(-1)
                     accum.fill(0)
                 else:
-                    accum = cupy.zeros(n, np.float32)
+                    try:
+                        accum = cupy.zeros(dplan.slabs * int(np.prod(dplan.shape)), np.float32)
+                    except cupy.cuda.memory.OutOfMemoryError:   # no room: dbias without it
+                        if not eligible or DBIAS_KERNEL is False:
+                            raise
+                        by_kernel = dbias_variant(plan.variant.elem, plan.variant.d, smem)
 
         def extra(prm):
             keep = _gpu.set_bias_mask(prm, opts, q.dtype, operand)
+            if by_kernel is not None:
+                prm["dbias"] = dbias.data.ptr
+                for a, st in zip("bhqk", dplan.strides):
+                    prm[f"dbias_stride_{a}"] = st
             if accum is not None:
                 prm["dbias_accum"] = accum.data.ptr
                 prm["dbias_mode"] = hopper_mode if hopper is not None else dplan.mode
@@ -644,9 +736,16 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
                     prm[f"dbias_stride_{a}"] = st
             return keep
 
+        if by_kernel is not None:
+            def after(rec):   # dbias tiles, after D = rowsum(dO ∘ O) exists
+                fn = get_functions(by_kernel, dev_id)[0]
+                grid = (-(-s_k // by_kernel.bn), -(-s_q // by_kernel.bm),
+                        (b if dplan.shape[0] > 1 else 1) * (h if dplan.shape[1] > 1 else 1))
+                fn(grid, (by_kernel.threads, 1, 1), (rec,), shared_mem=by_kernel.smem_bytes)
+
     # float32: the Hopper kernel (bwd_sm90_f32.cu) adds dQ into dq, no accumulator
     res = _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, extra=extra,
-                           hopper=hopper, hopper_accum=name != "float32")
+                           hopper=hopper, hopper_accum=name != "float32", after=after)
     if dplan is not None:
         if dplan.mode < 0:     # bias constant along keys: exactly zero gradient
             dbias.fill(0)
@@ -710,5 +809,5 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
 
 
 __all__ = ["BwdVariant", "BwdPlan", "plan_backward", "plan_backward_varlen", "dbias_plan",
-           "DbiasPlan", "all_variants", "backward", "backward_varlen", "tiles",
+           "DbiasPlan", "DbiasVariant", "dbias_variant", "all_dbias_variants", "dbias_by_kernel", "all_variants", "backward", "backward_varlen", "tiles",
            "smem_bytes", "flops", "program", "precompile"]

@@ -182,7 +182,8 @@ PARAMS_FIELDS = (
                                "num_m_blocks", "flags")]
     + [(n, np.float32) for n in ("scale_log2", "softcap_pre", "softcap_post", "pad0")]
     # bias / mask / varlen (GENERAL instantiations only; null pointer = feature off)
-    + [(n, np.uint64) for n in ("bias", "mask", "cu_seqlens_q", "cu_seqlens_k", "dbias_accum")]
+    + [(n, np.uint64) for n in ("bias", "mask", "cu_seqlens_q", "cu_seqlens_k", "dbias_accum",
+                                "dbias")]
     + [(f"{t}_stride_{a}", np.int64) for t in ("bias", "mask", "dbias") for a in "bhqk"]
     + [("dbias_slab", np.int64)]
     + [(n, np.int32) for n in ("bias_f32", "dbias_mode", "varlen_bottom_right", "bias_pair")]

@@ -202,6 +202,45 @@ __device__ __forceinline__ void mma_tn(float (&c)[NC / 8][4],
 }
 
 // ---------------------------------------------------------------------------------------------
+// Whether score (row, key) is kept: key < s_k, inside the window (WINDOW), mask[row, key] true
+// (mask_plane: the [s_q, s_k] plane of this (batch, head), or null; rows / keys past the ends
+// clamped, their scores are dropped anyway).
+// ---------------------------------------------------------------------------------------------
+template <bool WINDOW>
+__device__ __forceinline__ bool score_kept(const Params& p, const unsigned char* mask_plane, int row,
+                                           int key, int s_q, int s_k, int diag_offset) {
+    const int diag = row + diag_offset;
+    bool keep = key < s_k;
+    if (WINDOW) keep = keep && key >= diag - p.window_left && key <= diag + p.window_right;
+    if (mask_plane)
+        keep = keep && mask_plane[(i64)min(row, s_q - 1) * p.mask_stride_q + (i64)min(key, s_k - 1) * p.mask_stride_k];
+    return keep;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The score of element (row, key) as the backward recomputes it, in base-2 units: score_log2 of
+// the raw product qk, + bias[row, key]·log2(e), −inf where masked (key past s_k, outside the
+// window, mask false; checked only when need_mask). *ds_dqk as score_log2's.
+// bias_plane / mask_plane: the [s_q, s_k] planes of this (batch, head), or null.
+// ---------------------------------------------------------------------------------------------
+template <typename E, bool WINDOW, bool SCORE_MOD, bool GENERAL>
+__device__ __forceinline__ float bwd_score(float qk, const Params& p, float slope_log2, int row,
+                                           int key, int s_q, int s_k, int diag_offset, float scale,
+                                           const char* bias_plane, const unsigned char* mask_plane,
+                                           bool need_mask, float* ds_dqk) {
+    typedef typename Elem<E>::storage S;
+    float s = score_log2<SCORE_MOD>(qk, p, slope_log2, row, key, diag_offset, scale, ds_dqk);
+    if (GENERAL && bias_plane) {   // s += bias[row, key] · log2(e) (clamped past the ends: dropped anyway)
+        const i64 off = (i64)min(row, s_q - 1) * p.bias_stride_q + (i64)min(key, s_k - 1) * p.bias_stride_k;
+        const float bv = p.bias_f32 ? ((const float*)bias_plane)[off] : to_float<E>(((const S*)bias_plane)[off]);
+        s = fmaf(bv, CF_LOG2E, s);
+    }
+    if (need_mask && !score_kept<WINDOW>(p, GENERAL ? mask_plane : nullptr, row, key, s_q, s_k, diag_offset))
+        s = -CF_INF;
+    return s;
+}
+
+// ---------------------------------------------------------------------------------------------
 // D = rowsum(dO ∘ O) per query row (float32), and the dQ accumulator row zeroed (atomic mode).
 // One warp per row (b, h, i); 8 rows per 256-thread block.
 // ---------------------------------------------------------------------------------------------
@@ -397,20 +436,9 @@ __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_
                 const int key = n0 + key0 + g + (e >> 1) * 8;
                 const int row = m0 + j * 8 + 2 * t + (e & 1);
                 float ds_dqk;
-                float s = score_log2<SCORE_MOD>(s_frag[j][e], p, slope_log2, row, key, diag_offset, scale, &ds_dqk);
-                if (GENERAL && bias_step) {   // s += bias[row, key] · log2(e) (clamped past the ends: dropped anyway)
-                    const i64 off = (i64)min(row, s_q - 1) * p.bias_stride_q + (i64)min(key, s_k - 1) * p.bias_stride_k;
-                    const float bv = p.bias_f32 ? ((const float*)bias_step)[off] : to_float<E>(((const S*)bias_step)[off]);
-                    s = fmaf(bv, CF_LOG2E, s);
-                }
-                if (need_mask) {
-                    const int diag = row + diag_offset;
-                    bool keep = key < s_k;
-                    if (WINDOW) keep = keep && key >= diag - p.window_left && key <= diag + p.window_right;
-                    if (GENERAL && mask_step)
-                        keep = keep && mask_step[(i64)min(row, s_q - 1) * p.mask_stride_q + (i64)min(key, s_k - 1) * p.mask_stride_k];
-                    if (!keep) s = -CF_INF;
-                }
+                const float s = bwd_score<E, WINDOW, SCORE_MOD, GENERAL>(
+                    s_frag[j][e], p, slope_log2, row, key, s_q, s_k, diag_offset, scale, bias_step,
+                    mask_step, need_mask, &ds_dqk);
                 const float pr = fast_exp2(s - ((e & 1) ? l2.y : l2.x));
                 s_frag[j][e] = pr;
                 // dS in natural units before the chain rule through softcap / scale: dbias
@@ -534,5 +562,188 @@ flash_bwd_dq(const Params p) {
             acc = p.dq_accum[idx];
         }
         ((S*)p.dq)[batch * p.dq_stride_b + (i64)i * p.dq_stride_s + head * p.dq_stride_h + c] = from_float<E>(acc);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dbias of a bias with whole query and key dimensions, when flash_bwd does not write it (the
+// launcher's choice, cupyflash/_gpu_bwd.py dbias_by_kernel):
+//
+//   dbias[pb, ph, i, j] = Σ over the (batch, query head) pairs that plane (pb, ph) broadcasts to
+//                         of dS[batch, head, i, j],   dS = P ∘ (dP − D) in natural units
+//
+// Block (x, y, z) owns the [BM queries, BN keys] tile (y, x) of plane z = pb · h' + ph and walks
+// its pairs in order (batch outer, head inner), recomputing S = Q Kᵀ and dP = dO Vᵀ for the tile
+// from Q, dO, K, V, lse and D; the sum stays in float32 registers and is stored once, in the
+// bias's element type, into p.dbias [b', h', s_q, s_k] (dbias strides): no float32 copy of dbias
+// in memory, and a fixed order (deterministic). Warp w owns query rows w·16.. of the tile
+// (m16n8 accumulator layout: rows g, g + 8; keys j·8 + 2t, + 1). The scores go through the
+// forward's score_mod_tile (scale / softcap, bias, ALiBi, one block-uniform pass each).
+// ---------------------------------------------------------------------------------------------
+// x, but unknown to the compiler: values derived from it inside a loop are not hoisted out
+__device__ __forceinline__ int opaque_int(int x) {
+    int r; asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(x)); return r;
+}
+
+template <typename E, int D, int BM, int BN, int NBUF>
+__global__ void __launch_bounds__(BM / 16 * 32, 1)
+flash_bwd_dbias(const Params p) {
+    typedef typename Elem<E>::storage S;
+    constexpr int NW = BM / 16, NT = NW * 32;
+    constexpr int PR = BwdPitch<E, D>::ROW;
+    constexpr int BUF = (2 * BM + 2 * BN) * PR;   // elements of one buffer's Q, dO, K, V tiles
+    static_assert(BM % 16 == 0 && BN % 16 == 0, "whole 16-row / 16-key fragments");
+    static_assert(NBUF == 1 || NBUF == 2, "one buffer, or two (the next pair's tiles land during this one)");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    // buffer b: q_smem [BM, PR], do_smem [BM, PR], k_smem [BN, PR], v_smem [BN, PR] from tiles_smem + b·BUF
+    S* tiles_smem = (S*)smem_raw;                             // [NBUF][BUF]
+    float* lse2_smem = (float*)(tiles_smem + NBUF * BUF);     // [NBUF][BM]  lse·log2(e); +inf: row contributes nothing
+    float* dsum_smem = lse2_smem + NBUF * BM;                 // [NBUF][BM]  D
+
+    const int tid = threadIdx.x;
+    const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM;
+    const int s_q = p.s_q, s_k = p.s_k, diag_offset = p.diag_offset;
+    const int m_rows = min(BM, s_q - m0), n_rows = min(BN, s_k - n0);
+
+    // Plane (pb, ph) and the pairs summed into it: every batch entry where the bias broadcasts
+    // over the batch (dbias_stride_b = 0), else pb alone; likewise heads
+    const int planes_h = p.dbias_stride_h ? p.h : 1;
+    const int pb = blockIdx.z / planes_h, ph = blockIdx.z % planes_h;
+    const int nb = p.dbias_stride_b ? 1 : p.b, nh = p.dbias_stride_h ? 1 : p.h;
+    auto pair_batch = [&](int it) { return nb == 1 ? pb : it / nh; };
+    auto pair_head = [&](int it) { return nh == 1 ? ph : it % nh; };
+    // Window: a tile no row of which keeps any of its keys has dS = 0 in every pair
+    const bool outside = n0 + n_rows - 1 < m0 + diag_offset - p.window_left ||
+                         n0 > m0 + m_rows - 1 + diag_offset + p.window_right;
+    const int pairs = outside ? 0 : nb * nh;
+    const bool need_mask = (n0 + BN > s_k) || p.mask ||
+        n0 + BN - 1 > m0 + diag_offset + p.window_right || n0 < m0 + BM - 1 + diag_offset - p.window_left;
+
+    // Issue the loads of pair `it` into buffer `buf`: Q, dO [m_rows, d | d_v] of (batch, head),
+    // K, V [n_rows, d | d_v] of (batch, kv head) by cp.async; lse·log2(e) and D of the rows.
+    // The tile's addresses repeat in every pair: made from an opaque thread index, so they are
+    // recomputed per pair, not hoisted out of the loop (as ~100 64-bit registers).
+    auto load_pair = [&](int it, int buf) {
+        const int batch = pair_batch(it), head = pair_head(it), head_k = head / p.h_per_hk;
+        const int tid_it = opaque_int(tid);
+        S* q_smem = tiles_smem + buf * BUF;
+        const S* q_gmem = (const S*)p.q + batch * p.q_stride_b + head * p.q_stride_h + (i64)m0 * p.q_stride_s;
+        const S* do_gmem = (const S*)p.dout + batch * p.do_stride_b + head * p.do_stride_h + (i64)m0 * p.do_stride_s;
+        const S* k_gmem = (const S*)p.k + batch * p.k_stride_b + head_k * p.k_stride_h + (i64)n0 * p.k_stride_s;
+        const S* v_gmem = (const S*)p.v + batch * p.v_stride_b + head_k * p.v_stride_h + (i64)n0 * p.v_stride_s;
+        copy_tile<BM, D, PR, NT>(q_smem, q_gmem, p.q_stride_s, m_rows, p.d, p.vec_ok, p.q, tid_it);
+        copy_tile<BM, D, PR, NT>(q_smem + BM * PR, do_gmem, p.do_stride_s, m_rows, p.d_v, p.vec_ok, p.dout, tid_it);
+        copy_tile<BN, D, PR, NT>(q_smem + 2 * BM * PR, k_gmem, p.k_stride_s, n_rows, p.d, p.vec_ok, p.k, tid_it);
+        copy_tile<BN, D, PR, NT>(q_smem + (2 * BM + BN) * PR, v_gmem, p.v_stride_s, n_rows, p.d_v, p.vec_ok, p.v, tid_it);
+        const i64 row0 = ((i64)batch * p.h + head) * s_q + m0;   // [b, h, s_q] index of row m0
+        for (int r = tid_it; r < BM; r += NT) {
+            float l2 = CF_INF, dsum = 0.f;        // rows past s_q and rows with lse = −inf: P = 0
+            if (r < m_rows) {
+                const float l = p.lse[row0 + r];
+                if (l != -CF_INF) l2 = l * CF_LOG2E;
+                dsum = p.dsum[row0 + r];
+            }
+            lse2_smem[buf * BM + r] = l2;
+            dsum_smem[buf * BM + r] = dsum;
+        }
+    };
+
+    float acc[BN / 8][4];                         // Σ dS [16 queries, BN keys] of this warp
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+    if (pairs > 0) load_pair(0, 0);
+    cp_async_commit();
+    for (int it = 0; it < pairs; ++it) {
+        const int buf = NBUF == 2 ? (it & 1) : 0;
+        const int batch = pair_batch(it), head = pair_head(it);
+        if (NBUF == 1 && it > 0) {
+            __syncthreads();   // every warp is done reading the previous pair's tiles
+            load_pair(it, 0);
+            cp_async_commit();
+        }
+        cp_async_wait<0>();
+        __syncthreads();   // pair it's tiles, lse and D landed for all threads; (NBUF 2) every warp is done with the other buffer
+        if (NBUF == 2 && it + 1 < pairs) load_pair(it + 1, buf ^ 1);
+        cp_async_commit();
+        const int tid_it = opaque_int(tid), warp = tid_it >> 5, lane = tid_it & 31;
+        const int g = lane >> 2, t = lane & 3;
+        const S* q_smem = tiles_smem + buf * BUF;         // [BM, PR]
+        const S* do_smem = q_smem + BM * PR;              // [BM, PR]
+        const S* k_smem = q_smem + 2 * BM * PR;           // [BN, PR]
+        const S* v_smem = k_smem + BN * PR;               // [BN, PR]
+
+        // S = Q Kᵀ and dP = dO Vᵀ   [16 queries, BN keys] of this warp
+        float s_frag[1][BN / 8][4], dp_frag[BN / 8][4];
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s_frag[0][j][e] = dp_frag[j][e] = 0.f;
+        mma_nt<E, BN, D, PR, PR>(s_frag[0], q_smem + warp * 16 * PR, k_smem, lane, p.d);
+        mma_nt<E, BN, D, PR, PR>(dp_frag, do_smem + warp * 16 * PR, v_smem, lane, p.d_v);
+
+        // Scores in base-2 units (scale / softcap, + bias, ALiBi), −inf where masked
+        const float slope_log2 = p.alibi ? p.alibi[batch * p.alibi_stride_b + head] * CF_LOG2E : 0.f;
+        const char* bias_plane = (const char*)p.bias + (batch * p.bias_stride_b + head * p.bias_stride_h) * (p.bias_f32 ? 4 : (i64)sizeof(S));
+        if (p.bias_f32)
+            score_mod_tile<E, true, float, BN, 1>(s_frag, p, (const float*)bias_plane, slope_log2, m0 + warp * 16, n0, g, t, s_q, s_k, diag_offset);
+        else
+            score_mod_tile<E, true, S, BN, 1>(s_frag, p, (const S*)bias_plane, slope_log2, m0 + warp * 16, n0, g, t, s_q, s_k, diag_offset);
+        if (need_mask) {
+            const unsigned char* mask_plane = p.mask ? p.mask + batch * p.mask_stride_b + head * p.mask_stride_h : nullptr;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = m0 + warp * 16 + g + (e >> 1) * 8, key = n0 + j * 8 + 2 * t + (e & 1);
+                    if (!score_kept<true>(p, mask_plane, row, key, s_q, s_k, diag_offset)) s_frag[0][j][e] = -CF_INF;
+                }
+        }
+        // P = exp2(s − lse·log2 e);  Σ dS += P ∘ (dP − D)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = warp * 16 + g + half * 8;   // tile row
+            const float l2 = lse2_smem[buf * BM + r], dd = dsum_smem[buf * BM + r];
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int e = 2 * half + c;
+                    acc[j][e] += fast_exp2(s_frag[0][j][e] - l2) * (dp_frag[j][e] - dd);
+                }
+        }
+    }
+
+    // dbias tile of plane (pb, ph) in the bias's type (zeros for a tile outside the window);
+    // a lane's two keys 2t, 2t + 1 as one store where dbias rows are contiguous with even s_k
+    const int warp = tid >> 5, g = (tid & 31) >> 2, t = tid & 3;
+    char* out = (char*)p.dbias + (pb * p.dbias_stride_b + ph * p.dbias_stride_h) * (p.bias_f32 ? 4 : (i64)sizeof(S));
+    const bool pairs_ok = p.dbias_stride_k == 1 && s_k % 2 == 0;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int row = m0 + warp * 16 + g + half * 8;
+        if (row >= s_q) continue;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int key = n0 + j * 8 + 2 * t;   // even
+            const float v0 = acc[j][2 * half], v1 = acc[j][2 * half + 1];
+            const i64 off = (i64)row * p.dbias_stride_q + (i64)key * p.dbias_stride_k;
+            if (pairs_ok) {
+                if (key < s_k) {
+                    if (p.bias_f32) *(float2*)((float*)out + off) = make_float2(v0, v1);
+                    else if constexpr (Elem<E>::is16) *(u32*)((S*)out + off) = pack2<E>(v0, v1);
+                    else *(float2*)((S*)out + off) = make_float2(v0, v1);
+                }
+            } else {
+#pragma unroll
+                for (int c = 0; c < 2; ++c)
+                    if (key + c < s_k) {
+                        const i64 o = off + c * p.dbias_stride_k;
+                        if (p.bias_f32) ((float*)out)[o] = c ? v1 : v0;
+                        else ((S*)out)[o] = from_float<E>(c ? v1 : v0);
+                    }
+            }
+        }
     }
 }

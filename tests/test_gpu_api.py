@@ -346,6 +346,54 @@ def test_memory_of_one_call_is_outputs_and_small_buffers(rng, cp, dtype, d, caus
     assert peak <= 3 * _round_up(q.nbytes) + _round_up(lse_bytes) + _round_up(b * s * h * d * 4)
 
 
+@pytest.mark.parametrize("d,kind", [(128, "1hqk"), (128, "11qk"), (96, "1hqk"), (64, "11qk")],
+                         ids=["hd128-1hqk", "hd128-11qk", "hd96-1hqk", "hd64-11qk"])
+def test_memory_of_bias_backward_is_dbias_only(rng, cp, monkeypatch, d, kind):
+    """With flash_bwd_dbias (forced here; the launcher's default for deterministic mode and when
+    the float32 accumulator does not fit), a bf16 bias summed over the batch (1hqk) or batch and
+    heads (11qk): the backward holds dq, dk, dv + D + the dQ accumulator + dbias, no float32
+    copy of dbias (a float32 accumulator, 2x dbias, would exceed the allowance). hd 128 runs the
+    Hopper main kernel on an H100 / H200, hd 96 and 64-with-11qk exercise the other routes."""
+    from cupyflash import _bench, _gpu_bwd
+
+    monkeypatch.setattr(_gpu_bwd, "DBIAS_KERNEL", True)
+    b, s, h = 2, 512, 4
+    q, k, v, dout = (cp.asarray(rng.standard_normal((b, s, h, d)).astype(BF16)) for _ in range(4))
+    shape = (1, h, s, s) if kind == "1hqk" else (1, 1, s, s)
+    bias = cp.asarray(rng.standard_normal(shape).astype(BF16))
+    out, lse = cf.attention(q, k, v, bias=bias, return_lse=True)
+    peak, kept, _ = _bench.measure_memory(
+        lambda: cf.attention_backward(dout, q, k, v, out, lse, bias=bias))
+    grads = 3 * _round_up(q.nbytes)
+    assert kept <= grads + _round_up(bias.nbytes)
+    assert peak <= grads + _round_up(bias.nbytes) + _round_up(b * h * s * 4) \
+        + _round_up(b * s * h * d * 4)
+
+
+def test_bias_backward_without_room_for_the_float32_accumulator(rng, cp):
+    """A pool limit that leaves room for the gradients and dbias but not for a float32 copy of
+    dbias: the backward takes flash_bwd_dbias instead of failing, and gives the same dbias (to
+    float32 rounding order) as the accumulator path."""
+    b, s, h, d = 2, 512, 4, 128
+    q, k, v, dout = (cp.asarray(rng.standard_normal((b, s, h, d)).astype(BF16)) for _ in range(4))
+    bias = cp.asarray(rng.standard_normal((1, h, s, s)).astype(BF16))
+    out, lse = cf.attention(q, k, v, bias=bias, return_lse=True)
+    want = cf.attention_backward(dout, q, k, v, out, lse, bias=bias)
+    room = 3 * _round_up(q.nbytes) + _round_up(bias.nbytes) + _round_up(b * h * s * 4) \
+        + _round_up(b * s * h * d * 4) + (1 << 20)
+    assert room < _round_up(bias.size * 4) + 3 * _round_up(q.nbytes) + _round_up(bias.nbytes)
+    pool = cp.cuda.MemoryPool()   # a fresh pool for the call alone (no fragments of earlier tests)
+    pool.set_limit(size=room)
+    with cp.cuda.using_allocator(pool.malloc):
+        got = cf.attention_backward(dout, q, k, v, out, lse, bias=bias)
+        cp.cuda.Device().synchronize()
+    assert pool.total_bytes() <= room
+    for w, x, y in zip(("dq", "dk", "dv", "dbias"), got, want):
+        x, y = cp.asnumpy(x).astype(np.float32), cp.asnumpy(y).astype(np.float32)
+        assert np.isfinite(x).all(), w
+        np.testing.assert_allclose(x, y, rtol=2e-2, atol=2e-2 * np.abs(y).max(), err_msg=w)
+
+
 def _round_up(nbytes, unit=512):
     """CuPy's pool hands out multiples of 512 bytes."""
     return -(-nbytes // unit) * unit

@@ -23,7 +23,8 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from gpu_util import BF16, DTYPES, FLOOR, cp, hopper_only  # noqa: E402  (skips without CuPy)
+import gpu_util  # noqa: E402  (skips without CuPy)
+from gpu_util import BF16, DTYPES, FLOOR, cp, hopper_only  # noqa: E402
 from gpu_util import naive_attention as _naive  # noqa: E402
 
 import cupyflash as cf  # noqa: E402
@@ -407,6 +408,36 @@ def test_bias_hopper_falls_back_where_it_cannot(rng):
     assert _gpu.forward(q, k, v, out, lse, opts).endswith("_gen")
     with pytest.raises(ValueError, match="bias layout"):
         _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")
+
+
+DBIAS_KERNEL_CASES = {   # id: (dtype, d, bias kind, run_dense keywords)
+    "hopper-bf16-128-1hqk-causal": ("bfloat16", 128, "1hqk", dict(causal=True)),
+    "hopper-f16-64-11qk": ("float16", 64, "11qk", {}),
+    "hopper-bf16-64-bhqk-window": ("bfloat16", 64, "bhqk", dict(window=(50, 9))),
+    "portable-bf16-96-b1qk-softcap-alibi-mask": ("bfloat16", 96, "b1qk",
+                                                 dict(softcap=6.0, alibi=True, mask="pad")),
+    "portable-f16-128-qk-mqa": ("float16", 128, "qk", {}),
+    "portable-f32-64-1hqk-det": ("float32", 64, "1hqk", dict(deterministic=True, repeats=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(DBIAS_KERNEL_CASES))
+def test_dbias_kernel_forced(rng, monkeypatch, case):
+    """flash_bwd_dbias for every eligible bias (DBIAS_KERNEL forced; by default it runs in
+    deterministic mode and when the float32 accumulator does not fit): after the Hopper main
+    kernel (even s_k, hd 64 / 128) and after the portable one (odd s_k), with masks and score
+    modifications, summed over batch, heads or both."""
+    from cupyflash import _gpu_bwd
+    monkeypatch.setattr(_gpu_bwd, "DBIAS_KERNEL", True)
+    dtype, d, kind, kw = DBIAS_KERNEL_CASES[case]
+    h, hk = (6, 1) if "mqa" in case else (4, 2)
+    if case.startswith("hopper"):
+        if gpu_util.compute_capability() != 90:
+            pytest.skip("the Hopper kernel needs compute capability 9.0")
+        kw = dict(kw, kernel="sm90", expect_fwd="_bias", bwd_kernel="sm90", expect_bwd=("bwd90_",))
+        run_dense(rng, dtype, 2, 157, 200, h, hk, d, bias=kind, **kw)
+    else:
+        run_dense(rng, dtype, 2, 157, 131, h, hk, d, bias=kind, **kw)
 
 
 @pytest.mark.parametrize("kind", ["1hqk", "b11k", "qk", "bhqk"])

@@ -172,6 +172,43 @@ def test_hopper_dbias_mode(shape, b, h, want):
     assert _gpu_bwd.hopper_dbias_mode(dplan, b, h) == want
 
 
+@pytest.mark.parametrize("shape,b,det,bias_dt,op_dt,direct,want", [
+    ((1, 4, 10, 20), 2, False, "float16", "float16", False, True),    # 16-bit, summed over batch
+    ((2, 4, 10, 20), 2, False, "float16", "float16", False, True),    # 16-bit, one writer: no fp32 copy either
+    ((1, 1, 10, 20), 3, True, "float16", "float16", False, True),     # deterministic: no slabs
+    ((1, 4, 10, 20), 2, False, "float32", "float32", True, False),    # float32 dbias is its own accumulator
+    ((1, 4, 10, 20), 2, True, "float32", "float32", False, True),     # ... unless deterministic slabs
+    ((1, 4, 10, 20), 2, False, "float16", "float32", False, False),   # cast bias: kernel writes float32
+    ((2, 1, 1, 20), 2, False, "float16", "float16", False, False),    # rows summed: small accumulator
+    ((2, 4, 10, 1), 2, False, "float16", "float16", False, False),    # constant along keys: zeros
+], ids=["over-batch", "one-writer", "det-11qk", "f32-direct", "f32-det", "cast", "rows", "keys1"])
+def test_dbias_by_kernel(shape, b, det, bias_dt, op_dt, direct, want):
+    dplan = _gpu_bwd.dbias_plan(shape, b, 2, det)
+    assert _gpu_bwd.dbias_by_kernel(dplan, bias_dt, op_dt, direct) is want
+
+
+@pytest.mark.parametrize("elem", _gpu_bwd.ELEMS)
+@pytest.mark.parametrize("smem", [99 * 1024, 163 * 1024, 227 * 1024])
+def test_dbias_variant_tiles(elem, smem):
+    """The first flash_bwd_dbias tile of DBIAS_TILES that fits (two buffers: the device's limit;
+    one: min(limit, DBIAS_SMEM_CAP)) for every bucket; 16-bit hd 128 on the H100 / H200 takes
+    128 x 64 with two buffers (8 warps)."""
+    def cap(nbuf):
+        return smem if nbuf == 2 else min(smem, _gpu_bwd.DBIAS_SMEM_CAP)
+
+    for d in _gpu_bwd.HEAD_DIM_BUCKETS:
+        v = _gpu_bwd.dbias_variant(elem, d, smem)
+        assert v.smem_bytes <= cap(v.nbuf) and v.bm % 16 == 0 and v.bn % 16 == 0
+        earlier = _gpu_bwd.DBIAS_TILES[:_gpu_bwd.DBIAS_TILES.index((v.bm, v.bn, v.nbuf))]
+        assert all(_gpu_bwd.DbiasVariant(elem, d, *t).smem_bytes > cap(t[2]) for t in earlier)
+        pr = d + 8 if elem in ("f16_t", "bf16_t") else d + 4
+        es = 2 if elem in ("f16_t", "bf16_t") else 4
+        assert v.smem_bytes == v.nbuf * ((2 * v.bm + 2 * v.bn) * pr * es + 8 * v.bm)
+    assert _gpu_bwd.dbias_variant("bf16_t", 128, 227 * 1024)[2:] == (128, 64, 2)
+    assert _gpu_bwd.dbias_variant("bf16_t", 128, 163 * 1024)[2:] == (64, 64, 1)
+    assert _gpu_bwd.dbias_variant("bf16_t", 128).threads == 256
+
+
 def test_varlen_backward_plan():
     pl = _gpu_bwd.plan_backward_varlen("bfloat16", 4, 700, 900, 300, 400, 8, 2, 64, 64,
                                        scale=0.1, window_left=16, deterministic=True)
