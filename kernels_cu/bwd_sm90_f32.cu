@@ -205,42 +205,77 @@ __device__ __forceinline__ void add_dq(float* dq_bh, i64 stride_s, int m0, int s
     }
 }
 
+// Design T's dq adds (add_dq's values and order, for hd 128): the row pointer formed once and
+// stepped (+stride_s, +8·stride_s), rows past s_q skipped by a predicate on the red.add itself
+// (add_dq's `if` became a branch around each of its 8 red.adds: ~2 KB of step-loop SASS)
+__device__ __forceinline__ void red_add_v2_if(bool pred, float* addr, float x, float y) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %3, 0;\n@p red.global.add.v2.f32 [%0], {%1, %2};\n}\n"
+                 :: "l"(addr), "f"(x), "f"(y), "r"((int)pred) : "memory");
+}
+__device__ __forceinline__ void add_dq_t(float* dq_bh, i64 stride_s, int m0, int s_q, int d0, int col_in_8,
+                                         const float* acc) {
+    float* row = dq_bh + (m0 + col_in_8) * stride_s + d0;   // query m0 + col_in_8
+    const int left = s_q - m0 - col_in_8;                   // query offsets q < left are rows of dq
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {                      // registers 4j, 4j + 1: queries 8j, 8j + 1
+        red_add_v2_if(8 * j < left, row, acc[4 * j], acc[4 * j + 2]);
+        red_add_v2_if(8 * j + 1 < left, row + stride_s, acc[4 * j + 1], acc[4 * j + 3]);
+        row += 8 * stride_s;
+    }
+}
+
+// Design T's wgmma B descriptors: a swizzled K-major tile (LBO 16, SBO 1024) at base + off, as
+// smem_desc(base + off, 16, 1024) for base, off multiples of 16 inside shared memory (the address
+// field, bits 0-13 in 16-byte units, does not carry): the low word of base's descriptor, computed
+// once, plus off / 16, so every wgmma's descriptor is one add on uniform registers, not
+// smem_desc's mask, shift and or (step-loop code size: see t_first_product)
+__device__ __forceinline__ u32 desc_lo(u32 base) { return (u32)smem_desc(base, 16, 1024); }
+__device__ __forceinline__ u64 desc_at(u32 lo, u32 off) {
+    return ((u64)(u32)(smem_desc(0, 16, 1024) >> 32) << 32) | (u64)(lo + (off >> 4));
+}
+
 // Design T's first product of a step, c0: Sᵀ = K Qᵀ, c1: dPᵀ = V dOᵀ  [BN keys, BM] -> x_acc: D / 8
 // k-steps of 8 columns; A (K / V rows row_in_wg, +8, from x_raw) loaded raw and split on the fly,
 // 4 k-steps per batch, two batches in flight; B = y_big / y_small; per k-step small·big +
-// big·small + big·big. Batch b goes to accumulator part b % 2 (two, alternating: its A buffers
-// and part are free once batch b − 2 is done).
-// fold (c1's dPᵀ): each batch (12 products) into its own zeroed part, the four added in fp32 (round
-// to nearest) as they complete: the tensor cores' accumulation rounds toward zero, and 48 products
-// in one accumulator biased dPᵀ by ~48·2⁻²⁴ relative, which dSᵀ = Pᵀ(dPᵀ − D) does not cancel (D is
-// summed to nearest): dK 5.05e-5 with one key (P = 1, true dSᵀ ≈ 0, H200).
-// !fold (c0's Sᵀ): each part runs on through batches b, b + 2 (two accumulators of 24 products,
-// added once): Sᵀ has no such cancellation, its bias only scales P by a relative ~scale·|S|·n·2⁻²⁴
-// that nothing downstream cancels (P multiplies dPᵀ − D), and the forward's S that made lse had one
-// accumulator of 48, so fewer parts keep P closer to it (tools/dp_cancellation_model.py --ordinary).
-// One copy of the code for both consumers: fold is a run-time (warpgroup-uniform) choice around
-// ALU work only. aed45d9's two inlined copies (c0 one accumulator) made the step loop 40-43 KB
-// of SASS against main's 34-37 KB, and lost 17-22 % causal (where the loop is the longer one).
-template <int D, typename L>
-__device__ __forceinline__ void t_first_product(float* x_acc, u32 x_raw, u32 y_big, u32 y_small, int row_in_wg,
-                                                int c4, bool fold) {
+// big·small + big·big.
+// PARTS (c1's dPᵀ): each batch (12 products) into its own zeroed accumulator (part b % 2), the four
+// added in fp32 (round to nearest) as they complete: the tensor cores' accumulation rounds toward
+// zero, and 48 products in one accumulator biased dPᵀ by ~48·2⁻²⁴ relative, which dSᵀ = Pᵀ(dPᵀ − D)
+// does not cancel (D is summed to nearest): dK 5.05e-5 with one key (P = 1, true dSᵀ ≈ 0, H200).
+// !PARTS (c0's Sᵀ): one accumulator, 48 products, as the forward's S that made lse: its bias only
+// scales P by a relative ~scale·|S|·48·2⁻²⁴ that nothing downstream cancels (P multiplies
+// dPᵀ − D; tools/dp_cancellation_model.py --ordinary).
+// Two inlined copies (c0, c1), kept small: B descriptors by desc_at (one uniform add each), A
+// addresses from the lane's eight a_off (x_raw, panel b and row + 8 as immediates). The step loop
+// is 31-32 KB of SASS with both copies (aed45d9, the same copies with smem_desc and swz per load:
+// 40-43 KB; main, one copy: 34-37 KB); past ~40 KB the causal loop lost 17-22 % on the H200.
+template <int D, bool PARTS, typename L>
+__device__ __forceinline__ void t_first_product(float* x_acc, u32 x_raw, u32 y_big, u32 y_small,
+                                                const u32* a_off) {
     constexpr int NS = BM / 2;
     float x_part[2][NS];
+    if constexpr (PARTS) {
 #pragma unroll
-    for (int i = 0; i < NS; ++i) x_part[0][i] = x_part[1][i] = 0.f;
-    fence_regs<NS>(x_part[0]);
-    fence_regs<NS>(x_part[1]);
+        for (int i = 0; i < NS; ++i) x_part[0][i] = x_part[1][i] = 0.f;
+        fence_regs<NS>(x_part[0]);
+        fence_regs<NS>(x_part[1]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < NS; ++i) x_acc[i] = 0.f;
+        fence_regs<NS>(x_acc);
+    }
     u32 a_big[2][16], a_small[2][16];                  // [batch buffer][4 k-steps][4]
+    const u32 yb_lo = desc_lo(y_big), ys_lo = desc_lo(y_small);
 #pragma unroll
     for (int b = 0; b < D / 32; ++b) {
         u32* fb = a_big[b % 2];
         u32* fs = a_small[b % 2];
-        float* pa = x_part[b % 2];
+        float* pa = PARTS ? x_part[b % 2] : x_acc;
         if (b >= 2) {                                  // batch b − 2 is done (buffers, part)
             wgmma_wait<1>();
             fence_regs<16>(fb);
             fence_regs<16>(fs);
-            if (fold) {
+            if constexpr (PARTS) {
                 fence_regs<NS>(pa);
 #pragma unroll
                 for (int i = 0; i < NS; ++i) {
@@ -254,30 +289,30 @@ __device__ __forceinline__ void t_first_product(float* x_acc, u32 x_raw, u32 y_b
         for (int k = 0; k < 4; ++k) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {              // A(r, c), A(r + 8, c), A(r, c + 4), A(r + 8, c + 4)
-                const int r = row_in_wg + 8 * (e % 2), x = 32 * b + 8 * k + c4 + 4 * (e / 2);
-                split_tf32(lds32(x_raw + swz(r, x, L::KV_PANEL)), fb[4 * k + e], fs[4 * k + e]);
+                // swz(row_in_wg + 8·(e % 2), 32·b + 8·k + c4 + 4·(e / 2), KV_PANEL)
+                const u32 addr = x_raw + b * L::KV_PANEL + (e % 2) * 8 * 128 + a_off[2 * k + e / 2];
+                split_tf32(lds32(addr), fb[4 * k + e], fs[4 * k + e]);
             }
         }
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const u32 off = b * L::Q_PANEL + 32 * k;
-            wgmma_rs_tf32<BM>(pa, fs + 4 * k, smem_desc(y_big + off, 16, 1024));
-            wgmma_rs_tf32<BM>(pa, fb + 4 * k, smem_desc(y_small + off, 16, 1024));
-            wgmma_rs_tf32<BM>(pa, fb + 4 * k, smem_desc(y_big + off, 16, 1024));
+            wgmma_rs_tf32<BM>(pa, fs + 4 * k, desc_at(yb_lo, off));
+            wgmma_rs_tf32<BM>(pa, fb + 4 * k, desc_at(ys_lo, off));
+            wgmma_rs_tf32<BM>(pa, fb + 4 * k, desc_at(yb_lo, off));
         }
         wgmma_commit();
     }
-    static_assert(D / 32 == 4, "four batches: parts 0, 1 folded in (fold) before batches 2, 3");
+    static_assert(D / 32 == 4, "four batches: parts 0, 1 folded in before batches 2, 3");
     wgmma_wait<0>();
-    fence_regs<NS>(x_part[0]);
-    fence_regs<NS>(x_part[1]);
-    if (fold) {
+    if constexpr (PARTS) {
+        fence_regs<NS>(x_part[0]);
+        fence_regs<NS>(x_part[1]);
 #pragma unroll
         for (int i = 0; i < NS; ++i) x_acc[i] = (x_acc[i] + x_part[0][i]) + x_part[1][i];
     } else {
-#pragma unroll
-        for (int i = 0; i < NS; ++i) x_acc[i] = x_part[0][i] + x_part[1][i];
+        fence_regs<NS>(x_acc);
     }
     fence_regs<16>(a_big[0]);                          // read by the last batches until here
     fence_regs<16>(a_small[0]);
@@ -564,6 +599,27 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
         const u32 y_big = smem + (cw == 0 ? L::QB : L::DOB);   // B: Q / dO big [D/32][BM][32]
         const u32 y_small = y_big + L::QT;                     //    (QS = QB + QT, DOS = DOB + QT)
         static_assert(L::QS == L::QB + L::QT && L::DOS == L::DOB + L::QT, "small parts after big");
+        // the first product's A loads: byte offset of (row_in_wg, 4·c + c4) in a K / V panel,
+        // chunk c = 0..7 (swizzled: c XOR row_in_wg % 8); rows + 8, other panels are immediates
+        u32 a_off[8];
+#pragma unroll
+        for (int c = 0; c < 8; ++c) a_off[c] = swz(row_in_wg, 4 * c + c4, L::KV_PANEL);
+        // accumulator register i's place in the Pᵀ / dSᵀ tiles [BN keys][BM query slots] (one
+        // 128-byte swizzled panel): pt_off[2·(i / 4) + i % 2] (+ 8 rows for (i % 4) >= 2), key
+        // row_in_wg, query slot slot_of_key((i / 4)·8 + col_in_8 + i % 2); and in the dS tile
+        // [BN/32][BM queries][32 key slots]: ds_off[2·((i % 4) >= 2) + i % 2] (+ (i / 4)·8 query
+        // rows). Formed once: the swizzle's XOR per store cost ~3 KB of step-loop SASS
+        u32 pt_off[8], ds_off[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int par = 0; par < 2; ++par)
+                pt_off[2 * j + par] = swz(row_in_wg, slot_of_key(8 * j + col_in_8 + par), 0);
+#pragma unroll
+        for (int kr = 0; kr < 2; ++kr)
+#pragma unroll
+            for (int par = 0; par < 2; ++par)
+                ds_off[2 * kr + par] = swz(col_in_8 + par, slot_of_key(row_in_wg + 8 * kr), L::DS_PANEL);
 
         // step_acc [DH columns, BN keys] = Xᵀ_h Y: A = Xᵀ_h loaded from the raw copy X [BM
         // queries][D] (columns d0, d0 + 1: one 8-byte load; queries in key_of_slot order inside
@@ -571,11 +627,10 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
         // K-major (8 slots = 32 bytes per k-step); per k-step small·big + big·small + big·big, into
         // a zeroed accumulator (added to dKᵀ_h / dVᵀ_h in fp32 by the caller: section 8 (3)).
         // last_raw_read: once its fragments are in registers this warp is done with the raw
-        // copies (r_empty arrival). step_issue loads, splits and issues (committed, not waited
-        // for: step_acc, fb, fs stay the product's until step_done).
+        // copies (r_empty arrival).
         float step_acc[NT];
-        u32 fb[NS], fs[NS];   // [BM/8 k-steps][A(d0, c), A(d0 + 1, c), A(d0, c + 4), A(d0 + 1, c + 4)]
-        auto step_issue = [&](u32 x_raw_tile, u32 yb, u32 ys, bool last_raw_read) {
+        auto step_product = [&](u32 x_raw_tile, u32 yb, u32 ys, bool last_raw_read) {
+            u32 fb[NS], fs[NS];   // [BM/8 k-steps][A(d0, c), A(d0 + 1, c), A(d0, c + 4), A(d0 + 1, c + 4)]
 #pragma unroll
             for (int kk = 0; kk < BM / 8; ++kk) {
 #pragma unroll
@@ -596,13 +651,11 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BM / 8; ++kk) {
-                wgmma_rs_tf32<BN>(step_acc, fs + 4 * kk, smem_desc(yb + 32 * kk, 16, 1024));
-                wgmma_rs_tf32<BN>(step_acc, fb + 4 * kk, smem_desc(ys + 32 * kk, 16, 1024));
-                wgmma_rs_tf32<BN>(step_acc, fb + 4 * kk, smem_desc(yb + 32 * kk, 16, 1024));
+                wgmma_rs_tf32<BN>(step_acc, fs + 4 * kk, desc_at(desc_lo(yb), 32 * kk));
+                wgmma_rs_tf32<BN>(step_acc, fb + 4 * kk, desc_at(desc_lo(ys), 32 * kk));
+                wgmma_rs_tf32<BN>(step_acc, fb + 4 * kk, desc_at(desc_lo(yb), 32 * kk));
             }
             wgmma_commit();
-        };
-        auto step_done = [&]() {
             wgmma_wait<0>();
             fence_regs<NT>(step_acc);
             fence_regs<NS>(fb);                                // read by the products until here
@@ -621,26 +674,26 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             // K, V landed (the phase cannot move on before this consumer's warps' kv_empty)
             if (wt.steps > 0) mbar_wait(kv_raw, kv_it & 1);
 
+            // step st's query tile and head (step_m0, step_head as counters: no division per step)
+            int mi = 0, head = wt.kv_head * p.h_per_hk;
             for (int st = 0; st < wt.steps; ++st, ++q_it) {
-                const int m0 = step_m0(wt, st);
-                const int head = step_head(p, wt, st);
+                const int m0 = (wt.m_first + mi) * BM;
                 const float* lse_smem = rows_smem + (q_it & 1) * 2 * BM;   // [BM] lse·log2 e of the step
                 const float* dsum_smem = lse_smem + BM;                    // [BM] D of the step
                 mbar_wait(nat_full, q_it & 1);             // Q, dO parts and rows written
 
-                // ---- c0: Sᵀ = K Qᵀ (two accumulators), c1: dPᵀ = V dOᵀ (four per-batch accumulators)
+                // ---- c0: Sᵀ = K Qᵀ (one accumulator), c1: dPᵀ = V dOᵀ (four per-batch accumulators)
                 //      [BN keys, BM]: t_first_product
                 float x_acc[NS];
-                t_first_product<D, L>(x_acc, x_raw, y_big, y_small, row_in_wg, c4, cw == 1);
+                if (cw == 0) t_first_product<D, false, L>(x_acc, smem + L::KR, smem + L::QB, smem + L::QS, a_off);
+                else t_first_product<D, true, L>(x_acc, smem + L::VR, smem + L::DOB, smem + L::DOS, a_off);
                 __syncwarp();
                 // this warp's Sᵀ / dPᵀ done: the parts may take the next step (TMA, converters)
                 if (t % 32 == 0) mbar_arrive(nat_empty);
 
                 // accumulator register i: key row_in_wg + 8·((i % 4) >= 2), query (i / 4)·8 + col_in_8 + i % 2;
                 // its place in the [BN keys][BM query slots] tiles Pᵀ, dSᵀ (one 128-byte swizzled panel)
-                auto t_off = [&](int i) {
-                    return swz(row_in_wg + ((i % 4) >= 2 ? 8 : 0), slot_of_key((i / 4) * 8 + col_in_8 + (i % 2)), 0);
-                };
+                auto t_off = [&](int i) { return pt_off[2 * (i / 4) + i % 2] + ((i % 4) >= 2 ? 8 * 128 : 0); };
                 if (cw == 0) {
                     // ---- Pᵀ = exp2(Sᵀ·scale·log2 e − lse·log2 e), in place in x_acc
 #pragma unroll
@@ -686,22 +739,14 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     named_bar_sync(WG_BAR, 128);               // every c0 warp's Pᵀ rows, for dVᵀ_0
                 } else {
                     named_bar_sync(PT_FULL, 256);              // c0's Pᵀ of the step written
-                }
-
-                // ---- dVᵀ_h [DH, BN] += dOᵀ_h P  (A from the raw dO copy, B = Pᵀ), issued here and
-                //      waited for below: c1's runs under its dSᵀ / dS phase
-                mbar_wait(r_full, q_it & 1);                   // the raw Q, dO copies landed
-                step_issue(smem + L::RDO, smem + L::PTB, smem + L::PTS, false);
-                if (cw == 1) {
                     // ---- dSᵀ = Pᵀ ∘ (dPᵀ − D)·scale, Pᵀ read back (big + small) where c0's lane t
                     //      wrote it: the same accumulator position as this lane's dPᵀ register
-                    //      (kept in fp32 and split at the stores: fewer registers while dVᵀ_1 runs)
-                    float ds[NS];
+                    u32 ds_big[NS], ds_small[NS];
 #pragma unroll
                     for (int i = 0; i < NS; ++i) {
                         const int col = (i / 4) * 8 + col_in_8 + (i % 2);
                         const float pe = lds32(smem + L::PTB + t_off(i)) + lds32(smem + L::PTS + t_off(i));
-                        ds[i] = pe * (x_acc[i] - dsum_smem[col]) * p.scale;
+                        split_tf32(pe * (x_acc[i] - dsum_smem[col]) * p.scale, ds_big[i], ds_small[i]);
                     }
                     // c0's reads of the last dSᵀ, dS (its dKᵀ_0, dQᵀ_0) and every c1 warp's are done
                     if (q_it > 0) named_bar_sync(DS_EMPTY, 256);
@@ -709,28 +754,29 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     //      [32 key slots] (B of dQᵀ_h), big / small
 #pragma unroll
                     for (int i = 0; i < NS; ++i) {
-                        const int kl = row_in_wg + ((i % 4) >= 2 ? 8 : 0), q = (i / 4) * 8 + col_in_8 + (i % 2);
-                        const u32 off = swz(q, slot_of_key(kl), L::DS_PANEL);
-                        u32 ds_big, ds_small;
-                        split_tf32(ds[i], ds_big, ds_small);
-                        sts32(smem + L::DSTB + t_off(i), ds_big);
-                        sts32(smem + L::DSTS + t_off(i), ds_small);
-                        sts32(smem + L::DSB + off, ds_big);
-                        sts32(smem + L::DSS + off, ds_small);
+                        // swz(q, slot_of_key(kl), DS_PANEL), kl = row_in_wg + 8·((i % 4) >= 2),
+                        // q = (i / 4)·8 + col_in_8 + i % 2
+                        const u32 off = ds_off[2 * ((i % 4) >= 2) + i % 2] + (i / 4) * 8 * 128;
+                        sts32(smem + L::DSTB + t_off(i), ds_big[i]);
+                        sts32(smem + L::DSTS + t_off(i), ds_small[i]);
+                        sts32(smem + L::DSB + off, ds_big[i]);
+                        sts32(smem + L::DSS + off, ds_small[i]);
                     }
                     fence_proxy_async();                       // read by wgmma (async proxy)
                     named_bar_arrive(DS_FULL, 256);            // dSᵀ, dS written: c0 may read them
                     named_bar_sync(WG_BAR + 1, 128);           // every c1 warp's rows, for dKᵀ_1, dQᵀ_1
                 }
-                step_done();
+
+                // ---- dVᵀ_h [DH, BN] += dOᵀ_h P  (A from the raw dO copy, B = Pᵀ)
+                mbar_wait(r_full, q_it & 1);                   // the raw Q, dO copies landed
+                step_product(smem + L::RDO, smem + L::PTB, smem + L::PTS, false);
 #pragma unroll
                 for (int i = 0; i < NT; ++i) dvt_acc[i] += step_acc[i];
                 if (cw == 1) named_bar_arrive(PT_EMPTY, 256);  // c1 is done with this Pᵀ
                 else named_bar_sync(DS_FULL, 256);             // c1's dSᵀ, dS of the step written
                 // ---- dKᵀ_h [DH, BN] += Qᵀ_h dS  (A from the raw Q copy, B = dSᵀ); once its
                 //      fragments are loaded, this warp is done with the raw copies
-                step_issue(smem + L::RQ, smem + L::DSTB, smem + L::DSTS, true);
-                step_done();
+                step_product(smem + L::RQ, smem + L::DSTB, smem + L::DSTS, true);
 #pragma unroll
                 for (int i = 0; i < NT; ++i) dkt_acc[i] += step_acc[i];
 
@@ -756,9 +802,9 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
 #pragma unroll
                 for (int kk = 0; kk < BN / 8; ++kk) {
                     const u32 off = (kk / 4) * L::DS_PANEL + (kk % 4) * 32;
-                    wgmma_rs_tf32<BM>(dq_acc, kt_small + 4 * kk, smem_desc(smem + L::DSB + off, 16, 1024));
-                    wgmma_rs_tf32<BM>(dq_acc, kt_big + 4 * kk, smem_desc(smem + L::DSS + off, 16, 1024));
-                    wgmma_rs_tf32<BM>(dq_acc, kt_big + 4 * kk, smem_desc(smem + L::DSB + off, 16, 1024));
+                    wgmma_rs_tf32<BM>(dq_acc, kt_small + 4 * kk, desc_at(desc_lo(smem + L::DSB), off));
+                    wgmma_rs_tf32<BM>(dq_acc, kt_big + 4 * kk, desc_at(desc_lo(smem + L::DSS), off));
+                    wgmma_rs_tf32<BM>(dq_acc, kt_big + 4 * kk, desc_at(desc_lo(smem + L::DSB), off));
                 }
                 wgmma_commit();
                 // the tile's last reads of K, V by this warp are done (K, V are only loaded into
@@ -775,7 +821,11 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
 
                 // ---- dq rows m0 .. += dQᵀ_hᵀ: this consumer's columns over the tile's keys
                 float* dq_bh = (float*)p.dq + wt.batch * p.dq_stride_b + head * p.dq_stride_h;   // [s_q, D]
-                add_dq(dq_bh, p.dq_stride_s, m0, p.s_q, d0, col_in_8, dq_acc);
+                add_dq_t(dq_bh, p.dq_stride_s, m0, p.s_q, d0, col_in_8, dq_acc);
+                if (++mi == wt.m_count) {
+                    mi = 0;
+                    ++head;
+                }
             }
             if (wt.steps > 0) ++kv_it;
 

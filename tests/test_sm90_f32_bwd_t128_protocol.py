@@ -154,14 +154,7 @@ def protocol(tiles, drop=None):
                     nb["PT_FULL"].arrive(c)
                 else:
                     yield nsync("c1:PT_FULL", c)
-                # dVᵀ_h issued (c1: before its dSᵀ / dS phase, so it runs under it), waited for after
-                yield wait(f"{c}:r_full", r_full, q_it)
-                PT.start(c, q_it)                      # dVᵀ_h's B (c1: and read back for dSᵀ)
-                RDO.start(c, q_it)                     # dVᵀ_h fragments
-                yield None
-                RDO.end(c)
-                yield None                             # dVᵀ_h issued: Pᵀ read until its wait
-                if c == "c1":
+                    PT.start(c, q_it)                  # read back for dSᵀ (open until dVᵀ_1)
                     row.start(c, q_it)                 # D for dSᵀ
                     yield None
                     row.end(c)
@@ -170,7 +163,13 @@ def protocol(tiles, drop=None):
                     DST.write(q_it, ("c0", "c1"))
                     DSN.write(q_it, ("c0", "c1"))
                     nb["DS_FULL"].arrive(c)
-                yield None                             # dVᵀ_h done
+                yield wait(f"{c}:r_full", r_full, q_it)
+                if c == "c0":
+                    PT.start(c, q_it)
+                RDO.start(c, q_it)                     # dVᵀ_h fragments
+                yield None
+                RDO.end(c)
+                yield None                             # dVᵀ_h: Pᵀ
                 PT.end(c)
                 if c == "c1":
                     nb["PT_EMPTY"].arrive(c)

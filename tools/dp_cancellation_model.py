@@ -10,9 +10,7 @@ random normal inputs, 20 draws; "parts" = accumulators of the dP contraction add
 
     python tools/dp_cancellation_model.py --ordinary
     # ordinary (many-key) cases at hd 128: dq / dk / dv errors with c0's Sᵀ in one accumulator
-    # (as the forward's S that made lse), two (batches 0, 2 and 1, 3) or four, dPᵀ in four (the
-    # kernel's); see ordinary(). Max over 4 draws, Q, K scaled by 3: dq / dk / dv 5.2e-6 / 4.3e-6 /
-    # 3.4e-6 (one), 1.8e-5 / 2.1e-5 / 1.8e-5 (two), 2.3e-5 / 2.8e-5 / 2.6e-5 (four); bound 5e-5
+    # (as the forward's S that made lse) or four, dPᵀ in four (the kernel's); see ordinary()
 """
 import sys
 import numpy as np
@@ -82,19 +80,16 @@ def case(d, parts, nq=478, trials=20):
     errs = np.array(errs)
     print(f"d{d} parts{parts}: dk err mean {errs.mean():.3g} max {errs.max():.3g}  naive-f32 mean {np.mean(naive):.3g}")
 
-def wgmma_mat(a, b, parts, interleave=False):
+def wgmma_mat(a, b, parts):
     """[m, d] x [n, d] -> [m, n]: 3xTF32 k8 steps (small·big, big·small, big·big; A = a), truncating
-    fp32 accumulation, `parts` accumulators (consecutive k ranges) added in fp32 RN; interleave:
-    accumulator p takes the 32-column batches b with b % parts == p (design T's c0 with two)"""
+    fp32 accumulation, `parts` accumulators (consecutive k ranges) added in fp32 RN"""
     m, d = a.shape
     ab, as_ = split(a); bb, bs = split(b)
     per = d // parts
     tot = np.zeros((m, b.shape[0]), np.float32)
     for p in range(parts):
         acc = np.zeros_like(tot)
-        ks = ([k for k in range(0, d, 8) if (k // 32) % parts == p] if interleave
-              else range(p * per, (p + 1) * per, 8))
-        for k in ks:
+        for k in range(p * per, (p + 1) * per, 8):
             sl = slice(k, k + 8)
             for x, y in ((as_, bb), (ab, bs), (ab, bb)):
                 acc = trunc32(acc.astype(np.float64) + x[:, sl].astype(np.float64) @ y[:, sl].T.astype(np.float64))
@@ -103,13 +98,12 @@ def wgmma_mat(a, b, parts, interleave=False):
 def ordinary(nq=512, nk=128, d=128, mag=1.0, trials=4):
     """Many keys, random normal Q, K (times mag: larger = more peaked P), V, dO. Forward's S = Q Kᵀ
     in one accumulator (fwd_sm90_f32.cu) -> lse (float64), O = P V (float64); D in
-    flash_bwd_pre's fp32 order. Backward: Sᵀ = K Qᵀ with 1, 2 (batches 0, 2 and 1, 3) or 4
-    accumulators, P = exp(scale·Sᵀ −
+    flash_bwd_pre's fp32 order. Backward: Sᵀ = K Qᵀ with 1 or 4 accumulators, P = exp(scale·Sᵀ −
     lse), dPᵀ = V dOᵀ in 4 (the kernel's), dS = P(dP − D)·scale in fp32; dV, dK, dQ products in
     float64 (their own 3xTF32 rounding is the same for both choices). Errors against float64, as
     max |err| / max(1, max |ref|) (the GPU tests' measure; bound 5e-5)."""
     scale = 1 / np.sqrt(d)
-    res = {1: [], 2: [], 4: []}
+    res = {1: [], 4: []}
     for _ in range(trials):
         q = (mag * rng.standard_normal((nq, d))).astype(np.float32)
         k = (mag * rng.standard_normal((nk, d))).astype(np.float32)
@@ -128,13 +122,13 @@ def ordinary(nq=512, nk=128, d=128, mag=1.0, trials=4):
         o = (np.exp(s_f - lse[:, None]) @ v64).astype(np.float32)
         D = pre_dot(do, o)
         dp = wgmma_mat(v, do, 4).T                                              # dPᵀ, 4 parts
-        for parts in (1, 2, 4):
-            s_b = wgmma_mat(k, q, parts, interleave=True).T.astype(np.float64) * scale   # Sᵀ, A = K
+        for parts in (1, 4):
+            s_b = wgmma_mat(k, q, parts).T.astype(np.float64) * scale            # Sᵀ, A = K
             p = np.exp(s_b - lse[:, None]).astype(np.float32)
             ds = (p * ((dp - D[:, None]) * np.float32(scale))).astype(np.float64)
             got = dict(dq=ds @ k64, dk=ds.T @ q64, dv=p.T.astype(np.float64) @ do64)
             res[parts].append({n: np.abs(got[n] - ref[n]).max() / max(1, np.abs(ref[n]).max()) for n in ref})
-    for parts in (1, 2, 4):
+    for parts in (1, 4):
         print(f"mag {mag} Sᵀ parts{parts}: " + "  ".join(
             f"{n} mean {np.mean([r[n] for r in res[parts]]):.3g} max {np.max([r[n] for r in res[parts]]):.3g}"
             for n in ("dq", "dk", "dv")))
