@@ -205,6 +205,121 @@ __device__ __forceinline__ void add_dq(float* dq_bh, i64 stride_s, int m0, int s
     }
 }
 
+// Design T's dq adds (add_dq's values and order, for hd 128): the row pointer formed once and
+// stepped (+stride_s, +8·stride_s), rows past s_q skipped by a predicate on the red.add itself
+// (add_dq's `if` became a branch around each of its 8 red.adds: ~2 KB of step-loop SASS)
+__device__ __forceinline__ void red_add_v2_if(bool pred, float* addr, float x, float y) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %3, 0;\n@p red.global.add.v2.f32 [%0], {%1, %2};\n}\n"
+                 :: "l"(addr), "f"(x), "f"(y), "r"((int)pred) : "memory");
+}
+__device__ __forceinline__ void add_dq_t(float* dq_bh, i64 stride_s, int m0, int s_q, int d0, int col_in_8,
+                                         const float* acc) {
+    float* row = dq_bh + (m0 + col_in_8) * stride_s + d0;   // query m0 + col_in_8
+    const int left = s_q - m0 - col_in_8;                   // query offsets q < left are rows of dq
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {                      // registers 4j, 4j + 1: queries 8j, 8j + 1
+        red_add_v2_if(8 * j < left, row, acc[4 * j], acc[4 * j + 2]);
+        red_add_v2_if(8 * j + 1 < left, row + stride_s, acc[4 * j + 1], acc[4 * j + 3]);
+        row += 8 * stride_s;
+    }
+}
+
+// Design T's wgmma B descriptors: a swizzled K-major tile (LBO 16, SBO 1024) at base + off, as
+// smem_desc(base + off, 16, 1024) for base, off multiples of 16 inside shared memory (the address
+// field, bits 0-13 in 16-byte units, does not carry): the low word of base's descriptor, computed
+// once, plus off / 16, so every wgmma's descriptor is one add on uniform registers, not
+// smem_desc's mask, shift and or (step-loop code size: see t_first_product)
+__device__ __forceinline__ u32 desc_lo(u32 base) { return (u32)smem_desc(base, 16, 1024); }
+__device__ __forceinline__ u64 desc_at(u32 lo, u32 off) {
+    return ((u64)(u32)(smem_desc(0, 16, 1024) >> 32) << 32) | (u64)(lo + (off >> 4));
+}
+
+// Design T's first product of a step, c0: Sᵀ = K Qᵀ, c1: dPᵀ = V dOᵀ  [BN keys, BM] -> x_acc: D / 8
+// k-steps of 8 columns; A (K / V rows row_in_wg, +8, from x_raw) loaded raw and split on the fly,
+// 4 k-steps per batch, two batches in flight; B = y_big / y_small; per k-step small·big +
+// big·small + big·big.
+// PARTS (c1's dPᵀ): each batch (12 products) into its own zeroed accumulator (part b % 2), the four
+// added in fp32 (round to nearest) as they complete: the tensor cores' accumulation rounds toward
+// zero, and 48 products in one accumulator biased dPᵀ by ~48·2⁻²⁴ relative, which dSᵀ = Pᵀ(dPᵀ − D)
+// does not cancel (D is summed to nearest): dK 5.05e-5 with one key (P = 1, true dSᵀ ≈ 0, H200).
+// !PARTS (c0's Sᵀ): one accumulator, 48 products, as the forward's S that made lse: its bias only
+// scales P by a relative ~scale·|S|·48·2⁻²⁴ that nothing downstream cancels (P multiplies
+// dPᵀ − D; tools/dp_cancellation_model.py --ordinary).
+// Two inlined copies (c0, c1), kept small: B descriptors by desc_at (one uniform add each), A
+// addresses from the lane's eight a_off (x_raw, panel b and row + 8 as immediates). The step loop
+// is 31-32 KB of SASS with both copies (aed45d9, the same copies with smem_desc and swz per load:
+// 40-43 KB; main, one copy: 34-37 KB); past ~40 KB the causal loop lost 17-22 % on the H200.
+template <int D, bool PARTS, typename L>
+__device__ __forceinline__ void t_first_product(float* x_acc, u32 x_raw, u32 y_big, u32 y_small,
+                                                const u32* a_off) {
+    constexpr int NS = BM / 2;
+    float x_part[2][NS];
+    if constexpr (PARTS) {
+#pragma unroll
+        for (int i = 0; i < NS; ++i) x_part[0][i] = x_part[1][i] = 0.f;
+        fence_regs<NS>(x_part[0]);
+        fence_regs<NS>(x_part[1]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < NS; ++i) x_acc[i] = 0.f;
+        fence_regs<NS>(x_acc);
+    }
+    u32 a_big[2][16], a_small[2][16];                  // [batch buffer][4 k-steps][4]
+    const u32 yb_lo = desc_lo(y_big), ys_lo = desc_lo(y_small);
+#pragma unroll
+    for (int b = 0; b < D / 32; ++b) {
+        u32* fb = a_big[b % 2];
+        u32* fs = a_small[b % 2];
+        float* pa = PARTS ? x_part[b % 2] : x_acc;
+        if (b >= 2) {                                  // batch b − 2 is done (buffers, part)
+            wgmma_wait<1>();
+            fence_regs<16>(fb);
+            fence_regs<16>(fs);
+            if constexpr (PARTS) {
+                fence_regs<NS>(pa);
+#pragma unroll
+                for (int i = 0; i < NS; ++i) {
+                    x_acc[i] = b == 2 ? pa[i] : x_acc[i] + pa[i];
+                    pa[i] = 0.f;
+                }
+                fence_regs<NS>(pa);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {              // A(r, c), A(r + 8, c), A(r, c + 4), A(r + 8, c + 4)
+                // swz(row_in_wg + 8·(e % 2), 32·b + 8·k + c4 + 4·(e / 2), KV_PANEL)
+                const u32 addr = x_raw + b * L::KV_PANEL + (e % 2) * 8 * 128 + a_off[2 * k + e / 2];
+                split_tf32(lds32(addr), fb[4 * k + e], fs[4 * k + e]);
+            }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const u32 off = b * L::Q_PANEL + 32 * k;
+            wgmma_rs_tf32<BM>(pa, fs + 4 * k, desc_at(yb_lo, off));
+            wgmma_rs_tf32<BM>(pa, fb + 4 * k, desc_at(ys_lo, off));
+            wgmma_rs_tf32<BM>(pa, fb + 4 * k, desc_at(yb_lo, off));
+        }
+        wgmma_commit();
+    }
+    static_assert(D / 32 == 4, "four batches: parts 0, 1 folded in before batches 2, 3");
+    wgmma_wait<0>();
+    if constexpr (PARTS) {
+        fence_regs<NS>(x_part[0]);
+        fence_regs<NS>(x_part[1]);
+#pragma unroll
+        for (int i = 0; i < NS; ++i) x_acc[i] = (x_acc[i] + x_part[0][i]) + x_part[1][i];
+    } else {
+        fence_regs<NS>(x_acc);
+    }
+    fence_regs<16>(a_big[0]);                          // read by the last batches until here
+    fence_regs<16>(a_small[0]);
+    fence_regs<16>(a_big[1]);
+    fence_regs<16>(a_small[1]);
+}
+
 }  // namespace sm90bf
 
 template <typename E, int D, bool WINDOW>
@@ -484,6 +599,27 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
         const u32 y_big = smem + (cw == 0 ? L::QB : L::DOB);   // B: Q / dO big [D/32][BM][32]
         const u32 y_small = y_big + L::QT;                     //    (QS = QB + QT, DOS = DOB + QT)
         static_assert(L::QS == L::QB + L::QT && L::DOS == L::DOB + L::QT, "small parts after big");
+        // the first product's A loads: byte offset of (row_in_wg, 4·c + c4) in a K / V panel,
+        // chunk c = 0..7 (swizzled: c XOR row_in_wg % 8); rows + 8, other panels are immediates
+        u32 a_off[8];
+#pragma unroll
+        for (int c = 0; c < 8; ++c) a_off[c] = swz(row_in_wg, 4 * c + c4, L::KV_PANEL);
+        // accumulator register i's place in the Pᵀ / dSᵀ tiles [BN keys][BM query slots] (one
+        // 128-byte swizzled panel): pt_off[2·(i / 4) + i % 2] (+ 8 rows for (i % 4) >= 2), key
+        // row_in_wg, query slot slot_of_key((i / 4)·8 + col_in_8 + i % 2); and in the dS tile
+        // [BN/32][BM queries][32 key slots]: ds_off[2·((i % 4) >= 2) + i % 2] (+ (i / 4)·8 query
+        // rows). Formed once: the swizzle's XOR per store cost ~3 KB of step-loop SASS
+        u32 pt_off[8], ds_off[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int par = 0; par < 2; ++par)
+                pt_off[2 * j + par] = swz(row_in_wg, slot_of_key(8 * j + col_in_8 + par), 0);
+#pragma unroll
+        for (int kr = 0; kr < 2; ++kr)
+#pragma unroll
+            for (int par = 0; par < 2; ++par)
+                ds_off[2 * kr + par] = swz(col_in_8 + par, slot_of_key(row_in_wg + 8 * kr), L::DS_PANEL);
 
         // step_acc [DH columns, BN keys] = Xᵀ_h Y: A = Xᵀ_h loaded from the raw copy X [BM
         // queries][D] (columns d0, d0 + 1: one 8-byte load; queries in key_of_slot order inside
@@ -515,9 +651,9 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BM / 8; ++kk) {
-                wgmma_rs_tf32<BN>(step_acc, fs + 4 * kk, smem_desc(yb + 32 * kk, 16, 1024));
-                wgmma_rs_tf32<BN>(step_acc, fb + 4 * kk, smem_desc(ys + 32 * kk, 16, 1024));
-                wgmma_rs_tf32<BN>(step_acc, fb + 4 * kk, smem_desc(yb + 32 * kk, 16, 1024));
+                wgmma_rs_tf32<BN>(step_acc, fs + 4 * kk, desc_at(desc_lo(yb), 32 * kk));
+                wgmma_rs_tf32<BN>(step_acc, fb + 4 * kk, desc_at(desc_lo(ys), 32 * kk));
+                wgmma_rs_tf32<BN>(step_acc, fb + 4 * kk, desc_at(desc_lo(yb), 32 * kk));
             }
             wgmma_commit();
             wgmma_wait<0>();
@@ -538,99 +674,55 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             // K, V landed (the phase cannot move on before this consumer's warps' kv_empty)
             if (wt.steps > 0) mbar_wait(kv_raw, kv_it & 1);
 
+            // step st's query tile and head (step_m0, step_head as counters: no division per step)
+            int mi = 0, head = wt.kv_head * p.h_per_hk;
             for (int st = 0; st < wt.steps; ++st, ++q_it) {
-                const int m0 = step_m0(wt, st);
-                const int head = step_head(p, wt, st);
+                const int m0 = (wt.m_first + mi) * BM;
                 const float* lse_smem = rows_smem + (q_it & 1) * 2 * BM;   // [BM] lse·log2 e of the step
                 const float* dsum_smem = lse_smem + BM;                    // [BM] D of the step
                 mbar_wait(nat_full, q_it & 1);             // Q, dO parts and rows written
 
-                // ---- c0: Sᵀ = K Qᵀ, c1: dPᵀ = V dOᵀ  [BN keys, BM]: D / 8 k-steps of 8 columns;
-                //      A (K / V rows row_in_wg, +8) loaded raw and split on the fly, 4 k-steps per
-                //      batch, two batches in flight; per k-step small·big + big·small + big·big.
-                //      Each batch (12 products) into its own zeroed accumulator (part b % 2), the
-                //      four added in fp32 (round to nearest) as they complete: the tensor cores'
-                //      accumulation rounds toward zero, and 48 products in one accumulator biased
-                //      dPᵀ by ~48·2⁻²⁴ relative, which dSᵀ = Pᵀ(dPᵀ − D) does not cancel (D is
-                //      summed to nearest): dK 5.05e-5 with one key (P = 1, true dSᵀ ≈ 0, H200)
-                float x_acc[NS], x_part[2][NS];
-#pragma unroll
-                for (int i = 0; i < NS; ++i) x_part[0][i] = x_part[1][i] = 0.f;
-                fence_regs<NS>(x_part[0]);
-                fence_regs<NS>(x_part[1]);
-                u32 a_big[2][16], a_small[2][16];              // [batch buffer][4 k-steps][4]
-#pragma unroll
-                for (int b = 0; b < D / 32; ++b) {
-                    u32* fb = a_big[b % 2];
-                    u32* fs = a_small[b % 2];
-                    float* pa = x_part[b % 2];
-                    if (b >= 2) {                              // batch b − 2 is done (buffers, part)
-                        wgmma_wait<1>();
-                        fence_regs<16>(fb);
-                        fence_regs<16>(fs);
-                        fence_regs<NS>(pa);
-#pragma unroll
-                        for (int i = 0; i < NS; ++i) {
-                            x_acc[i] = b == 2 ? pa[i] : x_acc[i] + pa[i];
-                            pa[i] = 0.f;
-                        }
-                        fence_regs<NS>(pa);
-                    }
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {          // A(r, c), A(r + 8, c), A(r, c + 4), A(r + 8, c + 4)
-                            const int r = row_in_wg + 8 * (e % 2), x = 32 * b + 8 * k + c4 + 4 * (e / 2);
-                            split_tf32(lds32(x_raw + swz(r, x, L::KV_PANEL)), fb[4 * k + e], fs[4 * k + e]);
-                        }
-                    }
-                    wgmma_fence();
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        const u32 off = b * L::Q_PANEL + 32 * k;
-                        wgmma_rs_tf32<BM>(pa, fs + 4 * k, smem_desc(y_big + off, 16, 1024));
-                        wgmma_rs_tf32<BM>(pa, fb + 4 * k, smem_desc(y_small + off, 16, 1024));
-                        wgmma_rs_tf32<BM>(pa, fb + 4 * k, smem_desc(y_big + off, 16, 1024));
-                    }
-                    wgmma_commit();
-                }
-                static_assert(D / 32 == 4, "four batches: parts 0, 1 folded in before batches 2, 3");
-                wgmma_wait<0>();
-                fence_regs<NS>(x_part[0]);
-                fence_regs<NS>(x_part[1]);
-#pragma unroll
-                for (int i = 0; i < NS; ++i) x_acc[i] = (x_acc[i] + x_part[0][i]) + x_part[1][i];
-                fence_regs<16>(a_big[0]);                      // read by the last batches until here
-                fence_regs<16>(a_small[0]);
-                fence_regs<16>(a_big[1]);
-                fence_regs<16>(a_small[1]);
+                // ---- c0: Sᵀ = K Qᵀ (one accumulator), c1: dPᵀ = V dOᵀ (four per-batch accumulators)
+                //      [BN keys, BM]: t_first_product
+                float x_acc[NS];
+                if (cw == 0) t_first_product<D, false, L>(x_acc, smem + L::KR, smem + L::QB, smem + L::QS, a_off);
+                else t_first_product<D, true, L>(x_acc, smem + L::VR, smem + L::DOB, smem + L::DOS, a_off);
                 __syncwarp();
                 // this warp's Sᵀ / dPᵀ done: the parts may take the next step (TMA, converters)
                 if (t % 32 == 0) mbar_arrive(nat_empty);
 
                 // accumulator register i: key row_in_wg + 8·((i % 4) >= 2), query (i / 4)·8 + col_in_8 + i % 2;
                 // its place in the [BN keys][BM query slots] tiles Pᵀ, dSᵀ (one 128-byte swizzled panel)
-                auto t_off = [&](int i) {
-                    return swz(row_in_wg + ((i % 4) >= 2 ? 8 : 0), slot_of_key((i / 4) * 8 + col_in_8 + (i % 2)), 0);
-                };
+                auto t_off = [&](int i) { return pt_off[2 * (i / 4) + i % 2] + ((i % 4) >= 2 ? 8 * 128 : 0); };
                 if (cw == 0) {
-                    // ---- Pᵀ = exp2(Sᵀ·scale·log2 e − lse·log2 e), masked, in place in x_acc
+                    // ---- Pᵀ = exp2(Sᵀ·scale·log2 e − lse·log2 e), in place in x_acc
+#pragma unroll
+                    for (int i = 0; i < NS; ++i) {
+                        const int col = (i / 4) * 8 + col_in_8 + (i % 2);   // query row m0 + col
+                        x_acc[i] = fast_exp2(x_acc[i] * p.scale_log2 - lse_smem[col]);
+                    }
+                    // ---- the mask, one branch for the step: P = 0 for keys past s_k and, with a
+                    //      window, outside [diag − window_left, diag + window_right] (diag = query row
+                    //      + diag_offset), tested on key − diag = rel0 + (key offset) − col. A test per
+                    //      value inside the exp loop made ptxas branch around each of the 16 values
+                    //      (~3 KB of SASS in the step loop: its size matters, see t_first_product)
                     bool need_mask = n0 + BN > p.s_k;
                     if (WINDOW)
                         need_mask |= n0 + BN - 1 > m0 + p.diag_offset + p.window_right ||
                                      n0 < m0 + BM - 1 + p.diag_offset - p.window_left;
+                    if (need_mask) {
+                        const int key0 = n0 + row_in_wg, rel0 = key0 - m0 - p.diag_offset;
 #pragma unroll
-                    for (int i = 0; i < NS; ++i) {
-                        const int col = (i / 4) * 8 + col_in_8 + (i % 2);   // query row m0 + col
-                        const int key = n0 + row_in_wg + ((i % 4) >= 2 ? 8 : 0);
-                        float pe = fast_exp2(x_acc[i] * p.scale_log2 - lse_smem[col]);
-                        if (need_mask) {
-                            const int diag = m0 + col + p.diag_offset;
-                            bool keep = key < p.s_k;
-                            if (WINDOW) keep = keep && key <= diag + p.window_right && key >= diag - p.window_left;
-                            if (!keep) pe = 0.f;
+                        for (int i = 0; i < NS; ++i) {
+                            const int col = (i / 4) * 8 + col_in_8 + (i % 2);
+                            const int kr = (i % 4) >= 2 ? 8 : 0;            // key key0 + kr
+                            bool keep = key0 + kr < p.s_k;
+                            if (WINDOW) {
+                                const int rel = rel0 + kr - col;             // key − diag
+                                keep = keep && rel <= p.window_right && rel >= -p.window_left;
+                            }
+                            if (!keep) x_acc[i] = 0.f;
                         }
-                        x_acc[i] = pe;
                     }
                     // c1's reads of the last Pᵀ (its dSᵀ, its dVᵀ_1) and every c0 warp's dVᵀ_0 are done
                     if (q_it > 0) named_bar_sync(PT_EMPTY, 256);
@@ -662,8 +754,9 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     //      [32 key slots] (B of dQᵀ_h), big / small
 #pragma unroll
                     for (int i = 0; i < NS; ++i) {
-                        const int kl = row_in_wg + ((i % 4) >= 2 ? 8 : 0), q = (i / 4) * 8 + col_in_8 + (i % 2);
-                        const u32 off = swz(q, slot_of_key(kl), L::DS_PANEL);
+                        // swz(q, slot_of_key(kl), DS_PANEL), kl = row_in_wg + 8·((i % 4) >= 2),
+                        // q = (i / 4)·8 + col_in_8 + i % 2
+                        const u32 off = ds_off[2 * ((i % 4) >= 2) + i % 2] + (i / 4) * 8 * 128;
                         sts32(smem + L::DSTB + t_off(i), ds_big[i]);
                         sts32(smem + L::DSTS + t_off(i), ds_small[i]);
                         sts32(smem + L::DSB + off, ds_big[i]);
@@ -709,9 +802,9 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
 #pragma unroll
                 for (int kk = 0; kk < BN / 8; ++kk) {
                     const u32 off = (kk / 4) * L::DS_PANEL + (kk % 4) * 32;
-                    wgmma_rs_tf32<BM>(dq_acc, kt_small + 4 * kk, smem_desc(smem + L::DSB + off, 16, 1024));
-                    wgmma_rs_tf32<BM>(dq_acc, kt_big + 4 * kk, smem_desc(smem + L::DSS + off, 16, 1024));
-                    wgmma_rs_tf32<BM>(dq_acc, kt_big + 4 * kk, smem_desc(smem + L::DSB + off, 16, 1024));
+                    wgmma_rs_tf32<BM>(dq_acc, kt_small + 4 * kk, desc_at(desc_lo(smem + L::DSB), off));
+                    wgmma_rs_tf32<BM>(dq_acc, kt_big + 4 * kk, desc_at(desc_lo(smem + L::DSS), off));
+                    wgmma_rs_tf32<BM>(dq_acc, kt_big + 4 * kk, desc_at(desc_lo(smem + L::DSB), off));
                 }
                 wgmma_commit();
                 // the tile's last reads of K, V by this warp are done (K, V are only loaded into
@@ -728,7 +821,11 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
 
                 // ---- dq rows m0 .. += dQᵀ_hᵀ: this consumer's columns over the tile's keys
                 float* dq_bh = (float*)p.dq + wt.batch * p.dq_stride_b + head * p.dq_stride_h;   // [s_q, D]
-                add_dq(dq_bh, p.dq_stride_s, m0, p.s_q, d0, col_in_8, dq_acc);
+                add_dq_t(dq_bh, p.dq_stride_s, m0, p.s_q, d0, col_in_8, dq_acc);
+                if (++mi == wt.m_count) {
+                    mi = 0;
+                    ++head;
+                }
             }
             if (wt.steps > 0) ++kv_it;
 

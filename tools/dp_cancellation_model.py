@@ -7,7 +7,12 @@ random normal inputs, 20 draws; "parts" = accumulators of the dP contraction add
     python tools/dp_cancellation_model.py
     # d64 parts1 ~3.2e-5 mean (hd 64 kernel), d128 parts1 ~7.5e-5 (H200: 5.05e-5 > 5e-5),
     # d128 parts2 ~3.6e-5, d128 parts4 ~1.8e-5 (the kernel now), naive float32 ~6e-6
+
+    python tools/dp_cancellation_model.py --ordinary
+    # ordinary (many-key) cases at hd 128: dq / dk / dv errors with c0's Sᵀ in one accumulator
+    # (as the forward's S that made lse) or four, dPᵀ in four (the kernel's); see ordinary()
 """
+import sys
 import numpy as np
 rng = np.random.default_rng(1)
 def tf32(x):  # rna to tf32 (10 explicit bits)
@@ -74,4 +79,61 @@ def case(d, parts, nq=478, trials=20):
         naive.append(np.abs(((dpn - Dn).astype(np.float64) / np.sqrt(d)) @ q).max())
     errs = np.array(errs)
     print(f"d{d} parts{parts}: dk err mean {errs.mean():.3g} max {errs.max():.3g}  naive-f32 mean {np.mean(naive):.3g}")
-case(64, 1); case(128, 1); case(128, 2); case(128, 4)
+
+def wgmma_mat(a, b, parts):
+    """[m, d] x [n, d] -> [m, n]: 3xTF32 k8 steps (small·big, big·small, big·big; A = a), truncating
+    fp32 accumulation, `parts` accumulators (consecutive k ranges) added in fp32 RN"""
+    m, d = a.shape
+    ab, as_ = split(a); bb, bs = split(b)
+    per = d // parts
+    tot = np.zeros((m, b.shape[0]), np.float32)
+    for p in range(parts):
+        acc = np.zeros_like(tot)
+        for k in range(p * per, (p + 1) * per, 8):
+            sl = slice(k, k + 8)
+            for x, y in ((as_, bb), (ab, bs), (ab, bb)):
+                acc = trunc32(acc.astype(np.float64) + x[:, sl].astype(np.float64) @ y[:, sl].T.astype(np.float64))
+        tot = (tot + acc).astype(np.float32)
+    return tot
+def ordinary(nq=512, nk=128, d=128, mag=1.0, trials=4):
+    """Many keys, random normal Q, K (times mag: larger = more peaked P), V, dO. Forward's S = Q Kᵀ
+    in one accumulator (fwd_sm90_f32.cu) -> lse (float64), O = P V (float64); D in
+    flash_bwd_pre's fp32 order. Backward: Sᵀ = K Qᵀ with 1 or 4 accumulators, P = exp(scale·Sᵀ −
+    lse), dPᵀ = V dOᵀ in 4 (the kernel's), dS = P(dP − D)·scale in fp32; dV, dK, dQ products in
+    float64 (their own 3xTF32 rounding is the same for both choices). Errors against float64, as
+    max |err| / max(1, max |ref|) (the GPU tests' measure; bound 5e-5)."""
+    scale = 1 / np.sqrt(d)
+    res = {1: [], 4: []}
+    for _ in range(trials):
+        q = (mag * rng.standard_normal((nq, d))).astype(np.float32)
+        k = (mag * rng.standard_normal((nk, d))).astype(np.float32)
+        v = rng.standard_normal((nk, d)).astype(np.float32)
+        do = rng.standard_normal((nq, d)).astype(np.float32)
+        q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, do))
+        s_ref = q64 @ k64.T * scale
+        lse_ref = np.log(np.exp(s_ref - s_ref.max(1, keepdims=True)).sum(1)) + s_ref.max(1)
+        p_ref = np.exp(s_ref - lse_ref[:, None])
+        o_ref = p_ref @ v64
+        dp_ref = do64 @ v64.T
+        ds_ref = p_ref * (dp_ref - (do64 * o_ref).sum(1, keepdims=True)) * scale
+        ref = dict(dq=ds_ref @ k64, dk=ds_ref.T @ q64, dv=p_ref.T @ do64)
+        s_f = wgmma_mat(q, k, 1).astype(np.float64) * scale                      # forward's S
+        lse = np.log(np.exp(s_f - s_f.max(1, keepdims=True)).sum(1)) + s_f.max(1)
+        o = (np.exp(s_f - lse[:, None]) @ v64).astype(np.float32)
+        D = pre_dot(do, o)
+        dp = wgmma_mat(v, do, 4).T                                              # dPᵀ, 4 parts
+        for parts in (1, 4):
+            s_b = wgmma_mat(k, q, parts).T.astype(np.float64) * scale            # Sᵀ, A = K
+            p = np.exp(s_b - lse[:, None]).astype(np.float32)
+            ds = (p * ((dp - D[:, None]) * np.float32(scale))).astype(np.float64)
+            got = dict(dq=ds @ k64, dk=ds.T @ q64, dv=p.T.astype(np.float64) @ do64)
+            res[parts].append({n: np.abs(got[n] - ref[n]).max() / max(1, np.abs(ref[n]).max()) for n in ref})
+    for parts in (1, 4):
+        print(f"mag {mag} Sᵀ parts{parts}: " + "  ".join(
+            f"{n} mean {np.mean([r[n] for r in res[parts]]):.3g} max {np.max([r[n] for r in res[parts]]):.3g}"
+            for n in ("dq", "dk", "dv")))
+if "--ordinary" in sys.argv:
+    for mag in (1.0, 2.0, 3.0):
+        ordinary(mag=mag)
+else:
+    case(64, 1); case(128, 1); case(128, 2); case(128, 4)
