@@ -261,6 +261,9 @@ DBIAS_SCHED_B = 32  # Hopper backward only: work tiles batch-fastest (dbias summ
 HOPPER_SCHED_B = True   # use DBIAS_SCHED_B (a switch for A/B measurements)
 DBIAS_KERNEL = None     # flash_bwd_dbias where eligible: None = deterministic mode, or when the
                         # float32 accumulator does not fit; True / False force it (A/B, tests)
+DBIAS_SM90 = True       # where that dbias kernel runs: on compute capability 9.0 the Hopper one
+                        # (flash_bwd_dbias_sm90, _gpu_dbias_sm90) wherever it covers the call;
+                        # False: always the portable flash_bwd_dbias (A/B, tests)
 
 
 def hopper_dbias_mode(dplan: "DbiasPlan", b: int, h: int) -> int:
@@ -518,9 +521,9 @@ def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
     ``extra(prm)`` writes the GENERAL fields; the three kernels launched in order, or
     ``hopper(prm)`` launches them with the Hopper main kernel (None: it could not).
     ``hopper_accum=False``: the Hopper kernels add dQ into dq (bwd_sm90_f32.cu), so the
-    accumulator is allocated only if ``hopper`` falls back. ``after(record)`` launches more
-    kernels reading the same Params record (flash_bwd_dbias) after the main kernels, while D
-    is alive."""
+    accumulator is allocated only if ``hopper`` falls back. ``after(prm)`` launches more
+    kernels reading the same Params (the 0-d array; flash_bwd_dbias or flash_bwd_dbias_sm90)
+    after the main kernels, while D is alive."""
     import cupy
 
     from . import _gpu
@@ -563,7 +566,7 @@ def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
         conv(plan.dq_grid, (256, 1, 1), (rec,))
         ran = plan.variant.name
     if after is not None:
-        after(prm.reshape(1)[0])
+        after(prm)
     del keep, alibi, accum, dsum
     return ran
 
@@ -628,6 +631,29 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, for
         return ran
 
     return hopper
+
+
+def _dbias_sm90_variant(name, q, k, v, dout, operand, opts, dplan, dev_id, smem):
+    """The Hopper dbias kernel's variant for a call that takes the dbias-kernel path (None:
+    DBIAS_SM90 off, or _gpu_dbias_sm90.unsupported names a reason; flash_bwd_dbias runs)."""
+    if not DBIAS_SM90:
+        return None
+    from . import _gpu, _gpu_dbias_sm90 as d90
+    b_arr = operand[0]
+    shape = dplan.shape
+    why = d90.unsupported(
+        name, q.shape[3], v.shape[3], cc=_gpu._info(dev_id)[0], smem_optin=smem,
+        softcap=float(opts.softcap or 0.0), has_alibi=opts.alibi_slopes is not None,
+        has_mask=opts.mask is not None,
+        tensors=[(a.shape, _gpu._elem_strides(a, t))
+                 for a, t in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"))],
+        bias_shape=b_arr.shape, bias_strides=_gpu.broadcast_strides(b_arr),
+        bias_itemsize=b_arr.itemsize, s_q=q.shape[1], s_k=k.shape[1],
+        planes=shape[0] * shape[1])
+    if why is not None:
+        return None
+    window = int(opts.window_left) >= 0 or int(opts.window_right) >= 0
+    return d90.variant_for(_plan.elem_tag(name, False), q.shape[3], b_arr.itemsize == 4, window)
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=None) -> str:
@@ -737,7 +763,15 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
             return keep
 
         if by_kernel is not None:
-            def after(rec):   # dbias tiles, after D = rowsum(dO ∘ O) exists
+            dbias90 = _dbias_sm90_variant(name, q, k, v, dout, operand, opts, dplan, dev_id, smem)
+
+            def after(prm):   # dbias tiles, after D = rowsum(dO ∘ O) exists
+                if dbias90 is not None:
+                    from . import _gpu_dbias_sm90
+                    if _gpu_dbias_sm90.launch(dbias90, prm, q, k, v, dout, operand[0], dev_id,
+                                              num_sms) is not None:
+                        return
+                rec = prm.reshape(1)[0]
                 fn = get_functions(by_kernel, dev_id)[0]
                 grid = (-(-s_k // by_kernel.bn), -(-s_q // by_kernel.bm),
                         (b if dplan.shape[0] > 1 else 1) * (h if dplan.shape[1] > 1 else 1))
