@@ -145,6 +145,12 @@ def test_dbias_kernel_compiles_without_spills():
     assert {v.name_expression for v in vs} <= set(res)
     bad = [f"{v.name}: {res[v.name_expression]}" for v in vs if res[v.name_expression][1] > 0]
     assert not bad, "\n".join(bad)
+    # setmaxnreg.inc waits until the CTA's register pool (entry count x 384 threads, allocated at
+    # launch) can give the consumers 232: 40·128 + 232·256 = 64512 = 168·384. An entry count
+    # below 168 would hang every consumer at regs_acquire on the device, so check it here.
+    low = [f"{v.name}: {res[v.name_expression][0]} entry registers" for v in vs
+           if res[v.name_expression][0] * _gpu_dbias_sm90.THREADS < 40 * 128 + 232 * 256]
+    assert not low, "\n".join(low)
     for e in ("f16_t", "bf16_t"):
         warnings = _ptxas_warnings(_gpu_dbias_sm90.program([v for v in vs if v.elem == e]),
                                    "dbias_sm90.cu")
