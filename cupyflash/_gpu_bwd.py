@@ -11,6 +11,8 @@ Three kernels in kernels_cu/bwd.cu, launched in order on the current stream:
    added in program order into slab x of a zeroed [G, b, h, s_q, d] float32 buffer by block x,
    which takes key tiles x, x + G, ... (``with_dq_slabs``: G blocks per (kv head, batch)).
 3. ``flash_bwd_dq<E>``: dq = dtype(accumulator); deterministic mode sums the G slabs in order.
+4. (with a bias, where ``dbias_by_kernel`` allows and the launcher takes it) ``flash_bwd_dbias``:
+   each dbias tile summed over its broadcast (batch, head) pairs in registers, stored once.
 
 Extra device memory: D (4·b·h·s_q bytes) and the accumulator (4·b·h·s_q·d bytes), times
 G = min(ceil(s_k / BN), resident blocks / (h_k · b)) in deterministic mode (see docs/backward.md).
@@ -672,7 +674,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
     kernel's BIAS variant on compute capability 9.0 where it covers the call); ``dbias`` (a CuPy
     array of opts.bias's 4-D shape, any float dtype) then receives dS summed over the bias's
     broadcast dimensions (float32 accumulation; ``dbias_plan`` says how, plus
-    ``hopper_dbias_mode`` on the Hopper kernel). Raises NotImplementedError for
+    ``hopper_dbias_mode`` on the Hopper kernel; or, in deterministic mode and when that float32
+    accumulator does not fit, flash_bwd_dbias: ``dbias_by_kernel``). Raises NotImplementedError for
     head dims > 256, other dtypes, pre-sm_80 GPUs.
     """
     import cupy
@@ -843,5 +846,6 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
 
 
 __all__ = ["BwdVariant", "BwdPlan", "plan_backward", "plan_backward_varlen", "dbias_plan",
-           "DbiasPlan", "DbiasVariant", "dbias_variant", "all_dbias_variants", "dbias_by_kernel", "all_variants", "backward", "backward_varlen", "tiles",
-           "smem_bytes", "flops", "program", "precompile"]
+           "DbiasPlan", "DbiasVariant", "dbias_variant", "all_dbias_variants", "dbias_by_kernel",
+           "all_variants", "backward", "backward_varlen", "tiles", "smem_bytes", "flops", "program",
+           "precompile"]

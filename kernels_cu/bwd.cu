@@ -8,6 +8,8 @@
 //     dK += dSᵀ Q,  dQ += dS K  (float32, red.global.add; or, deterministic, added in program
 //                               order into the slab of the block, which takes key tiles x, x + G, ...)
 //   dq = dtype(dQ accumulator)                            flash_bwd_dq (sums the G slabs in order)
+//   dbias tile = Σ over its broadcast pairs of dS         flash_bwd_dbias (when flash_bwd writes none:
+//                                                         recomputes S, dP; sums in registers)
 //
 // flash_bwd works on the TRANSPOSED scores: warp w owns 16 keys and computes Sᵀ = K Qᵀ and
 // dPᵀ = V dOᵀ for them ([16 keys, BM queries] in the m16n8 accumulator layout). Pᵀ and dSᵀ are
@@ -241,6 +243,26 @@ __device__ __forceinline__ float bwd_score(float qk, const Params& p, float slop
 }
 
 // ---------------------------------------------------------------------------------------------
+// lse·log2(e) and D of the BM query rows from [b, h, s_q] index row0 into shared memory; rows
+// past m_rows and rows with lse = −inf get +inf and 0 (P = 0: the row contributes nothing).
+// ---------------------------------------------------------------------------------------------
+template <int BM, int NT>
+__device__ __forceinline__ void load_row_stats(float* lse2_smem,        // [BM]
+                                               float* dsum_smem,        // [BM]
+                                               const Params& p, i64 row0, int m_rows, int tid) {
+    for (int r = tid; r < BM; r += NT) {
+        float l2 = CF_INF, dsum = 0.f;
+        if (r < m_rows) {
+            const float l = p.lse[row0 + r];
+            if (l != -CF_INF) l2 = l * CF_LOG2E;
+            dsum = p.dsum[row0 + r];
+        }
+        lse2_smem[r] = l2;
+        dsum_smem[r] = dsum;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // D = rowsum(dO ∘ O) per query row (float32), and the dQ accumulator row zeroed (atomic mode).
 // One warp per row (b, h, i); 8 rows per 256-thread block.
 // ---------------------------------------------------------------------------------------------
@@ -351,16 +373,7 @@ __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_
         copy_tile<BM, D, PR, NT>(q_smem + buf * BM * PR, q_gmem, p.q_stride_s, m_rows, p.d, p.vec_ok, p.q, tid);
         copy_tile<BM, D, PR, NT>(do_smem + buf * BM * PR, do_gmem, p.do_stride_s, m_rows, p.d_v, p.vec_ok, p.dout, tid);
         const i64 row0 = ((i64)lse_b * p.h + head) * p.s_q + q_tok0 + m0;   // [b, h, s_q] index of row m0
-        for (int r = tid; r < BM; r += NT) {
-            float l2 = CF_INF, dsum = 0.f;     // rows past s_q and rows with lse = −inf: P = 0
-            if (r < m_rows) {
-                const float l = p.lse[row0 + r];
-                if (l != -CF_INF) l2 = l * CF_LOG2E;
-                dsum = p.dsum[row0 + r];
-            }
-            lse2_smem[buf * BM + r] = l2;
-            dsum_smem[buf * BM + r] = dsum;
-        }
+        load_row_stats<BM, NT>(lse2_smem + buf * BM, dsum_smem + buf * BM, p, row0, m_rows, tid);
     };
 
     float dk_frag[DW / 8][4], dv_frag[DW / 8][4];   // dK, dV [16 keys, DW] of this warp
@@ -637,16 +650,7 @@ flash_bwd_dbias(const Params p) {
         copy_tile<BN, D, PR, NT>(q_smem + 2 * BM * PR, k_gmem, p.k_stride_s, n_rows, p.d, p.vec_ok, p.k, tid_it);
         copy_tile<BN, D, PR, NT>(q_smem + (2 * BM + BN) * PR, v_gmem, p.v_stride_s, n_rows, p.d_v, p.vec_ok, p.v, tid_it);
         const i64 row0 = ((i64)batch * p.h + head) * s_q + m0;   // [b, h, s_q] index of row m0
-        for (int r = tid_it; r < BM; r += NT) {
-            float l2 = CF_INF, dsum = 0.f;        // rows past s_q and rows with lse = −inf: P = 0
-            if (r < m_rows) {
-                const float l = p.lse[row0 + r];
-                if (l != -CF_INF) l2 = l * CF_LOG2E;
-                dsum = p.dsum[row0 + r];
-            }
-            lse2_smem[buf * BM + r] = l2;
-            dsum_smem[buf * BM + r] = dsum;
-        }
+        load_row_stats<BM, NT>(lse2_smem + buf * BM, dsum_smem + buf * BM, p, row0, m_rows, tid_it);
     };
 
     float acc[BN / 8][4];                         // Σ dS [16 queries, BN keys] of this warp

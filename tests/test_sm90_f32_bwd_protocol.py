@@ -95,6 +95,26 @@ def run(roles, seed, max_events=200_000):
 CONSUMERS = ("c0", "c1")
 
 
+def publish_tile(i, ring, tile_full, tile_empty, wait):
+    """The TMA thread's side of the two-slot work-tile ring: wait until tile i - 2's readers freed
+    slot i % 2, write tile i for both consumers and the converters, mark the slot full."""
+    ts = i % 2
+    if i >= 2:
+        yield wait("tma:tile_empty", tile_empty[ts], i // 2 - 1)
+    ring[ts].write(i, ("c0", "c1", "conv"))
+    tile_full[ts].arrive()
+
+
+def take_tile(who, i, warps, ring, tile_full, tile_empty, wait):
+    """A reader's side (a consumer or the converters): wait for tile i, read it, free the slot
+    (one arrival per warp of the reader)."""
+    ts = i % 2
+    yield wait(f"{who}:tile_full", tile_full[ts], i // 2)
+    ring[ts].start(who, i)
+    ring[ts].end(who)
+    tile_empty[ts].arrive(warps)
+
+
 def protocol(tiles, drop=None):
     """Role generators for work tiles with ``tiles`` steps each (0 allowed): two landing stages
     for Q, dO (raw_full / raw_empty each; the stage is freed after the transposes, which read it),
@@ -125,11 +145,7 @@ def protocol(tiles, drop=None):
     def tma():
         kv_it = q_it = 0
         for i, steps in enumerate(seq):
-            ts = i % 2
-            if i >= 2:
-                yield wait("tma:tile_empty", tile_empty[ts], i // 2 - 1)
-            ring[ts].write(i, ("c0", "c1", "conv"))
-            tile_full[ts].arrive()
+            yield from publish_tile(i, ring, tile_full, tile_empty, wait)
             if steps is None:
                 return
             for st in range(steps):
@@ -153,11 +169,7 @@ def protocol(tiles, drop=None):
     def converters():
         kv_it = q_it = 0
         for i, steps in enumerate(seq):
-            ts = i % 2
-            yield wait("conv:tile_full", tile_full[ts], i // 2)
-            ring[ts].start("conv", i)
-            ring[ts].end("conv")
-            tile_empty[ts].arrive(3)
+            yield from take_tile("conv", i, 3, ring, tile_full, tile_empty, wait)
             if steps is None:
                 return
             for st in range(steps):
@@ -196,11 +208,7 @@ def protocol(tiles, drop=None):
     def consumer(c):
         kv_it = q_it = 0
         for i, steps in enumerate(seq):
-            ts = i % 2
-            yield wait(f"{c}:tile_full", tile_full[ts], i // 2)
-            ring[ts].start(c, i)
-            ring[ts].end(c)
-            tile_empty[ts].arrive(4)
+            yield from take_tile(c, i, 4, ring, tile_full, tile_empty, wait)
             if steps is None:
                 return
             if steps > 0:

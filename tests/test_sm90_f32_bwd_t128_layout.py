@@ -189,33 +189,41 @@ def test_one_step_of_both_consumers():
     ref_dS_t = P_t * ((V @ dO.T) - Dsum[None, :]) * scale
     np.testing.assert_allclose(dS_t, ref_dS_t, atol=1e-4 * np.abs(ref_dS_t).max())
 
-    # ---- transposed products of consumer cw: A = Xᵀ_h from X parts, B = Y [BN][BM slots]
-    def step_product(cw, xname, y):
-        acc = np.zeros((64, BN))
+    # ---- transposed products of consumer cw: A = Xᵀ_h split on the fly from a raw tile, B parts
+    def t_product(cw, src, panel, k_steps, b_parts):
+        """Σ over k-steps of A_small B_big + A_big B_small + A_big B_big (3xTF32 order), A = Xᵀ_h
+        gathered by consumer cw's lanes from the raw tile ``src`` (swizzled, ``panel`` bytes per
+        panel), B = b_parts(kk) -> (big, small); rows in fragment order (d_of_row)."""
+        acc = None
         worst = 0
-        for kk in range(BM // 8):
+        for kk in range(k_steps):
             Ab, As = np.full((64, 8), np.nan), np.full((64, 8), np.nan)
             for hh in range(2):
                 for w in range(4):
                     words = []
                     for t in range(32 * w, 32 * w + 32):
-                        off = kswz(key_of_slot(8 * kk + t % 4 + 4 * hh), d0_of(t, cw), Q_PANEL)
+                        off = kswz(key_of_slot(8 * kk + t % 4 + 4 * hh), d0_of(t, cw), panel)
                         words += [off // 4, off // 4 + 1]
                     worst = max(worst, conflicts(words))
             for t in range(128):
                 d0 = d0_of(t, cw)
                 for hh in range(2):
                     q = key_of_slot(8 * kk + t % 4 + 4 * hh)
-                    off = kswz(q, d0, Q_PANEL)
+                    off = kswz(q, d0, panel)
                     assert off % 8 == 0
                     for j in range(2):            # fragment registers 2hh + j: columns d0 + j
                         m, col = a_frag_pos(t, 2 * hh + j)
                         assert (d_of_row(m, cw), key_of_slot(8 * kk + col)) == (d0 + j, q)
-                        Ab[m, col], As[m, col] = split(raw[xname][off // 4 + j])
-            yb, ys = (b_tile(y[j], 32 * kk, BN) for j in (0, 1))
-            acc += As @ yb + Ab @ ys + Ab @ yb
+                        Ab[m, col], As[m, col] = split(src[off // 4 + j])
+            yb, ys = b_parts(kk)
+            part = As @ yb + Ab @ ys + Ab @ yb
+            acc = part if acc is None else acc + part
         assert worst == 2     # 8-byte loads: two wavefronts, no conflict beyond them
-        return acc            # rows in fragment order (d_of_row), columns keys
+        return acc
+
+    def step_product(cw, xname, y):   # dVᵀ_h / dKᵀ_h [64, BN]: X = dO / Q, B = Y [BN][BM slots]
+        return t_product(cw, raw[xname], Q_PANEL, BM // 8,
+                         lambda kk: tuple(b_tile(y[j], 32 * kk, BN) for j in (0, 1)))
 
     def relabel(acc, cw):
         out = np.zeros((DH, acc.shape[1]))
@@ -232,30 +240,9 @@ def test_one_step_of_both_consumers():
         np.testing.assert_allclose(dkt, (dS_t @ Q).T[cols], atol=2e-5 * np.abs(dkt).max())
 
         # ---- dQᵀ_h [DH, BM] = Kᵀ_h dSᵀ: A = Kᵀ_h split on the fly from raw K, B = dS tile
-        acc = np.zeros((64, BM))
-        worst = 0
-        for kk in range(BN // 8):
-            Ab, As = np.full((64, 8), np.nan), np.full((64, 8), np.nan)
-            for hh in range(2):
-                for w in range(4):
-                    words = []
-                    for t in range(32 * w, 32 * w + 32):
-                        off = kswz(key_of_slot(8 * kk + t % 4 + 4 * hh), d0_of(t, cw), KV_PANEL)
-                        words += [off // 4, off // 4 + 1]
-                    worst = max(worst, conflicts(words))
-            for t in range(128):
-                d0 = d0_of(t, cw)
-                for hh in range(2):
-                    key = key_of_slot(8 * kk + t % 4 + 4 * hh)
-                    off = kswz(key, d0, KV_PANEL)
-                    for j in range(2):
-                        m, col = a_frag_pos(t, 2 * hh + j)
-                        assert (d_of_row(m, cw), key_of_slot(8 * kk + col)) == (d0 + j, key)
-                        Ab[m, col], As[m, col] = split(kr[off // 4 + j])
-            start = (kk // 4) * DS_PANEL + (kk % 4) * 32
-            yb, ys = (b_tile(ds[j], start, BM) for j in (0, 1))
-            acc += As @ yb + Ab @ ys + Ab @ yb
-        assert worst == 2
+        acc = t_product(cw, kr, KV_PANEL, BN // 8,
+                        lambda kk: tuple(b_tile(ds[j], (kk // 4) * DS_PANEL + (kk % 4) * 32, BM)
+                                         for j in (0, 1)))
         dqt = relabel(acc, cw)
         ref = (dS_t.T @ K).T[cols]
         np.testing.assert_allclose(dqt, ref, atol=2e-5 * np.abs(ref).max())

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_sm90_f32_bwd_protocol import Buf, Hazard, MBar, W, run
+from test_sm90_f32_bwd_protocol import Buf, Hazard, MBar, W, publish_tile, run, take_tile
 
 
 class NBar:
@@ -68,11 +68,7 @@ def protocol(tiles, drop=None):
     def tma():
         kv_it = q_it = 0
         for i, steps in enumerate(seq):
-            ts = i % 2
-            if i >= 2:
-                yield wait("tma:tile_empty", tile_empty[ts], i // 2 - 1)
-            ring[ts].write(i, ("c0", "c1", "conv"))
-            tile_full[ts].arrive()
+            yield from publish_tile(i, ring, tile_full, tile_empty, wait)
             if steps is None:
                 return
             for st in range(steps):
@@ -99,11 +95,7 @@ def protocol(tiles, drop=None):
     def converters():
         q_it = 0
         for i, steps in enumerate(seq):
-            ts = i % 2
-            yield wait("conv:tile_full", tile_full[ts], i // 2)
-            ring[ts].start("conv", i)
-            ring[ts].end("conv")
-            tile_empty[ts].arrive(3)
+            yield from take_tile("conv", i, 3, ring, tile_full, tile_empty, wait)
             if steps is None:
                 return
             for st in range(steps):
@@ -122,11 +114,7 @@ def protocol(tiles, drop=None):
     def consumer(c):
         kv_it = q_it = 0
         for i, steps in enumerate(seq):
-            ts = i % 2
-            yield wait(f"{c}:tile_full", tile_full[ts], i // 2)
-            ring[ts].start(c, i)
-            ring[ts].end(c)
-            tile_empty[ts].arrive(4)
+            yield from take_tile(c, i, 4, ring, tile_full, tile_empty, wait)
             if steps is None:
                 break
             if steps > 0:
