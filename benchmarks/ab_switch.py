@@ -3,8 +3,8 @@
     python benchmarks/ab_switch.py HOPPER_SCHED_B=0 [DBIAS_KERNEL=1 ...] -- [bench_bias_varlen args]
 
 Switches: ``HOPPER_SCHED_B`` (the Hopper backward's batch-fastest dbias schedule,
-DBIAS_SCHED_B), ``DBIAS_KERNEL`` (1: dbias from flash_bwd_dbias wherever eligible, 0: never;
-unset: deterministic mode or when the float32 accumulator does not fit), ``DBIAS_SM90`` (1: that
+DBIAS_SCHED_B), ``DBIAS_KERNEL`` (1: dbias from a dbias kernel wherever eligible, 0: never;
+unset: _gpu_bwd.use_dbias_kernel decides), ``DBIAS_SM90`` (1: that
 dbias kernel is flash_bwd_dbias_sm90 on compute capability 9.0 where it covers the call, the
 default; 0: always flash_bwd_dbias). Each NAME=0|1 must name an existing switch."""
 import runpy

@@ -313,13 +313,24 @@ def test_bias_hopper_options(rng, opt):
 @pytest.mark.parametrize("kind", ["bhqk", "1hqk", "b11k", "b1qk", "bh1k", "11qk", "qk", "k"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_bias_hopper_backward(rng, dtype, d, kind):
+@pytest.mark.parametrize("path", ["default", "accumulator"])
+def test_bias_hopper_backward(rng, monkeypatch, path, dtype, d, kind):
     """Each broadcast pattern (dbias stored, summed over rows, atomically over batch / heads),
     GQA 4 / 2, s_q prime, s_k even, a partial last key tile; the bias in q's dtype. A bias with
-    its query dimension (400-byte rows) is staged by TMA (BIAS_TMA), the others loaded."""
+    its query dimension (400-byte rows) is staged by TMA (BIAS_TMA), the others loaded. dbias
+    two ways: the launcher's default (flash_bwd_dbias_sm90 for a bias with whole query and key
+    dimensions, checked by a spy) and the Hopper main kernel's float32 accumulator
+    (DBIAS_KERNEL off)."""
+    from cupyflash import _gpu_bwd
+    if path == "accumulator":
+        monkeypatch.setattr(_gpu_bwd, "DBIAS_KERNEL", False)
+    ran = _spy_dbias_sm90(monkeypatch)
     bname = run_dense(rng, dtype, 2, 257, 200, 4, 2, d, bias=kind, kernel="sm90", expect_fwd="_bias",
                       bwd_kernel="sm90", expect_bwd=("bwd90_", "_bias16"))
     assert bname.endswith("_tma") == ("q" in kind), bname
+    want = 1 if path == "default" and "q" in kind and "k" in kind else 0
+    assert len(ran) == want and all(r is not None and r.startswith("dbias90_") for r in ran), \
+        (path, kind, ran)
 
 
 @hopper
@@ -501,7 +512,7 @@ def test_dbias_sm90_matches_portable(rng, monkeypatch, kind, causal):
     from cupyflash import _gpu, _gpu_bwd
     monkeypatch.setattr(_gpu_bwd, "DBIAS_KERNEL", True)
     ran = _spy_dbias_sm90(monkeypatch)
-    b, s, h, d = 3, 300, 4, 128
+    b, s, h, d = 3, 296, 4, 128   # ragged (296 = 2·128 + 40); rows of 592 bytes, as TMA needs 16
     q, k, v, dout = (cp.asarray(_draw(rng, (b, s, h, d), BF16)) for _ in range(4))
     bias = cp.asarray(_draw(rng, bias_shape(kind, b, h, s, s), BF16))
     opts = _checks.make_options(_checks.check_qkv(q, k, v), cp, bias=bias, causal=causal)
@@ -514,7 +525,7 @@ def test_dbias_sm90_matches_portable(rng, monkeypatch, kind, causal):
         _gpu_bwd.backward(dout, q, k, v, out, lse, *(cp.empty_like(x) for x in (q, k, v)), opts,
                           dbias=dbias)
         got.append(_h(dbias))
-    assert ran == [ran[0]] and ran[0].startswith("dbias90_"), ran
+    assert len(ran) == 1 and ran[0] is not None and ran[0].startswith("dbias90_"), ran
     assert not np.isnan(got[0]).any()
     scale = np.abs(got[1]).max()
     assert np.abs(got[0] - got[1]).max() <= 2 ** -7 * scale, np.abs(got[0] - got[1]).max() / scale
