@@ -11,9 +11,11 @@ allows beside it:
 
 * forward: out + lse (issue 3);
 * backward: dq, dk, dv + D + the float32 dQ accumulator where the kernel uses one (issue 4);
-* backward with a bias: the same + dbias, + a float32 accumulator of dbias's shape where dbias
-  is 16-bit (the default, faster); with flash_bwd_dbias (``_gpu_bwd.DBIAS_KERNEL = True``, the
-  default in deterministic mode and when the accumulator does not fit) dbias only (issue 6).
+* backward with a bias: the same + dbias; with the main kernel's float32 accumulator of dbias's
+  shape (``_gpu_bwd.DBIAS_KERNEL = False``; the default where no Hopper dbias kernel covers the
+  call) + that accumulator where dbias is 16-bit; with a dbias kernel (``DBIAS_KERNEL = True``; the
+  default on compute capability 9.0 where flash_bwd_dbias_sm90 covers the call, in deterministic
+  mode and when the accumulator does not fit) dbias only (issue 6).
 
 The plain CuPy recipe (scores materialized) is the comparison for the forward.
 """
@@ -85,7 +87,7 @@ def main():
 
     # Bias (1, h, s, s) bf16, hd 128, batch 2 (16k tokens at s = 8k): forward out + lse;
     # backward grads + D + dQ accum + dbias (+ its float32 accumulator: dbias sums over batch),
-    # then with flash_bwd_dbias (sums the batch in registers): dbias only.
+    # then with a dbias kernel (sums the batch in registers): dbias only.
     sb, b = args.bias_seqlen, max(1, 16384 // args.bias_seqlen)
     q, k, v = (rand(rng, (b, sb, h, 128), bf16) for _ in range(3))
     bias = rand(rng, (1, h, sb, sb), bf16)
@@ -94,16 +96,17 @@ def main():
                 q.nbytes + b * h * sb * 4, "out + lse")
     out, lse = cf.attention(q, k, v, bias=bias, return_lse=True)
     dout = rand(rng, out.shape, bf16)
+    _gpu_bwd.DBIAS_KERNEL = False
     peak, kept, sizes = _bench.measure_memory(lambda: cf.attention_backward(dout, q, k, v, out, lse, bias=bias))
     base = 3 * q.nbytes + b * h * sb * 4 + b * sb * h * 128 * 4
-    good &= row(f"bwd bias (1,{h},{sb},{sb}) bf16 hd128 b{b}", peak, kept, sizes,
+    good &= row(f"bwd bias (1,{h},{sb},{sb}) bf16 b{b} fp32 accum", peak, kept, sizes,
                 base + bias.nbytes + bias.size * 4, "dq dk dv + D + dQ accum + dbias + fp32 dbias accum")
     print(f"{'':44s} of which dbias {bias.nbytes / MiB:.0f} MiB, its float32 accumulator "
           f"{bias.size * 4 / MiB:.0f} MiB (freed before return)")
     _gpu_bwd.DBIAS_KERNEL = True
     peak, kept, sizes = _bench.measure_memory(lambda: cf.attention_backward(dout, q, k, v, out, lse, bias=bias))
     _gpu_bwd.DBIAS_KERNEL = None
-    good &= row(f"bwd bias (1,{h},{sb},{sb}) bf16 b{b} flash_bwd_dbias", peak, kept, sizes,
+    good &= row(f"bwd bias (1,{h},{sb},{sb}) bf16 b{b} dbias kernel", peak, kept, sizes,
                 base + bias.nbytes, "dq dk dv + D + dQ accum + dbias")
     # A float32 bias: dbias is its own float32 accumulator (one slab): extra = dbias.
     bias32 = bias.astype(np.float32)

@@ -11,8 +11,10 @@ Three kernels in kernels_cu/bwd.cu, launched in order on the current stream:
    added in program order into slab x of a zeroed [G, b, h, s_q, d] float32 buffer by block x,
    which takes key tiles x, x + G, ... (``with_dq_slabs``: G blocks per (kv head, batch)).
 3. ``flash_bwd_dq<E>``: dq = dtype(accumulator); deterministic mode sums the G slabs in order.
-4. (with a bias, where ``dbias_by_kernel`` allows and the launcher takes it) ``flash_bwd_dbias``:
-   each dbias tile summed over its broadcast (batch, head) pairs in registers, stored once.
+4. (with a bias, where ``dbias_by_kernel`` allows and ``use_dbias_kernel`` takes it) the dbias
+   kernel: each dbias tile summed over its broadcast (batch, head) pairs in registers, stored
+   once; on compute capability 9.0 ``flash_bwd_dbias_sm90`` (dbias_sm90.cu, _gpu_dbias_sm90)
+   where it covers the call, else ``flash_bwd_dbias``.
 
 Extra device memory: D (4·b·h·s_q bytes) and the accumulator (4·b·h·s_q·d bytes), times
 G = min(ceil(s_k / BN), resident blocks / (h_k · b)) in deterministic mode (see docs/backward.md).
@@ -261,8 +263,12 @@ DBIAS_ROWS, DBIAS_ATOMIC, DBIAS_SLAB_B, DBIAS_SLAB_H = 1, 2, 4, 8
 DBIAS_STORE = 16   # Hopper backward only: each element has one writer, plain stores
 DBIAS_SCHED_B = 32  # Hopper backward only: work tiles batch-fastest (dbias summed over batch)
 HOPPER_SCHED_B = True   # use DBIAS_SCHED_B (a switch for A/B measurements)
-DBIAS_KERNEL = None     # flash_bwd_dbias where eligible: None = deterministic mode, or when the
-                        # float32 accumulator does not fit; True / False force it (A/B, tests)
+DBIAS_KERNEL = None     # the dbias-kernel path where eligible: None = use_dbias_kernel decides
+                        # (the Hopper dbias kernel covers the call, deterministic mode, or the
+                        # float32 accumulator does not fit); True / False force it (A/B, tests)
+DBIAS_SM90 = True       # where that dbias kernel runs: on compute capability 9.0 the Hopper one
+                        # (flash_bwd_dbias_sm90, _gpu_dbias_sm90) wherever it covers the call;
+                        # False: always the portable flash_bwd_dbias (A/B, tests)
 
 
 def hopper_dbias_mode(dplan: "DbiasPlan", b: int, h: int) -> int:
@@ -380,15 +386,26 @@ def dbias_by_kernel(dplan: DbiasPlan, bias_dtype, operand_dtype, dbias_direct: b
     shape[3] > 1) whose dbias is not its own float32 accumulator (``dbias_direct``: float32,
     contiguous, one slab), when the kernels read the bias itself (``operand_dtype`` = the bias's
     dtype, so dbias is written in the type the kernel reads). Extra memory is then dbias only
-    (no float32 copy, no deterministic slabs), at the cost of recomputing S and dP (measured on
-    the H200: the bias backward 1.2-1.7x memeff instead of 1.8-2.3x). The launcher takes it in
-    deterministic mode, and where the float32 accumulator does not fit in device memory
-    (``DBIAS_KERNEL`` forces either way). A bias broadcast over the query rows (DBIAS_ROWS, a
-    float32 accumulator of b'·h'·s_k elements) and a bias of another dtype than q / float32
-    keep flash_bwd's accumulator."""
+    (no float32 copy, no deterministic slabs), at the cost of recomputing S and dP
+    (``use_dbias_kernel`` decides whether an eligible call takes it). A bias broadcast over the
+    query rows (DBIAS_ROWS, a float32 accumulator of b'·h'·s_k elements) and a bias of another
+    dtype than q / float32 keep flash_bwd's accumulator."""
     if dplan.mode < 0 or dplan.shape[2] == 1 or dbias_direct:
         return False
     return np.dtype(bias_dtype) == np.dtype(operand_dtype)
+
+
+def use_dbias_kernel(forced: Optional[bool], deterministic: bool, hopper_dbias: bool) -> bool:
+    """Whether an eligible call (``dbias_by_kernel``) takes the dbias-kernel path before trying the
+    float32 accumulator: ``forced`` (DBIAS_KERNEL) when not None; else in deterministic mode (no
+    slabs, same bits every run) and where the Hopper dbias kernel covers the call
+    (``hopper_dbias``; measured on the H200, session 9: the whole bias backward 1.15-1.48x faster
+    than with the accumulator, and dbias is then the only extra memory). The portable
+    flash_bwd_dbias is slower than the accumulator (0.57-0.78x), so elsewhere the accumulator is
+    tried first and the kernel runs only when it does not fit."""
+    if forced is not None:
+        return bool(forced)
+    return bool(deterministic) or bool(hopper_dbias)
 
 
 def query_tiles(n_block: int, bn: int, bm: int, s_q: int, s_k: int, window_left: int,
@@ -520,9 +537,9 @@ def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
     ``extra(prm)`` writes the GENERAL fields; the three kernels launched in order, or
     ``hopper(prm)`` launches them with the Hopper main kernel (None: it could not).
     ``hopper_accum=False``: the Hopper kernels add dQ into dq (bwd_sm90_f32.cu), so the
-    accumulator is allocated only if ``hopper`` falls back. ``after(record)`` launches more
-    kernels reading the same Params record (flash_bwd_dbias) after the main kernels, while D
-    is alive."""
+    accumulator is allocated only if ``hopper`` falls back. ``after(prm)`` launches more
+    kernels reading the same Params (the 0-d array; flash_bwd_dbias or flash_bwd_dbias_sm90)
+    after the main kernels, while D is alive."""
     import cupy
 
     from . import _gpu
@@ -565,7 +582,7 @@ def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
         conv(plan.dq_grid, (256, 1, 1), (rec,))
         ran = plan.variant.name
     if after is not None:
-        after(prm.reshape(1)[0])
+        after(prm)
     del keep, alibi, accum, dsum
     return ran
 
@@ -632,6 +649,29 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, for
     return hopper
 
 
+def _dbias_sm90_variant(name, q, k, v, dout, operand, opts, dplan, dev_id, smem):
+    """The Hopper dbias kernel's variant for a call that takes the dbias-kernel path (None:
+    DBIAS_SM90 off, or _gpu_dbias_sm90.unsupported names a reason; flash_bwd_dbias runs)."""
+    if not DBIAS_SM90:
+        return None
+    from . import _gpu, _gpu_dbias_sm90 as d90
+    b_arr = operand[0]
+    shape = dplan.shape
+    why = d90.unsupported(
+        name, q.shape[3], v.shape[3], cc=_gpu._info(dev_id)[0], smem_optin=smem,
+        softcap=float(opts.softcap or 0.0), has_alibi=opts.alibi_slopes is not None,
+        has_mask=opts.mask is not None,
+        tensors=[(a.shape, _gpu._elem_strides(a, t))
+                 for a, t in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"))],
+        bias_shape=b_arr.shape, bias_strides=_gpu.broadcast_strides(b_arr),
+        bias_itemsize=b_arr.itemsize, s_q=q.shape[1], s_k=k.shape[1],
+        planes=shape[0] * shape[1])
+    if why is not None:
+        return None
+    window = int(opts.window_left) >= 0 or int(opts.window_right) >= 0
+    return d90.variant_for(_plan.elem_tag(name, False), q.shape[3], b_arr.itemsize == 4, window)
+
+
 def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=None) -> str:
     """dq, dk, dv [...] = gradients of attention(q, k, v) at dout; returns the variant's name.
 
@@ -648,8 +688,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
     kernel's BIAS variant on compute capability 9.0 where it covers the call); ``dbias`` (a CuPy
     array of opts.bias's 4-D shape, any float dtype) then receives dS summed over the bias's
     broadcast dimensions (float32 accumulation; ``dbias_plan`` says how, plus
-    ``hopper_dbias_mode`` on the Hopper kernel; or, in deterministic mode and when that float32
-    accumulator does not fit, flash_bwd_dbias: ``dbias_by_kernel``). Raises NotImplementedError for
+    ``hopper_dbias_mode`` on the Hopper kernel; or a dbias kernel where ``dbias_by_kernel``
+    allows and ``use_dbias_kernel`` takes it). Raises NotImplementedError for
     head dims > 256, other dtypes, pre-sm_80 GPUs.
     """
     import cupy
@@ -696,7 +736,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
         hopper = _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms,
                                   forced=kernel == "sm90", bias_operand=operand)
     extra = after = None
-    dplan = accum = by_kernel = None
+    dplan = accum = by_kernel = dbias90 = None
     if plan.variant.general:
         from . import _gpu
 
@@ -710,8 +750,11 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
                       and dbias.data.ptr % 8 == 0)   # Hopper: 8-byte pairs
             eligible = (dbias.flags.c_contiguous and dbias.shape == dplan.shape
                         and dbias_by_kernel(dplan, dbias.dtype, operand[0].dtype, direct))
-            use = bool(opts.deterministic) if DBIAS_KERNEL is None else DBIAS_KERNEL
-            if eligible and use:
+            if eligible:
+                dbias90 = _dbias_sm90_variant(name, q, k, v, dout, operand, opts, dplan, dev_id,
+                                              smem)
+            if eligible and use_dbias_kernel(DBIAS_KERNEL, bool(opts.deterministic),
+                                             dbias90 is not None):
                 by_kernel = dbias_variant(plan.variant.elem, plan.variant.d, smem)
             elif dplan.mode >= 0:
                 if direct:   # the float32 output is its own accumulator
@@ -740,7 +783,13 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
             return keep
 
         if by_kernel is not None:
-            def after(rec):   # dbias tiles, after D = rowsum(dO ∘ O) exists
+            def after(prm):   # dbias tiles, after D = rowsum(dO ∘ O) exists
+                if dbias90 is not None:
+                    from . import _gpu_dbias_sm90
+                    if _gpu_dbias_sm90.launch(dbias90, prm, q, k, v, dout, operand[0], dev_id,
+                                              num_sms) is not None:
+                        return
+                rec = prm.reshape(1)[0]
                 fn = get_functions(by_kernel, dev_id)[0]
                 grid = (-(-s_k // by_kernel.bn), -(-s_q // by_kernel.bm),
                         (b if dplan.shape[0] > 1 else 1) * (h if dplan.shape[1] > 1 else 1))
@@ -813,5 +862,6 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
 
 __all__ = ["BwdVariant", "BwdPlan", "plan_backward", "plan_backward_varlen", "dbias_plan",
            "DbiasPlan", "DbiasVariant", "dbias_variant", "all_dbias_variants", "dbias_by_kernel",
+           "use_dbias_kernel",
            "all_variants", "backward", "backward_varlen", "tiles", "smem_bytes", "flops", "program",
            "precompile"]

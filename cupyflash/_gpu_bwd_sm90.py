@@ -202,14 +202,16 @@ def bias_tma_unsupported(shape, strides, s_q: int, ptr: int, itemsize: int) -> O
     return None
 
 
-def bias_tma_desc(prm, bias):
+def bias_tma_desc(prm, bias, box_rows: int = BM):
     """Fill Params ``prm["tma_bias"]``: the tensor map over ``bias`` [b', h', s_q, s_k] viewed as
-    bshd (b', s_q, h', s_k), box [64 keys, BM queries] (bias_tma_unsupported has accepted it)."""
+    bshd (b', s_q, h', s_k), box [128 bytes of keys (64 16-bit, 32 float32), ``box_rows``
+    queries] (bias_tma_unsupported has accepted it). This kernel's box: BM = 64 queries; the
+    Hopper dbias kernel's (_gpu_dbias_sm90): 128."""
     from . import _gpu, _tma
     st = _gpu.broadcast_strides(bias)
     dims, byte_strides, box = _plan.tma_tensor(
         (bias.shape[0], bias.shape[2], bias.shape[1], bias.shape[3]), (st[0], st[2], st[1], st[3]),
-        bias.itemsize, BM)
+        bias.itemsize, box_rows)
     prm["tma_bias"] = _tma.encode(_gpu._DTYPE_NAMES[bias.dtype], bias.data.ptr, dims, byte_strides, box)
 
 

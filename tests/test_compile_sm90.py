@@ -1,4 +1,5 @@
-"""NVRTC compile harness for the Hopper kernels (kernels_cu/fwd_sm90.cu, bwd_sm90.cu), sm_90a.
+"""NVRTC compile harness for the Hopper kernels (kernels_cu/fwd_sm90.cu, bwd_sm90.cu,
+dbias_sm90.cu, ...), sm_90a.
 
 Every variant of _plan.sm90_variants() and _gpu_bwd_sm90.variants() compiles without a GPU (NVRTC
 only), with no register spills (a few bytes allowed in the float32-bias forward variants) and no
@@ -12,7 +13,7 @@ import pytest
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
-from cupyflash import _gpu_bwd_sm90, _modules, _plan  # noqa: E402
+from cupyflash import _gpu_bwd_sm90, _gpu_dbias_sm90, _modules, _plan  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +129,29 @@ def test_float32_backward_compiles_without_spills():
     assert not bad, "\n".join(bad)
     warnings = _ptxas_warnings(_gpu_bwd_sm90_f32.program(vs), "bwd_sm90_f32.cu")
     assert not warnings, "\n".join(warnings)
+
+
+def test_dbias_kernel_compiles_without_spills():
+    """The Hopper dbias kernel (dbias_sm90.cu, _gpu_dbias_sm90.variants()): every variant 0 spills
+    and no ptxas warning (no serialized wgmma; one program per element type)."""
+    vs = _gpu_dbias_sm90.variants()
+    jobs = [("sm_90a", _gpu_dbias_sm90.program, [v for v in vs if v.elem == e], "dbias_sm90.cu")
+            for e in ("f16_t", "bf16_t")]
+    res = _modules.nvrtc_reports(jobs)["sm_90a"]
+    print("\nsm_90a: registers / spill bytes / shared memory per Hopper dbias variant")
+    for v in vs:
+        regs, spill = res[v.name_expression]
+        print(f"  {v.name:45s} {regs:4d} regs {spill:6d} B spill {v.smem_bytes:7d} B smem")
+    assert {v.name_expression for v in vs} <= set(res)
+    bad = [f"{v.name}: {res[v.name_expression]}" for v in vs if res[v.name_expression][1] > 0]
+    assert not bad, "\n".join(bad)
+    # setmaxnreg.inc waits until the CTA's register pool (entry count x 384 threads, allocated at
+    # launch) can give the consumers 232: 40·128 + 232·256 = 64512 = 168·384. An entry count
+    # below 168 would hang every consumer at regs_acquire on the device, so check it here.
+    low = [f"{v.name}: {res[v.name_expression][0]} entry registers" for v in vs
+           if res[v.name_expression][0] * _gpu_dbias_sm90.THREADS < 40 * 128 + 232 * 256]
+    assert not low, "\n".join(low)
+    for e in ("f16_t", "bf16_t"):
+        warnings = _ptxas_warnings(_gpu_dbias_sm90.program([v for v in vs if v.elem == e]),
+                                   "dbias_sm90.cu")
+        assert not warnings, "\n".join(warnings)

@@ -313,13 +313,24 @@ def test_bias_hopper_options(rng, opt):
 @pytest.mark.parametrize("kind", ["bhqk", "1hqk", "b11k", "b1qk", "bh1k", "11qk", "qk", "k"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_bias_hopper_backward(rng, dtype, d, kind):
+@pytest.mark.parametrize("path", ["default", "accumulator"])
+def test_bias_hopper_backward(rng, monkeypatch, path, dtype, d, kind):
     """Each broadcast pattern (dbias stored, summed over rows, atomically over batch / heads),
     GQA 4 / 2, s_q prime, s_k even, a partial last key tile; the bias in q's dtype. A bias with
-    its query dimension (400-byte rows) is staged by TMA (BIAS_TMA), the others loaded."""
+    its query dimension (400-byte rows) is staged by TMA (BIAS_TMA), the others loaded. dbias
+    two ways: the launcher's default (flash_bwd_dbias_sm90 for a bias with whole query and key
+    dimensions, checked by a spy) and the Hopper main kernel's float32 accumulator
+    (DBIAS_KERNEL off)."""
+    from cupyflash import _gpu_bwd
+    if path == "accumulator":
+        monkeypatch.setattr(_gpu_bwd, "DBIAS_KERNEL", False)
+    ran = _spy_dbias_sm90(monkeypatch)
     bname = run_dense(rng, dtype, 2, 257, 200, 4, 2, d, bias=kind, kernel="sm90", expect_fwd="_bias",
                       bwd_kernel="sm90", expect_bwd=("bwd90_", "_bias16"))
     assert bname.endswith("_tma") == ("q" in kind), bname
+    want = 1 if path == "default" and "q" in kind and "k" in kind else 0
+    assert len(ran) == want and all(r is not None and r.startswith("dbias90_") for r in ran), \
+        (path, kind, ran)
 
 
 @hopper
@@ -426,9 +437,11 @@ def test_dbias_kernel_forced(rng, monkeypatch, case):
     """flash_bwd_dbias for every eligible bias (DBIAS_KERNEL forced; by default it runs in
     deterministic mode and when the float32 accumulator does not fit): after the Hopper main
     kernel (even s_k, hd 64 / 128) and after the portable one (odd s_k), with masks and score
-    modifications, summed over batch, heads or both."""
+    modifications, summed over batch, heads or both. (DBIAS_SM90 off: flash_bwd_dbias_sm90 has
+    its own cases below.)"""
     from cupyflash import _gpu_bwd
     monkeypatch.setattr(_gpu_bwd, "DBIAS_KERNEL", True)
+    monkeypatch.setattr(_gpu_bwd, "DBIAS_SM90", False)
     dtype, d, kind, kw = DBIAS_KERNEL_CASES[case]
     h, hk = (6, 1) if "mqa" in case else (4, 2)
     if case.startswith("hopper"):
@@ -438,6 +451,84 @@ def test_dbias_kernel_forced(rng, monkeypatch, case):
         run_dense(rng, dtype, 2, 157, 200, h, hk, d, bias=kind, **kw)
     else:
         run_dense(rng, dtype, 2, 157, 131, h, hk, d, bias=kind, **kw)
+
+
+DBIAS_SM90_CASES = {   # id: (dtype, d, bias kind, h, h_k, run_dense keywords)
+    # after the Hopper main kernel (bias in q's type, even s_k)
+    "bf16-128-1hqk-causal-main90": ("bfloat16", 128, "1hqk", 4, 2,
+                                    dict(causal=True, kernel="sm90", expect_fwd="_bias",
+                                         bwd_kernel="sm90", expect_bwd=("bwd90_",))),
+    "f16-64-11qk": ("float16", 64, "11qk", 4, 2, dict(expect_bwd=("bwd90_",))),
+    "bf16-64-bhqk-window": ("bfloat16", 64, "bhqk", 4, 2,
+                            dict(window=(50, 9), expect_bwd=("bwd90_",))),
+    "f16-128-b1qk-mqa": ("float16", 128, "b1qk", 6, 1, dict(expect_bwd=("bwd90_",))),
+    "bf16-128-1hqk-causal-short-keys": ("bfloat16", 128, "1hqk", 4, 2,
+                                        dict(causal=True, expect_bwd=("bwd90_",))),
+    # deterministic mode (the portable main kernel, then this one), repeated: bit-identical
+    "bf16-128-1hqk-det": ("bfloat16", 128, "1hqk", 4, 2, dict(deterministic=True, repeats=2)),
+    # a float32 bias with 16-bit q (deterministic: dbias is not its own float32 accumulator)
+    "bf16-128-1hqk-f32bias-det": ("bfloat16", 128, "1hqk", 4, 2,
+                                  dict(bias_dtype=np.float32, deterministic=True, repeats=2)),
+    "f16-64-b1qk-f32bias-window-det": ("float16", 64, "b1qk", 4, 2,
+                                       dict(bias_dtype=np.float32, window=(70, 3),
+                                            deterministic=True)),
+}
+
+
+def _spy_dbias_sm90(monkeypatch):
+    """Records what each _gpu_dbias_sm90.launch returned (None: it fell back)."""
+    from cupyflash import _gpu_dbias_sm90
+    ran, launch = [], _gpu_dbias_sm90.launch
+
+    def spy(*a, **kw):
+        ran.append(launch(*a, **kw))
+        return ran[-1]
+    monkeypatch.setattr(_gpu_dbias_sm90, "launch", spy)
+    return ran
+
+
+@hopper
+@pytest.mark.parametrize("case", list(DBIAS_SM90_CASES))
+def test_dbias_sm90_forced(rng, monkeypatch, case):
+    """flash_bwd_dbias_sm90 (DBIAS_KERNEL and DBIAS_SM90 forced) against the reference, as
+    test_dbias_kernel_forced does for flash_bwd_dbias: summed over batch, heads or both, causal
+    (s_q < s_k and s_q > s_k), window, GQA / MQA, 16-bit and float32 biases, ragged s_q = 157,
+    s_k = 200 (64 for "short-keys"); the spy checks this kernel ran (not the fallback)."""
+    from cupyflash import _gpu_bwd
+    monkeypatch.setattr(_gpu_bwd, "DBIAS_KERNEL", True)
+    monkeypatch.setattr(_gpu_bwd, "DBIAS_SM90", True)
+    ran = _spy_dbias_sm90(monkeypatch)
+    dtype, d, kind, h, hk, kw = DBIAS_SM90_CASES[case]
+    sk = 64 if "short-keys" in case else 200
+    run_dense(rng, dtype, 2, 157, sk, h, hk, d, bias=kind, **kw)
+    assert ran and all(r is not None and r.startswith("dbias90_") for r in ran), ran
+
+
+@hopper
+@pytest.mark.parametrize("kind, causal", [("1hqk", False), ("bhqk", True), ("11qk", False)])
+def test_dbias_sm90_matches_portable(rng, monkeypatch, kind, causal):
+    """The Hopper and the portable dbias kernels on the same call: the same float32 sums up to
+    the order of the products' additions, so at most a unit in the last place of bf16 apart."""
+    from cupyflash import _gpu, _gpu_bwd
+    monkeypatch.setattr(_gpu_bwd, "DBIAS_KERNEL", True)
+    ran = _spy_dbias_sm90(monkeypatch)
+    b, s, h, d = 3, 296, 4, 128   # ragged (296 = 2·128 + 40); rows of 592 bytes, as TMA needs 16
+    q, k, v, dout = (cp.asarray(_draw(rng, (b, s, h, d), BF16)) for _ in range(4))
+    bias = cp.asarray(_draw(rng, bias_shape(kind, b, h, s, s), BF16))
+    opts = _checks.make_options(_checks.check_qkv(q, k, v), cp, bias=bias, causal=causal)
+    out, lse = cp.empty_like(q), cp.empty((b, h, s), cp.float32)
+    _gpu.forward(q, k, v, out, lse, opts)
+    got = []
+    for on in (True, False):
+        monkeypatch.setattr(_gpu_bwd, "DBIAS_SM90", on)
+        dbias = _nan_like(bias.shape, BF16)
+        _gpu_bwd.backward(dout, q, k, v, out, lse, *(cp.empty_like(x) for x in (q, k, v)), opts,
+                          dbias=dbias)
+        got.append(_h(dbias))
+    assert len(ran) == 1 and ran[0] is not None and ran[0].startswith("dbias90_"), ran
+    assert not np.isnan(got[0]).any()
+    scale = np.abs(got[1]).max()
+    assert np.abs(got[0] - got[1]).max() <= 2 ** -7 * scale, np.abs(got[0] - got[1]).max() / scale
 
 
 @pytest.mark.parametrize("kind", ["1hqk", "b11k", "qk", "bhqk"])

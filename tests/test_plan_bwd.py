@@ -187,6 +187,17 @@ def test_dbias_by_kernel(shape, b, det, bias_dt, op_dt, direct, want):
     assert _gpu_bwd.dbias_by_kernel(dplan, bias_dt, op_dt, direct) is want
 
 
+@pytest.mark.parametrize("forced,det,hopper,want", [
+    (None, False, True, True),     # the Hopper dbias kernel covers the call: faster than the accumulator
+    (None, False, False, False),   # only the portable dbias kernel: the accumulator first
+    (None, True, False, True),     # deterministic: no slabs
+    (False, True, True, False),    # DBIAS_KERNEL forces the accumulator ...
+    (True, False, False, True),    # ... or the kernel
+], ids=["hopper", "portable", "deterministic", "forced-off", "forced-on"])
+def test_use_dbias_kernel(forced, det, hopper, want):
+    assert _gpu_bwd.use_dbias_kernel(forced, det, hopper) is want
+
+
 @pytest.mark.parametrize("elem", _gpu_bwd.ELEMS)
 @pytest.mark.parametrize("smem", [99 * 1024, 163 * 1024, 227 * 1024])
 def test_dbias_variant_tiles(elem, smem):
