@@ -67,7 +67,8 @@ struct Layout {
 
 // One work tile = BM query rows of one (batch, head): its index w runs m_block fastest (from the
 // last query tile down, so the longest causal tiles start first and neighbouring blocks share K/V
-// in L2), then head, then batch. VARLEN: "batch" is packed sequence z (p.b sequences, rows
+// in L2), then head, then batch; with a bias broadcast over the batch (and no causal / window
+// band), batch fastest, then m_block, then head. VARLEN: "batch" is packed sequence z (p.b sequences, rows
 // cu_seqlens[z] .. cu_seqlens[z + 1] of [1, total, h, d] tensors; p.s_q / p.s_k are the totals,
 // num_m_blocks covers the longest sequence).
 struct WorkTile {
@@ -82,9 +83,17 @@ struct WorkTile {
 template <bool WINDOW, bool VARLEN, int BM, int BN>
 __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
     WorkTile wt;
-    const int m_block = p.num_m_blocks - 1 - w % p.num_m_blocks;
-    wt.head = (w / p.num_m_blocks) % p.h;
-    wt.batch = w / (p.num_m_blocks * p.h);
+    int mh = w;    // m_block fastest, then head
+    if (!WINDOW && !VARLEN && p.bias != nullptr && p.bias_stride_b == 0) {
+        // a bias shared by the batch entries: w runs batch fastest, so blocks running at the same
+        // time read the same bias rows (L2 hits: one DRAM read per tile, not one per batch entry)
+        wt.batch = w % p.b;
+        mh = w / p.b;
+    } else {
+        wt.batch = w / (p.num_m_blocks * p.h);
+    }
+    const int m_block = p.num_m_blocks - 1 - mh % p.num_m_blocks;
+    wt.head = (mh / p.num_m_blocks) % p.h;
     wt.kv_head = wt.head / p.h_per_hk;                       // GQA / MQA
     set_sequence<VARLEN>(p, wt);
     wt.m0 = m_block * BM;
