@@ -7,6 +7,10 @@ that only skip masked work or reorder work tiles must give identical results).
 
     python benchmarks/ab_fwd_kernels.py --trees /path/to/main/kernels_cu kernels_cu \\
         --head-dims 128 --seqlens 1024 2048 4096 --causal both --memeff
+    python benchmarks/ab_fwd_kernels.py --trees A B --dtype bfloat16 --bias --causal no
+
+--bias adds an additive bias (1, h, s, s) in q's dtype (issue 6's benchmark bias; no peer then:
+benchmarks/bench_bias_varlen.py has SDPA memeff with the same bias).
 
 Shapes as benchmarks/bench_f32.py (16k tokens, hidden 2048, bhsd storage). Prints per cell the
 median TFLOP/s of each tree over --rounds rounds and each tree's ratio to the first.
@@ -53,6 +57,32 @@ def compile_from(tree: Path, variant, dev_id: int, tag: int):
     return getattr(fn, "kernel", fn)
 
 
+_REAL_LAUNCH = _gpu._launch
+
+
+class _Planned:
+    """A bias call is planned per call (_gpu._forward_general, no cached _Launch): its launches
+    go through _gpu._launch, which this stands in for with ``fn`` (set like _Launch.fn)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+        def launch(plan, prm, dev_id):
+            self.fn(plan.grid, plan.block, (prm.reshape(1)[0],), shared_mem=plan.smem)
+            return plan.variant.name
+        _gpu._launch = launch
+
+
+def using(fn, q, k, v, out, opts):
+    """The object whose ``fn`` the next forward(q, k, v, out, lse, opts, kernel="sm90") launches:
+    the cached _Launch entry, or for a bias call the stand-in for _gpu._launch."""
+    if opts.bias is not None:
+        return _Planned(fn)
+    ent = _gpu._launch_cache[_gpu._key(q, k, v, out, opts, "sm90")]
+    ent.fn = fn
+    return ent
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trees", nargs="+", required=True, help="kernels_cu directories")
@@ -64,6 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--peer", choices=["memeff", "cudnn", "flash"], help="SDPA peer in the rotation")
     ap.add_argument("--memeff", action="store_true", help="the same as --peer memeff")
+    ap.add_argument("--bias", action="store_true", help="a bias (1, h, s, s) in q's dtype")
     args = ap.parse_args(argv)
     peer = "memeff" if args.memeff else args.peer
     dtype = cp.float32 if args.dtype == "float32" else ml_dtypes.bfloat16
@@ -82,11 +113,16 @@ def main(argv=None) -> int:
                            .transpose(0, 2, 1, 3) for _ in range(3))
                 out = cp.empty((b, h, s, d), dtype).transpose(0, 2, 1, 3)
                 lse = cp.empty((b, h, s), cp.float32)
-                opts = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1)
+                bias = None
+                if args.bias:
+                    bias = cp.random.standard_normal((1, h, s, s), dtype=cp.float32).astype(dtype)
+                opts = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1, bias=bias,
+                               bias_shape=None if bias is None else bias.shape)
+                _gpu._launch = _REAL_LAUNCH     # this cell's own variant, from this tree
                 name = _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")
-                ent = _gpu._launch_cache[_gpu._key(q, k, v, out, opts, "sm90")]
                 variant = _gpu._sm90_variant_by_name(name)
                 fns = [compile_from(t, variant, dev_id, i) for i, t in enumerate(trees)]
+                ent = using(fns[0], q, k, v, out, opts)
                 # ---- results of every tree against the first's, bit for bit
                 ref = None
                 same = []
@@ -104,7 +140,7 @@ def main(argv=None) -> int:
                               f"max |lse diff| {float(cp.abs(got[1] - ref[1]).max()):.3e}")
                 # ---- interleaved timing
                 me = None
-                if peer:
+                if peer and bias is None:
                     import peers
                     me = peers.try_peer(peer, q, k, v, causal, "fwd")   # bshd views
                 def with_tree(fn):   # the launch with tree fn's kernel in the cached entry
@@ -119,7 +155,7 @@ def main(argv=None) -> int:
                 ent.fn = fns[-1]
                 print(f"{d:>3} {s:>6} {'yes' if causal else 'no':>6} | " + tflops_columns(tf, tme)
                       + f"  {'yes' if all(same) else 'NO':>9}  {name}", flush=True)
-                del q, k, v, out, lse, me
+                del q, k, v, out, lse, me, bias
                 cp.get_default_memory_pool().free_all_blocks()
     return 0
 

@@ -33,9 +33,11 @@ def reports():
 
 
 #: Spill bytes allowed: none, except a few in the float32-bias variants (ptxas spills 12 B of
-#: the hd 128 one under NVRTC 12.9 whatever the order of its loads; docs/hopper.md).
+#: the hd 128 one under NVRTC 12.9 whatever the order of its loads; docs/hopper.md) and in the
+#: 16-bit bias variants that hold the next key tile's bias in registers (BIAS_REGS: 12 B at
+#: hd 128, and still 10-14% faster on the H200 than without them).
 def _spill_budget(v):
-    return 16 if v.bias == 2 else 0
+    return 16 if v.bias == 2 or (v.bias == 1 and not v.window and not v.softcap) else 0
 
 
 def test_every_variant_compiles_without_spills(reports):
