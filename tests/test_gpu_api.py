@@ -349,10 +349,11 @@ def test_memory_of_one_call_is_outputs_and_small_buffers(rng, cp, dtype, d, caus
 @pytest.mark.parametrize("d,kind", [(128, "1hqk"), (128, "11qk"), (96, "1hqk"), (64, "11qk")],
                          ids=["hd128-1hqk", "hd128-11qk", "hd96-1hqk", "hd64-11qk"])
 def test_memory_of_bias_backward_is_dbias_only(rng, cp, monkeypatch, d, kind):
-    """With flash_bwd_dbias (forced here; the launcher's default for deterministic mode and when
-    the float32 accumulator does not fit), a bf16 bias summed over the batch (1hqk) or batch and
-    heads (11qk): the backward holds dq, dk, dv + D + the dQ accumulator + dbias, no float32
-    copy of dbias (a float32 accumulator, 2x dbias, would exceed the allowance). hd 128 runs the
+    """With a dbias kernel (forced here; by default where the Hopper dbias kernel covers the call,
+    in deterministic mode and when the float32 accumulator does not fit), a bf16 bias summed over
+    the batch (1hqk) or batch and heads (11qk): the backward holds dq, dk, dv + D + the dQ
+    accumulator + dbias, no float32 copy of dbias (a float32 accumulator, 2x dbias, would
+    exceed the allowance). hd 128 runs the
     Hopper main kernel on an H100 / H200, hd 96 and 64-with-11qk exercise the other routes."""
     from cupyflash import _bench, _gpu_bwd
 
