@@ -650,12 +650,15 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, for
 
 
 def _dbias_sm90_variant(name, q, k, v, dout, operand, opts, dplan, dev_id, smem):
-    """The Hopper dbias kernel's variant for a call that takes the dbias-kernel path (None:
-    DBIAS_SM90 off, or _gpu_dbias_sm90.unsupported names a reason; flash_bwd_dbias runs)."""
+    """The Hopper dbias kernel's variant for an eligible call (None: DBIAS_SM90 off, a base
+    address TMA cannot take, or _gpu_dbias_sm90.unsupported names a reason; the call then keeps
+    the default of other devices, use_dbias_kernel)."""
     if not DBIAS_SM90:
         return None
     from . import _gpu, _gpu_dbias_sm90 as d90
     b_arr = operand[0]
+    if any(a.data.ptr % _plan.TMA_ALIGN for a in (q, k, v, dout, b_arr)):
+        return None
     shape = dplan.shape
     why = d90.unsupported(
         name, q.shape[3], v.shape[3], cc=_gpu._info(dev_id)[0], smem_optin=smem,
