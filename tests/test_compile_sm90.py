@@ -2,7 +2,7 @@
 dbias_sm90.cu, ...), sm_90a.
 
 Every variant of _plan.sm90_variants() and _gpu_bwd_sm90.variants() compiles without a GPU (NVRTC
-only), with no register spills (a few bytes allowed in the float32-bias forward variants) and no
+only), with no register spills (a few bytes allowed in some bias forward variants) and no
 ptxas warning (a "wgmma ... serialized" warning would mean the products run one at a time). The
 entry register count is the launch cap (168 for 384 threads, 128 for 512); setmaxnreg then moves
 registers from the producer warpgroup to the consumers.
@@ -35,7 +35,7 @@ def reports():
 #: Spill bytes allowed: none, except a few in the float32-bias variants (ptxas spills 12 B of
 #: the hd 128 one under NVRTC 12.9 whatever the order of its loads; docs/hopper.md) and in the
 #: 16-bit bias variants that hold the next key tile's bias in registers (BIAS_REGS: 12 B at
-#: hd 128, and still 10-14% faster on the H200 than without them).
+#: hd 128, and still 5-9% faster on the H200 than without them).
 def _spill_budget(v):
     return 16 if v.bias == 2 or (v.bias == 1 and not v.window and not v.softcap) else 0
 
