@@ -11,6 +11,9 @@ copy with benchmarks/ab_fwd_kernels.py in one process, cuDNN in the rotation:
 Probes (each a textual patch of fwd_sm90.cu; a patch whose anchor is gone stops the script):
 - ``nostore``: the epilogue's O and lse stores never execute (guarded by a condition that is
   false at run time, so O is still computed): what the stores cost.
+- ``static``: the producer takes work tiles i, i + grid, ... instead of drawing each from the
+  global counter (an atomicAdd, an L2 round trip, between releasing one Q and loading the next):
+  what drawing costs on the tile boundary (the same tiles, the same results, another order).
 """
 from __future__ import annotations
 
@@ -28,6 +31,10 @@ PROBES = {
         "        store_rows<E, NO, VARLEN>(p, wt, o_acc, m_run, l_run, sl2, wt.m0 + cw * WG_ROWS + row_in_wg,\n",
         "        if (p.b < 0)   // probe: never at run time\n"
         "        store_rows<E, NO, VARLEN>(p, wt, o_acc, m_run, l_run, sl2, wt.m0 + cw * WG_ROWS + row_in_wg,\n",
+    )],
+    "static": [(
+        "w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;",
+        "w = blockIdx.x + drawn * gridDim.x;   // probe: static order",
     )],
 }
 
