@@ -43,8 +43,7 @@ def _spill_budget(v):
 def test_every_variant_compiles_without_spills(reports):
     vs = _plan.sm90_variants()
     assert set(reports) == {v.name_expression for v in vs}
-    bad = [f"{v.name}: {reports[v.name_expression]}" for v in vs
-           if reports[v.name_expression][1] > _spill_budget(v)]
+    bad = _over_budget(vs, reports, _spill_budget)
     assert not bad, "\n".join(bad)
 
 
@@ -63,6 +62,24 @@ def _ptxas_warnings(parts, filename):
     return [ln for ln in log.splitlines() if "warning" in ln.lower()]
 
 
+def _per_elem_report(title, vs, program, filename, elems=("f16_t", "bf16_t")):
+    """NVRTC reports {name expression: (registers, spill bytes)} of variants ``vs`` (one program
+    per element type), printed under ``title``; asserts every variant got one."""
+    jobs = [("sm_90a", program, [v for v in vs if v.elem == e], filename) for e in elems]
+    res = _modules.nvrtc_reports(jobs)["sm_90a"]
+    print(f"\nsm_90a: registers / spill bytes per {title}")
+    for v in vs:
+        print(f"  {v.name:45s} {res[v.name_expression][0]:4d} regs {res[v.name_expression][1]:6d} B spill")
+    assert {v.name_expression for v in vs} <= set(res)
+    return res
+
+
+def _over_budget(vs, res, budget=lambda v: 0):
+    """'name: (registers, spills)' of each variant spilling more than ``budget(v)`` bytes."""
+    return [f"{v.name}: {res[v.name_expression]}" for v in vs
+            if res[v.name_expression][1] > budget(v)]
+
+
 def test_no_ptxas_warnings():
     """ptxas warns when wgmma products get serialized or setmaxnreg is ignored: fail on any."""
     v = _plan.Sm90Variant("bf16_t", 128, 128, 2, True, True)
@@ -74,14 +91,9 @@ def test_float32_variants_compile_without_spills():
     """The float32 forward (fwd_sm90_f32.cu, _plan.sm90_f32_variants()): 0 spills, and no ptxas
     warning in any of them (one program per element type)."""
     vs = _plan.sm90_f32_variants()
-    jobs = [("sm_90a", _modules.program, [v for v in vs if v.elem == e], "fwd_sm90_f32.cu")
-            for e in _plan.F32_ELEMS]
-    res = _modules.nvrtc_reports(jobs)["sm_90a"]
-    print("\nsm_90a: registers / spill bytes per float32 Hopper variant")
-    for v in vs:
-        print(f"  {v.name:45s} {res[v.name_expression][0]:4d} regs {res[v.name_expression][1]:6d} B spill")
-    assert {v.name_expression for v in vs} <= set(res)
-    bad = [f"{v.name}: {res[v.name_expression]}" for v in vs if res[v.name_expression][1] > 0]
+    res = _per_elem_report("float32 Hopper variant", vs, _modules.program, "fwd_sm90_f32.cu",
+                           _plan.F32_ELEMS)
+    bad = _over_budget(vs, res)
     assert not bad, "\n".join(bad)
     warnings = _ptxas_warnings(_modules.program(vs), "fwd_sm90_f32.cu")
     assert not warnings, "\n".join(warnings)
@@ -89,15 +101,8 @@ def test_float32_variants_compile_without_spills():
 
 def test_backward_variants_compile_without_spills():
     vs = _gpu_bwd_sm90.variants()
-    jobs = [("sm_90a", _gpu_bwd_sm90.program, [v for v in vs if v.elem == e], "bwd_sm90.cu")
-            for e in ("f16_t", "bf16_t")]
-    res = _modules.nvrtc_reports(jobs)["sm_90a"]
-    print("\nsm_90a: registers / spill bytes per Hopper backward variant")
-    for v in vs:
-        print(f"  {v.name:45s} {res[v.name_expression][0]:4d} regs {res[v.name_expression][1]:6d} B spill")
-    assert {v.name_expression for v in vs} <= set(res)
-    bad = [f"{v.name}: {res[v.name_expression]}" for v in vs
-           if res[v.name_expression][1] > _bwd_spill_budget(v)]
+    res = _per_elem_report("Hopper backward variant", vs, _gpu_bwd_sm90.program, "bwd_sm90.cu")
+    bad = _over_budget(vs, res, _bwd_spill_budget)
     assert not bad, "\n".join(bad)
 
 
@@ -137,15 +142,8 @@ def test_dbias_kernel_compiles_without_spills():
     """The Hopper dbias kernel (dbias_sm90.cu, _gpu_dbias_sm90.variants()): every variant 0 spills
     and no ptxas warning (no serialized wgmma; one program per element type)."""
     vs = _gpu_dbias_sm90.variants()
-    jobs = [("sm_90a", _gpu_dbias_sm90.program, [v for v in vs if v.elem == e], "dbias_sm90.cu")
-            for e in ("f16_t", "bf16_t")]
-    res = _modules.nvrtc_reports(jobs)["sm_90a"]
-    print("\nsm_90a: registers / spill bytes / shared memory per Hopper dbias variant")
-    for v in vs:
-        regs, spill = res[v.name_expression]
-        print(f"  {v.name:45s} {regs:4d} regs {spill:6d} B spill {v.smem_bytes:7d} B smem")
-    assert {v.name_expression for v in vs} <= set(res)
-    bad = [f"{v.name}: {res[v.name_expression]}" for v in vs if res[v.name_expression][1] > 0]
+    res = _per_elem_report("Hopper dbias variant", vs, _gpu_dbias_sm90.program, "dbias_sm90.cu")
+    bad = _over_budget(vs, res)
     assert not bad, "\n".join(bad)
     # setmaxnreg.inc waits until the CTA's register pool (entry count x 384 threads, allocated at
     # launch) can give the consumers 232: 40·128 + 232·256 = 64512 = 168·384. An entry count
