@@ -657,7 +657,7 @@ def _dbias_sm90_variant(name, q, k, v, dout, operand, opts, dplan, dev_id, smem)
         return None
     from . import _gpu, _gpu_dbias_sm90 as d90
     b_arr = operand[0]
-    if any(a.data.ptr % _plan.TMA_ALIGN for a in (q, k, v, dout, b_arr)):
+    if not d90.bases_aligned(q, k, v, dout, b_arr):
         return None
     shape = dplan.shape
     why = d90.unsupported(

@@ -159,6 +159,12 @@ def get_function(variant: Sm90DbiasVariant, device_id: int):
     return _gpu_bwd.get_functions(variant, device_id)[0]
 
 
+def bases_aligned(*arrays) -> bool:
+    """Whether every array's base address is one TMA can take (16-byte aligned): q, k, v, dout
+    and the bias operand, checked by the launcher before it picks this kernel and by launch."""
+    return all(a.data.ptr % _plan.TMA_ALIGN == 0 for a in arrays)
+
+
 def launch(variant: Sm90DbiasVariant, prm, q, k, v, dout, bias, dev_id: int,
            num_sms: int) -> Optional[str]:
     """Run flash_bwd_dbias_sm90 with a copy of the backward's Params ``prm`` (0-d PARAMS_DTYPE
@@ -168,8 +174,7 @@ def launch(variant: Sm90DbiasVariant, prm, q, k, v, dout, bias, dev_id: int,
     base address is not 16-byte aligned (the caller runs flash_bwd_dbias)."""
     from . import _gpu, _gpu_bwd_sm90, _tma
 
-    ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr, bias.data.ptr)
-    if any(p_ % _plan.TMA_ALIGN for p_ in ptrs):
+    if not bases_aligned(q, k, v, dout, bias):
         return None
     prm = prm.copy()
     dtype_name = _gpu._DTYPE_NAMES[q.dtype]
@@ -189,4 +194,5 @@ def launch(variant: Sm90DbiasVariant, prm, q, k, v, dout, bias, dev_id: int,
 
 
 __all__ = ["Sm90DbiasVariant", "variant_for", "variants", "smem_bytes", "unsupported",
-           "work_tiles", "num_work", "program", "get_function", "launch", "BUFFERS", "BM", "BN"]
+           "work_tiles", "num_work", "program", "get_function", "bases_aligned", "launch", "BUFFERS",
+           "BM", "BN"]

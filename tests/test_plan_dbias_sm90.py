@@ -105,3 +105,13 @@ def test_work_tiles_window(s_q, s_k, wl, wr, bottom_right):
     unbounded = s_q + s_k
     _check_decomposition(s_q, s_k, 2, 2, True, False, wl if wl >= 0 else unbounded,
                          wr if wr >= 0 else unbounded, s_k - s_q if bottom_right else 0, True)
+
+
+@pytest.mark.parametrize("offsets,want", [((0, 0, 0, 0, 0), True), ((0, 0, 0, 0, 8), False),
+                                          ((16, 32, 0, 48, 0), True), ((2, 0, 0, 0, 0), False)],
+                         ids=["all-aligned", "bias-8", "multiples-of-16", "q-2"])
+def test_bases_aligned(offsets, want):
+    """TMA needs 16-byte aligned bases: the launcher keeps the float32 accumulator otherwise."""
+    from types import SimpleNamespace
+    arrays = [SimpleNamespace(data=SimpleNamespace(ptr=4096 + o)) for o in offsets]
+    assert d90.bases_aligned(*arrays) is want
