@@ -9,11 +9,16 @@ copy with benchmarks/ab_fwd_kernels.py in one process, cuDNN in the rotation:
     python benchmarks/fwd_tile_probe.py --out /tmp/probe --run -- --seqlens 512 1024 16384
 
 Probes (each a textual patch of fwd_sm90.cu; a patch whose anchor is gone stops the script):
-- ``nostore``: the epilogue's O and lse stores never execute (guarded by a condition that is
-  false at run time, so O is still computed): what the stores cost.
+- ``nostore``: the epilogue (O / l, its stores, lse) never executes (a return on a condition
+  that is true at run time): what the epilogue costs.
 - ``static``: the producer takes work tiles i, i + grid, ... instead of drawing each from the
   global counter (an atomicAdd, an L2 round trip, between releasing one Q and loading the next):
   what drawing costs on the tile boundary (the same tiles, the same results, another order).
+- ``qonce``: the producer loads Q for a block's first work tile only (later tiles reuse it):
+  what waiting for the next Q costs.
+- ``trace``: the same kernel, bit for bit, with SM clock stamps at the tile-boundary events of
+  the first TRACE_TILES work tiles of every block (``cf_trace``); benchmarks/fwd_trace.py reads
+  and summarises them. Not in the timed set by default (``--probes`` picks).
 """
 from __future__ import annotations
 
@@ -28,15 +33,81 @@ ROOT = Path(__file__).resolve().parent.parent
 #: probe name -> [(anchor, replacement)] in kernels_cu/fwd_sm90.cu
 PROBES = {
     "nostore": [(
-        "        store_rows<E, NO, VARLEN>(p, wt, o_acc, m_run, l_run, sl2, wt.m0 + cw * WG_ROWS + row_in_wg,\n",
-        "        if (p.b < 0)   // probe: never at run time\n"
-        "        store_rows<E, NO, VARLEN>(p, wt, o_acc, m_run, l_run, sl2, wt.m0 + cw * WG_ROWS + row_in_wg,\n",
+        "    auto store_tile = [&]() {\n",
+        "    auto store_tile = [&]() {\n        if (p.b > 0) return;   // probe: always at run time\n",
     )],
     "static": [(
         "w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;",
         "w = blockIdx.x + drawn * gridDim.x;   // probe: static order",
     )],
+    "qonce": [(
+        "                mbar_arrive_expect_tx(q_full, BM * D * 2);\n",
+        "                if (tile_i > 0) { mbar_arrive(q_full); } else {   // probe: Q loaded once\n"
+        "                mbar_arrive_expect_tx(q_full, BM * D * 2);\n",
+    ), (
+        "wt.q_row + wt.m0, wt.head, wt.tma_b);\n",
+        "wt.q_row + wt.m0, wt.head, wt.tma_b);\n                }\n",
+    )],
 }
+
+#: SM clock stamps (``trace``): cf_trace [block < TRACE_BLOCKS][role 0 producer, 1 + consumer]
+#: [work tile < TRACE_TILES][event < TRACE_EVENTS], written by lane 0 of each role's warpgroup;
+#: cf_clock [block][start, end][clock64, globaltimer ns] (producer) calibrates cycles to time.
+TRACE_BLOCKS, TRACE_ROLES, TRACE_TILES, TRACE_EVENTS = 132, 4, 32, 8
+#: event names per role (index = event number)
+TRACE_EVENTS_PRODUCER = ["q_empty wait", "q_empty done", "tile drawn", "Q issued", "K/V issued"]
+TRACE_EVENTS_CONSUMER = ["q_full wait", "q_full done", "first turn", "first S done",
+                         "first softmax done", "last turn", "last PV done", "stored"]
+
+
+def _stamp(role: str, ev: int, tile: str = "tile_i") -> str:
+    return f"CF_TRACE({role}, {tile}, {ev});"
+
+
+_TRACE_DEFS = f"""
+// probe: SM clock stamps of tile-boundary events (benchmarks/fwd_trace.py reads them)
+extern "C" __device__ long long cf_trace[{TRACE_BLOCKS * TRACE_ROLES * TRACE_TILES * TRACE_EVENTS}];
+extern "C" __device__ long long cf_clock[{TRACE_BLOCKS * 4}];
+__device__ __forceinline__ long long cf_clock64() {{
+    long long c; asm volatile("mov.u64 %0, %%clock64;" : "=l"(c) :: "memory"); return c;
+}}
+__device__ __forceinline__ long long cf_globaltimer() {{
+    long long c; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(c) :: "memory"); return c;
+}}
+#define CF_TRACE(role, tile, ev) do {{ if (threadIdx.x % 128 == 0 && blockIdx.x < {TRACE_BLOCKS} && (tile) < {TRACE_TILES}) \
+    cf_trace[((blockIdx.x * {TRACE_ROLES} + (role)) * {TRACE_TILES} + (tile)) * {TRACE_EVENTS} + (ev)] = cf_clock64(); }} while (0)
+#define CF_CLOCK(i) do {{ if (blockIdx.x < {TRACE_BLOCKS}) {{ cf_clock[blockIdx.x * 4 + 2 * (i)] = cf_clock64(); \
+    cf_clock[blockIdx.x * 4 + 2 * (i) + 1] = cf_globaltimer(); }} }} while (0)
+"""
+
+PROBES["trace"] = [
+    ('#include "wgmma.cuh"\n', '#include "wgmma.cuh"\n' + _TRACE_DEFS),
+    # producer
+    ("            tma_prefetch_desc(&p.tma_q);\n", "            CF_CLOCK(0);\n            tma_prefetch_desc(&p.tma_q);\n"),
+    ("            if (p.sched) sched_finish(p.sched);", "            CF_CLOCK(1);\n            if (p.sched) sched_finish(p.sched);"),
+    ("                if (tile_i > 0) mbar_wait(q_empty, (tile_i - 1) & 1);\n",
+     f"                {_stamp(0, 0)}\n                if (tile_i > 0) mbar_wait(q_empty, (tile_i - 1) & 1);\n"
+     f"                {_stamp(0, 1)}\n"),
+    ("                *tile_smem = w;  ", f"                {_stamp(0, 2)}\n                *tile_smem = w;  "),
+    ("wt.q_row + wt.m0, wt.head, wt.tma_b);\n", f"wt.q_row + wt.m0, wt.head, wt.tma_b);\n                {_stamp(0, 3)}\n"),
+    ("                    load(v_smem, &p.tma_v, v_full, v_empty);\n                }\n",
+     f"                    load(v_smem, &p.tma_v, v_full, v_empty);\n                }}\n                {_stamp(0, 4)}\n"),
+    # consumers
+    ("            mbar_wait(q_full, tile_i & 1);\n",
+     f"            {_stamp('1 + cw', 0)}\n            mbar_wait(q_full, tile_i & 1);\n            {_stamp('1 + cw', 1)}\n"),
+    ("        named_bar_sync(TURN_BAR + cw, 256);    // our turn on the tensor cores\n        issue_s(kv_it);\n",
+     f"        named_bar_sync(TURN_BAR + cw, 256);    // our turn on the tensor cores\n        {_stamp('1 + cw', 2)}\n"
+     "        issue_s(kv_it);\n"),
+    ("        wgmma_wait<0>();\n        s_done(kv_it, wt.n_tiles == 1);\n        start_tile();\n",
+     f"        wgmma_wait<0>();\n        {_stamp('1 + cw', 3)}\n        s_done(kv_it, wt.n_tiles == 1);\n"
+     f"        start_tile();\n        {_stamp('1 + cw', 4)}\n"),
+    ("        named_bar_sync(TURN_BAR + cw, 256);\n        issue_pv(kv_it);\n",
+     f"        named_bar_sync(TURN_BAR + cw, 256);\n        {_stamp('1 + cw', 5)}\n        issue_pv(kv_it);\n"),
+    ("        wgmma_wait<0>();\n        pv_done(kv_it);\n        ++kv_it;\n",
+     f"        wgmma_wait<0>();\n        {_stamp('1 + cw', 6)}\n        pv_done(kv_it);\n        ++kv_it;\n"),
+    ("            store_tile();\n", f"            store_tile();\n            {_stamp('1 + cw', 7)}\n"),
+]
+TIMED = ["nostore", "static", "qonce"]
 
 
 def patched(source: str, patches) -> str:
@@ -49,11 +120,11 @@ def patched(source: str, patches) -> str:
     return source
 
 
-def make_trees(out: Path, kernels: Path = ROOT / "kernels_cu") -> list:
-    """Writes out/base/kernels_cu (a copy) and out/<probe>/kernels_cu for every probe; returns
-    the kernels_cu paths, base first."""
+def make_trees(out: Path, kernels: Path = ROOT / "kernels_cu", probes=None) -> list:
+    """Writes out/base/kernels_cu (a copy) and out/<probe>/kernels_cu for each of ``probes``
+    (default: every probe); returns the kernels_cu paths, base first."""
     trees = []
-    for name in ["base", *PROBES]:
+    for name in ["base", *(PROBES if probes is None else probes)]:
         tree = out / name / "kernels_cu"
         if tree.exists():
             shutil.rmtree(tree)
@@ -74,8 +145,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the trees")
     ap.add_argument("--run", action="store_true", help="time them (needs the GPU)")
+    ap.add_argument("--probes", nargs="+", choices=list(PROBES), default=TIMED,
+                    help=f"probes to time beside the base (default {' '.join(TIMED)})")
     args = ap.parse_args(argv)
-    trees = make_trees(args.out)
+    trees = make_trees(args.out, probes=args.probes)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "ab_fwd_kernels.py"), "--trees",
            *map(str, trees), "--dtype", "bfloat16", "--peer", "cudnn", *rest]
     print("# trees: " + ", ".join(f"[{i}] {t.parent.name}" for i, t in enumerate(trees)))

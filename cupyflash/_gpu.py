@@ -89,6 +89,19 @@ class _Launch:
 
 
 _current_stream = cupy.cuda.get_current_stream
+#: the Hopper forward's tensor maps, in the order of its pointers q, k, v, out
+_SM90_FWD_TMA_FIELDS = ("tma_q", "tma_k", "tma_v", "tma_o")
+
+
+def _sm90_fwd_maps(variant, q, k, v, out, elem_strides):
+    """(dims, byte strides, box) of the Hopper forward's tensor maps: q (boxes of BM rows), k, v
+    (BN rows) and, for a variant that stages O in shared memory, out (boxes of 64 rows, one
+    consumer's)."""
+    tensors = [(q, variant.bm), (k, variant.bn), (v, variant.bn)]
+    if getattr(variant, "o_smem", False):
+        tensors.append((out, _plan.SM90_O_BOX_ROWS))
+    return tuple(_plan.tma_tensor(a.shape, st, a.dtype.itemsize, rows)
+                 for (a, rows), st in zip(tensors, elem_strides))
 _sched = {}   # (device id, stream handle) -> the Hopper kernel's work-tile counter
 
 
@@ -137,8 +150,11 @@ class _Sm90Launch(_Launch):
                 return self.portable.launch(qp, kp, vp, op, lp)
             arr = self.arr.copy()             # sizes, scalars, strides of this signature
             _PUT_PTRS(memoryview(arr.view(np.uint8)), 0, qp, kp, vp, op, lp, 0)
-            for field, ptr, (dims, byte_strides, box) in zip(_plan.PARAMS_TMA_FIELDS, ptrs, self.maps):
-                arr[field][0] = _tma.encode(self.dtype_name, ptr, dims, byte_strides, box)
+            # q, k, v; out's map for a kernel staging O (o_smem) when out is 16-byte aligned
+            # (else the kernel stores O itself, and tma_o stays zero)
+            for field, ptr, (dims, byte_strides, box) in zip(_SM90_FWD_TMA_FIELDS, ptrs, self.maps):
+                if ptr % _plan.TMA_ALIGN == 0:
+                    arr[field][0] = _tma.encode(self.dtype_name, ptr, dims, byte_strides, box)
             arr["sched"][0] = _sched_counter(self.dev_id, stream)
             hit = ((_CPointer(arr.ctypes.data) if _CPointer is not None else arr[0],), arr)
             if len(self.records) >= 64:       # many different buffers: start over
@@ -233,7 +249,7 @@ def _build(key, q, k, v, out, lse, opts, kernel, dev_id):
     strides = _write_strides(plan.params, elem_strides)
     strides_ok = _plan.vec_ok((), strides, q.dtype.itemsize)
     if _want_sm90(kernel) and sm90_reason is None:
-        return _build_sm90(q, k, v, opts, kernel, dev_id, name, elem_strides, plan, strides_ok)
+        return _build_sm90(q, k, v, out, opts, kernel, dev_id, name, elem_strides, plan, strides_ok)
     fn = _modules.get_function(plan.variant, dev_id, extra)
     return _Launch(fn, plan, strides_ok)
 
@@ -247,7 +263,7 @@ def _write_strides(prm, elem_strides):
     return flat
 
 
-def _build_sm90(q, k, v, opts, kernel, dev_id, dtype_name, elem_strides, portable_plan,
+def _build_sm90(q, k, v, out, opts, kernel, dev_id, dtype_name, elem_strides, portable_plan,
                 portable_strides_ok):
     """The Hopper kernel's launch entry (the planner accepted the call); the portable plan is
     its fallback for base addresses TMA cannot take."""
@@ -264,10 +280,7 @@ def _build_sm90(q, k, v, opts, kernel, dev_id, dtype_name, elem_strides, portabl
         bottom_right=bool(opts.bottom_right), softcap=float(opts.softcap or 0.0),
         num_sms=_info(dev_id)[2], variant=forced, allow_tf32=bool(opts.allow_tf32))
     _write_strides(plan.params, elem_strides)
-    bn = plan.variant.bn
-    maps = tuple(_plan.tma_tensor(a.shape, st, q.dtype.itemsize, rows)
-                 for a, st, rows in ((q, elem_strides[0], plan.variant.bm),
-                                     (k, elem_strides[1], bn), (v, elem_strides[2], bn)))
+    maps = _sm90_fwd_maps(plan.variant, q, k, v, out, elem_strides)
     fn = _modules.get_function(plan.variant, dev_id)
     return _Sm90Launch(fn, plan, dtype_name, maps, portable_plan, portable_strides_ok, dev_id)
 
@@ -572,16 +585,17 @@ def _forward_bias_sm90(q, k, v, out, lse, opts, dtype_name, elem_strides, operan
         num_sms=_info(dev_id)[2], variant=variant)
     prm = plan.params
     keep = _set_common(prm, q, k, v, out, lse, opts) + set_bias_mask(prm, opts, q.dtype, operand)
-    return _launch_sm90(plan, prm, (q, k, v), elem_strides, dtype_name, dev_id, keep)
+    return _launch_sm90(plan, prm, (q, k, v, out), elem_strides, dtype_name, dev_id, keep)
 
 
-def _launch_sm90(plan, prm, qkv, elem_strides, dtype_name, dev_id, keep) -> str:
-    """Launch a Hopper plan planned per call: TMA descriptors of q, k, v (boxes of BM / BN
-    rows), the stream's work-tile counter; ``keep``: arrays alive until the launch is queued."""
-    rows = (plan.variant.bm, plan.variant.bn, plan.variant.bn)
-    for field, a, st, r in zip(_plan.PARAMS_TMA_FIELDS, qkv, elem_strides, rows):
-        dims, byte_strides, box = _plan.tma_tensor(a.shape, st, a.dtype.itemsize, r)
-        prm[field] = _tma.encode(dtype_name, a.data.ptr, dims, byte_strides, box)
+def _launch_sm90(plan, prm, qkvo, elem_strides, dtype_name, dev_id, keep) -> str:
+    """Launch a Hopper plan planned per call: tensor maps of q, k, v and (O staged, out 16-byte
+    aligned) out (_sm90_fwd_maps), the stream's work-tile counter; ``keep``: arrays alive until
+    the launch is queued."""
+    for field, a, (dims, byte_strides, box) in zip(_SM90_FWD_TMA_FIELDS, qkvo,
+                                                   _sm90_fwd_maps(plan.variant, *qkvo, elem_strides)):
+        if a.data.ptr % _plan.TMA_ALIGN == 0:
+            prm[field] = _tma.encode(dtype_name, a.data.ptr, dims, byte_strides, box)
     prm["sched"] = _sched_counter(dev_id, _current_stream().ptr)
     name = _launch(plan, prm, dev_id)
     del keep
@@ -602,4 +616,4 @@ def _forward_varlen_sm90(q, k, v, cq, ck, max_seqlen_q, max_seqlen_k, out, lse, 
     prm = plan.params
     keep = _set_common(prm, q, k, v, out, lse, opts, zero_batch_strides=True)
     prm["cu_seqlens_q"], prm["cu_seqlens_k"] = cq.data.ptr, ck.data.ptr
-    return _launch_sm90(plan, prm, (q, k, v), elem_strides, dtype_name, dev_id, keep + [cq, ck])
+    return _launch_sm90(plan, prm, (q, k, v, out), elem_strides, dtype_name, dev_id, keep + [cq, ck])

@@ -197,7 +197,7 @@ PARAMS_FIELDS = (
     + [("sched", np.uint64)]
 )
 #: Hopper kernels only: 128-byte TMA descriptors (struct TmaDesc, 64-byte aligned).
-PARAMS_TMA_FIELDS = ("tma_q", "tma_k", "tma_v", "tma_do", "tma_bias")
+PARAMS_TMA_FIELDS = ("tma_q", "tma_k", "tma_v", "tma_do", "tma_bias", "tma_o")
 TMA_DESC_BYTES = 128
 
 
@@ -322,6 +322,8 @@ SM90_BIAS_HEAD_DIMS = (64, 128)
 #: Largest stride TMA takes (bytes, exclusive), and the alignment it needs of strides and bases.
 TMA_MAX_STRIDE = 1 << 40
 TMA_ALIGN = 16
+#: rows of the Hopper forward's out box: one consumer warpgroup's O rows (sm90::WG_ROWS)
+SM90_O_BOX_ROWS = 64
 
 
 class Sm90Variant(NamedTuple):
@@ -362,13 +364,36 @@ class Sm90Variant(NamedTuple):
 
     @property
     def smem_bytes(self) -> int:
-        return sm90_smem_bytes(self.d, self.bn, self.stages, self.nc)
+        return sm90_smem_bytes(self.d, self.bn, self.stages, self.nc, self.varlen)
+
+    @property
+    def o_smem(self) -> bool:
+        """The epilogue stages O in shared memory for a TMA store (needs the tma_o map)."""
+        return sm90_o_smem(self.d, self.bn, self.stages, self.nc, self.varlen)
 
 
-def sm90_smem_bytes(d: int, bn: int, stages: int, nc: int = 2) -> int:
-    """Mirrors sm90::Layout in fwd_sm90.cu: Q [64·nc, d], K and V [stages, bn, d] (16-bit),
-    the mbarriers, the work-tile indices, and 1024 bytes of slack to align the swizzled panels."""
+#: Dynamic shared memory per block on compute capability 9.0 (opt-in), sm90::SMEM_MAX
+SM90_SMEM_MAX = 227 * 1024
+
+
+def _sm90_ring_bytes(d: int, bn: int, stages: int, nc: int) -> int:
+    """Q [64·nc, d], K and V [stages, bn, d] (16-bit), the mbarriers, the work-tile index and
+    1024 bytes of slack to align the swizzled panels (sm90::Layout without O)."""
     return 2 * d * (64 * nc + 2 * stages * bn) + 8 * (2 + 4 * stages + 1) + 1024
+
+
+def sm90_o_smem(d: int, bn: int, stages: int, nc: int = 2, varlen: bool = False) -> bool:
+    """Mirrors sm90::Layout::O_SMEM: the epilogue stages O [64·nc, d] in shared memory for a TMA
+    store where it fits beside the ring; not for packed sequences (a box could reach into the
+    next sequence's rows)."""
+    return not varlen and _sm90_ring_bytes(d, bn, stages, nc) + 2 * d * 64 * nc <= SM90_SMEM_MAX
+
+
+def sm90_smem_bytes(d: int, bn: int, stages: int, nc: int = 2, varlen: bool = False) -> int:
+    """Mirrors sm90::Layout in fwd_sm90.cu: the ring (_sm90_ring_bytes) and, where
+    sm90_o_smem, O [64·nc, d]."""
+    o = 2 * d * 64 * nc if sm90_o_smem(d, bn, stages, nc, varlen) else 0
+    return _sm90_ring_bytes(d, bn, stages, nc) + o
 
 
 # ------------------------------------------------------------------------------------------

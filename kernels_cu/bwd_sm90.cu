@@ -203,15 +203,6 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst_gmem, u32 src_sme
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
                  :: "l"(dst_gmem), "r"(src_smem), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void bulk_commit() {
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-template <int N> __device__ __forceinline__ void bulk_wait_read() {   // sources read: smem reusable
-    asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
-}
-template <int N> __device__ __forceinline__ void bulk_wait() {        // writes done too
-    asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
-}
 // *addr += (x, y) on two consecutive floats in global memory (sm_90 vector reduction)
 __device__ __forceinline__ void red_add_v2(float* addr, float x, float y) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(addr), "f"(x), "f"(y) : "memory");

@@ -46,19 +46,28 @@ template <int NC> struct Regs;
 template <> struct Regs<2> { static constexpr int PRODUCER = 40, CONSUMER = 232; };
 template <> struct Regs<3> { static constexpr int PRODUCER = 32, CONSUMER = 160; };
 
+constexpr int SMEM_MAX = 227 * 1024;  // dynamic shared memory per block on sm_90 (opt-in)
+
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
-// cupyflash/_plan.py: sm90_smem_bytes.
-template <int D, int BN, int STAGES, int NC>
+// cupyflash/_plan.py: sm90_smem_bytes. O_SMEM: the epilogue stages each consumer's O rows in
+// o_smem for a TMA store, where that fits beside the ring (not VARLEN: a box of 64 rows could
+// reach into the next sequence's rows).
+template <int D, int BN, int STAGES, int NC, bool VARLEN>
 struct Layout {
     static constexpr int BM = WG_ROWS * NC;                  // query rows per work tile
     static constexpr int PANELS = D / PANEL_COLS;
     static constexpr int Q_PANEL = BM * 128;                 // bytes of q_smem [BM, 64]
     static constexpr int KV_PANEL = BN * 128;                // bytes of k_smem / v_smem [BN, 64]
     static constexpr int KV_TILE = PANELS * KV_PANEL;        // one stage of K (or V)
+    static constexpr int O_PANEL = WG_ROWS * 128;            // bytes of one consumer's o_smem [64, 64]
+    static constexpr int O_WG = PANELS * O_PANEL;            // one consumer's o_smem [PANELS][64][64]
     static constexpr int Q = 0;                              // q_smem [PANELS][BM][64]
     static constexpr int K = Q + PANELS * Q_PANEL;           // k_smem [STAGES][PANELS][BN][64]
     static constexpr int V = K + STAGES * KV_TILE;           // v_smem [STAGES][PANELS][BN][64]
-    static constexpr int BARS = V + STAGES * KV_TILE;        // q_full, q_empty, k/v_full[S], k/v_empty[S]
+    static constexpr int O = V + STAGES * KV_TILE;           // o_smem [NC][PANELS][64][64] (O_SMEM)
+    static constexpr int RING_BYTES = O + 8 * (2 + 4 * STAGES) + 8;
+    static constexpr bool O_SMEM = !VARLEN && RING_BYTES + NC * O_WG + 1024 <= SMEM_MAX;
+    static constexpr int BARS = O + (O_SMEM ? NC * O_WG : 0);  // q_full, q_empty, k/v_full[S], k/v_empty[S]
     static constexpr int TILE = BARS + 8 * (2 + 4 * STAGES);  // work-tile index, producer -> consumers
     static constexpr int BYTES = TILE + 8;
 };
@@ -212,6 +221,24 @@ __device__ __forceinline__ void store_empty_rows(const Params& p, const WorkTile
     if (t < WG_ROWS && r0 + t < wt.s_q) lse_rows<VARLEN>(p, wt)[r0 + t] = -CF_INF;
 }
 
+// The rows' final denominators, inv_l[r] = 1 / l of rows row0 + 8r (0 for a row that saw no
+// key), and their lse = (m·scale·log2e + log2 l)·ln 2 stored (−inf for such a row; rows past s_q
+// are not; lse_lane: one lane of each quad)
+template <bool VARLEN>
+__device__ __forceinline__ void finish_rows(const Params& p, const WorkTile& wt, const float* m_run,
+                                            const float* l_run, float sl2, int row0, bool lse_lane,
+                                            float* inv_l) {
+    float* lse_bh = lse_rows<VARLEN>(p, wt);        // [s_q]
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float l = quad_sum(l_run[r]);
+        const int row = row0 + 8 * r;
+        inv_l[r] = l > 0.f ? 1.f / l : 0.f;
+        if (row < wt.s_q && lse_lane)
+            lse_bh[row] = l > 0.f ? (m_run[r] * sl2 + log2f(l)) * CF_LN2 : -CF_INF;
+    }
+}
+
 // Final O / l and lse = (m·scale·log2e + log2 l)·ln 2 of the work tile's rows row0, row0 + 8
 // (rows past s_q are not stored; a row that saw no key: out = 0, lse = −inf); out in E's storage
 // (16-bit pairs, or float32). Float32 goes out in 16-byte stores (the launcher sends out bases
@@ -219,20 +246,26 @@ __device__ __forceinline__ void store_empty_rows(const Params& p, const WorkTile
 // multiples): of the column groups 2h, 2h + 1 (16 columns of a row, 2 per lane of the quad),
 // lanes c and c ^ 1 swap one column pair so that even c holds columns 16h + 2c .. + 3 and odd c
 // columns 16h + 8 + 2(c − 1) .. + 3 (one 16-byte store each: 64 contiguous bytes per row and quad,
-// a quarter of the scalar stores)
+// a quarter of the scalar stores). 16-bit out likewise when its base is 16-byte aligned (the
+// strides are): of the column groups 4h .. 4h + 3 (a 4-byte pair per lane in each), lane c
+// gathers group 4h + c whole through a 4 x 4 transpose across the quad (otherwise 4-byte pairs).
+// The 4-byte stores took ~4000 SM cycles of each work tile at hd 128 (1.4 key-tile steps, the
+// most of a work tile's fixed cost; benchmarks/fwd_trace.py on the H200).
 template <typename E, int NO, bool VARLEN>
 __device__ __forceinline__ void store_rows(const Params& p, const WorkTile& wt, const float* o_acc,
                                            const float* m_run, const float* l_run, float sl2,
                                            int row0, int col_in_8, bool lse_lane) {
     typedef typename Elem<E>::storage S;
-    float* lse_bh = lse_rows<VARLEN>(p, wt);        // [s_q]
     S* o_bh = out_rows<S>(p, wt);                   // [s_q, d_v]
     const bool odd = col_in_8 & 2;                  // the lane's c = col_in_8 / 2 is odd
+    const bool high = col_in_8 & 4;                 // c >= 2
+    const bool wide = ((size_t)o_bh & 15) == 0;     // 16-bit out: rows start 16-byte aligned
+    float inv_ls[2];
+    finish_rows<VARLEN>(p, wt, m_run, l_run, sl2, row0, lse_lane, inv_ls);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(l_run[r]);
         const int row = row0 + 8 * r;
-        const float inv_l = l > 0.f ? 1.f / l : 0.f;
+        const float inv_l = inv_ls[r];
         if constexpr (!Elem<E>::is16) {
             S* o_row = o_bh + row * p.o_stride_s;
 #pragma unroll
@@ -246,18 +279,57 @@ __device__ __forceinline__ void store_rows(const Params& p, const WorkTile& wt, 
                 if (row < wt.s_q) *(float4*)(o_row + 2 * i + (odd ? 6 : 0) + col_in_8) = v;
             }
         }
-        if (row < wt.s_q) {
-            if constexpr (Elem<E>::is16) {
-                S* o_row = o_bh + row * p.o_stride_s;
+        if constexpr (Elem<E>::is16) {
+            S* o_row = o_bh + row * p.o_stride_s;
+            if (wide) {
+#pragma unroll
+                for (int i = 0; i < NO; i += 16) {           // column groups 4h .. 4h + 3 (h = i / 16)
+                    u32 w[4];                                  // w[k]: this lane's pair of group 4h + k
+#pragma unroll
+                    for (int k = 0; k < 4; ++k)
+                        w[k] = pack2<E>(o_acc[i + 4 * k + 2 * r] * inv_l, o_acc[i + 4 * k + 2 * r + 1] * inv_l);
+                    // 4 x 4 transpose across the quad (every lane of the warp, rows past s_q too):
+                    // lanes c, c ^ 1 swap one pair of each (2m, 2m + 1), then lanes c, c ^ 2 one
+                    // of each (m, m + 2); lane c ends with w[k] = lane k's pair of group 4h + c
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) {
+                        const u32 y = __shfl_xor_sync(0xffffffffu, odd ? w[2 * m] : w[2 * m + 1], 1);
+                        if (odd) w[2 * m] = y; else w[2 * m + 1] = y;
+                    }
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) {
+                        const u32 y = __shfl_xor_sync(0xffffffffu, high ? w[m] : w[m + 2], 2);
+                        if (high) w[m] = y; else w[m + 2] = y;
+                    }
+                    if (row < wt.s_q) *(uint4*)(o_row + 2 * i + 4 * col_in_8) = make_uint4(w[0], w[1], w[2], w[3]);
+                }
+            } else if (row < wt.s_q) {                       // 4-byte pairs
 #pragma unroll
                 for (int i = 0; i < NO; i += 4) {
                     const int col = (i / 4) * 8 + col_in_8;
                     *(u32*)(o_row + col) = pack2<E>(o_acc[i + 2 * r] * inv_l, o_acc[i + 2 * r + 1] * inv_l);
                 }
             }
-            if (lse_lane)
-                lse_bh[row] = l > 0.f ? (m_run[r] * sl2 + log2f(l)) * CF_LN2 : -CF_INF;
         }
+    }
+}
+
+// Final O / l of one consumer's 64 rows into its o_smem [D / 64 panels][64 rows][64 columns]
+// (O_SMEM), in the TMA box's 128-byte swizzled layout (16-byte chunk k of row r at chunk
+// k ^ (r % 8)): stmatrix writes four 8 x 8 blocks per step, rows 16·warp + 0..7 / 8..15 of column
+// groups g, g + 1 (conflict-free: a block's 8 rows land in 8 different chunks)
+template <typename E, int NO>
+__device__ __forceinline__ void stage_rows(u32 o_wg, const float* o_acc, const float* inv_l, int warp,
+                                           int lane) {
+    constexpr int O_PANEL = sm90::WG_ROWS * 128;
+    const int row = 16 * warp + 8 * ((lane / 8) % 2) + lane % 8;   // the row this lane addresses
+#pragma unroll
+    for (int g = 0; g < NO / 4; g += 2) {
+        const int gl = g + lane / 16;                                  // ... in column group gl
+        const u32 addr = o_wg + (gl / 8) * O_PANEL + row * 128 + (((gl % 8) ^ (row % 8)) << 4);
+        const float* o = o_acc + 4 * g;          // groups g, g + 1: (row0, row0 + 8) pairs each
+        stmatrix_x4(addr, pack2<E>(o[0] * inv_l[0], o[1] * inv_l[0]), pack2<E>(o[2] * inv_l[1], o[3] * inv_l[1]),
+                    pack2<E>(o[4] * inv_l[0], o[5] * inv_l[0]), pack2<E>(o[6] * inv_l[1], o[7] * inv_l[1]));
     }
 }
 
@@ -273,7 +345,7 @@ template <typename E, int D, int BN, int STAGES, int NC, bool WINDOW, bool SOFTC
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 flash_fwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90;
-    using L = Layout<D, BN, STAGES, NC>;
+    using L = Layout<D, BN, STAGES, NC, VARLEN>;
     constexpr int BM = L::BM;
     typedef typename Elem<E>::storage S;
     static_assert(Elem<E>::is16, "the Hopper path takes float16 / bfloat16");
@@ -543,10 +615,35 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         softmax_scores(key0(0));
         pack_p();
     };
-    // ---- final O / l and lse of work tile wt (rows past s_q are not stored)
+    // ---- final O / l and lse of work tile wt (rows past s_q are not stored). O_SMEM (and out
+    //      16-byte aligned, so the host built its tensor map): O / l goes to this consumer's
+    //      o_smem and one TMA store takes it to out, so that no global store holds up the next
+    //      tile (the direct stores took ~2000 SM cycles per tile at hd 128 even as 16-byte stores,
+    //      0.7 key-tile steps; benchmarks/fwd_trace.py on the H200)
+    const bool o_tma = L::O_SMEM && ((size_t)p.o & 15) == 0;
     auto store_tile = [&]() {
-        store_rows<E, NO, VARLEN>(p, wt, o_acc, m_run, l_run, sl2, wt.m0 + cw * WG_ROWS + row_in_wg,
-                                  col_in_8, t % 4 == 0);
+        const int row0 = wt.m0 + cw * WG_ROWS + row_in_wg;
+        if constexpr (L::O_SMEM) {
+            if (o_tma) {
+                float inv_l[2];
+                finish_rows<VARLEN>(p, wt, m_run, l_run, sl2, row0, t % 4 == 0, inv_l);
+                const u32 o_wg = smem + L::O + cw * L::O_WG;   // [PANELS][64][64]
+                if (t == 0) bulk_wait_read<0>();      // the previous tile's store has read o_smem,
+                named_bar_sync(WG_BAR + cw, 128);     // ... before any warp overwrites it
+                stage_rows<E, NO>(o_wg, o_acc, inv_l, t / 32, t % 32);
+                fence_proxy_async();                  // the rows visible to the TMA unit,
+                named_bar_sync(WG_BAR + cw, 128);     // ... all four warps' rows staged
+                if (t == 0) {
+#pragma unroll
+                    for (int c = 0; c < L::PANELS; ++c)
+                        tma_store_4d(&p.tma_o, o_wg + c * L::O_PANEL, c * PANEL_COLS,
+                                     wt.q_row + wt.m0 + cw * WG_ROWS, wt.head, wt.tma_b);
+                    bulk_commit();
+                }
+                return;
+            }
+        }
+        store_rows<E, NO, VARLEN>(p, wt, o_acc, m_run, l_run, sl2, row0, col_in_8, t % 4 == 0);
     };
     // A turn with the S of the current tile's first key tile alone (no O += P V in flight)
     auto first_turn = [&]() {
@@ -606,4 +703,5 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             first_turn();
         }
     }
+    if (o_tma && t == 0) bulk_wait<0>();   // the last TMA store done before the block's smem goes
 }

@@ -50,6 +50,29 @@ __device__ __forceinline__ void tma_prefetch_l2_4d(const TmaDesc* map, int c0, i
 __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
     asm volatile("prefetch.tensormap [%0];" :: "l"((u64)map) : "memory");
 }
+// the reverse: one box of shared memory (the map's swizzled layout) into the tensor, by the TMA
+// unit; elements out of bounds are not written. Counted in this thread's bulk group.
+__device__ __forceinline__ void tma_store_4d(const TmaDesc* map, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
+                 :: "l"((u64)map), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+// Bulk groups of this thread's TMA stores / bulk reductions: close one, wait for all but N
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void bulk_wait_read() {   // sources read: smem reusable
+    asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
+}
+template <int N> __device__ __forceinline__ void bulk_wait() {        // writes done too
+    asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
+}
+// Four 8 x 8 16-bit matrices from registers into shared memory: register i of each lane holds
+// its (row lane / 4, columns 2·(lane % 4), + 1) pair of matrix i (the mma accumulator layout);
+// lane l gives the address of row l % 8 of matrix l / 8 (16 contiguous bytes)
+__device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
 
 // ---------------------------------------------------------------------------------------------
 // wgmma shared-memory matrix descriptor, 128-byte swizzle: start address >> 4 (bits 0-13),

@@ -178,3 +178,34 @@ def test_streams_and_repeated_launches():
         assert float(cp.abs(out.astype(cp.float32) - ref.astype(cp.float32)).max()) < 1e-2
         assert float(cp.abs(lse - ref_lse).max()) < 1e-3
     launches_on_two_streams(cp.float16, 8, "auto", check)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_out_base_not_16_byte_aligned(dtype, d):
+    """out whose base is 4- but not 16-byte aligned: the epilogue's 4-byte stores instead of its
+    16-byte ones (quad transpose), bit for bit the same out and lse; both near the portable
+    kernel's. Rows past s_q (201: a ragged last tile) must stay untouched in either."""
+    import ml_dtypes
+    from cupyflash import _gpu
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else cp.float16
+    b, s, h = 2, 201, 2
+    q, k, v = (cp.random.standard_normal((b, s, h, d), dtype=cp.float32).astype(dt) for _ in range(3))
+    opts = Options(scale=1 / math.sqrt(d), window_right=0)
+    buf = cp.full(b * s * h * d + 2 + 8, cp.nan, cp.float32).astype(dt)
+    outs = [buf[8:8 + b * s * h * d].reshape(b, s, h, d),      # 16-byte aligned
+            buf[2:2 + b * s * h * d].reshape(b, s, h, d)]      # 4-byte aligned only
+    results = []
+    for out in outs:
+        buf.fill(cp.nan)
+        lse = cp.full((b, h, s), cp.nan, cp.float32)
+        assert _gpu.forward(q, k, v, out, lse, opts, kernel="sm90").startswith("fwd90_")
+        results.append((out.copy(), lse, int(cp.isnan(buf.astype(cp.float32)).sum())))
+    assert outs[0].data.ptr % 16 == 0 and outs[1].data.ptr % 16 == 4
+    (o16, lse16, nan16), (o4, lse4, nan4) = results
+    assert nan16 == nan4 == buf.size - b * s * h * d           # exactly out's elements written
+    assert cp.array_equal(o16.view(cp.uint16), o4.view(cp.uint16)) and cp.array_equal(lse16, lse4)
+    ref, ref_lse = cp.empty_like(o16), cp.empty_like(lse16)
+    _gpu.forward(q, k, v, ref, ref_lse, opts, kernel="portable")
+    assert float(cp.abs(o4.astype(cp.float32) - ref.astype(cp.float32)).max()) < 2e-2
+    assert float(cp.abs(lse4 - ref_lse).max()) < 1e-3

@@ -133,9 +133,26 @@ def test_smem_layout_mirror():
     """sm90_smem_bytes mirrors sm90::Layout in fwd_sm90.cu (the kernel traps on a mismatch)."""
     src = (ROOT / "kernels_cu" / "fwd_sm90.cu").read_text()
     assert "TILE = BARS + 8 * (2 + 4 * STAGES)" in src and "BYTES = TILE + 8" in src and "if (smem_given < L::BYTES + 1024) __trap();" in src
-    assert _plan.sm90_smem_bytes(128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 8 * 11 + 1024
-    # three consumer warpgroups: a 192-row Q tile
-    assert _plan.sm90_smem_bytes(64, 128, 2, 3) == 2 * 64 * (192 + 4 * 128) + 8 * 11 + 1024
+    assert "O_SMEM = !VARLEN && RING_BYTES + NC * O_WG + 1024 <= SMEM_MAX" in src
+    assert "constexpr int SMEM_MAX = 227 * 1024;" in src
+    ring = 2 * 128 * (128 + 4 * 128) + 8 * 11 + 1024
+    # O [128, 128] staged for the TMA store; not with packed sequences
+    assert _plan.sm90_smem_bytes(128, 128, 2) == ring + 2 * 128 * 128
+    assert _plan.sm90_smem_bytes(128, 128, 2, varlen=True) == ring
+    # three consumer warpgroups: a 192-row Q tile (and O)
+    assert _plan.sm90_smem_bytes(64, 128, 2, 3) == 2 * 64 * (192 + 4 * 128) + 8 * 11 + 1024 + 2 * 64 * 192
+
+
+@pytest.mark.parametrize("d,bn,stages,nc,varlen,staged", [
+    (64, 128, 2, 3, False, True), (64, 128, 2, 2, False, True), (128, 128, 2, 2, False, True),
+    (128, 128, 2, 2, True, False),      # packed sequences: O stored directly
+    (128, 176, 2, 2, False, False),     # 208 KB of ring: 32 KB more does not fit in 227
+    (256, 80, 2, 2, False, False)], ids=["d64_nc3", "d64_nc2", "d128", "d128_varlen", "d128_wide", "d256"])
+def test_o_staged_where_it_fits(d, bn, stages, nc, varlen, staged):
+    v = _plan.Sm90Variant("bf16_t", d, bn, stages, False, False, nc, varlen)
+    assert v.o_smem is staged
+    assert v.smem_bytes <= _plan.SM90_SMEM_MAX
+    assert (v.smem_bytes + 2 * d * 64 * nc <= _plan.SM90_SMEM_MAX) is (staged or varlen)
 
 
 # ---------------------------------------------------------------------------------------------
