@@ -102,6 +102,8 @@ def _sm90_fwd_maps(variant, q, k, v, out, elem_strides):
         tensors.append((out, _plan.SM90_O_BOX_ROWS))
     return tuple(_plan.tma_tensor(a.shape, st, a.dtype.itemsize, rows)
                  for (a, rows), st in zip(tensors, elem_strides))
+
+
 _sched = {}   # (device id, stream handle) -> the Hopper kernel's work-tile counter
 
 

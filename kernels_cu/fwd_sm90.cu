@@ -16,7 +16,9 @@
 //     robin, "pingpong"): while one runs its softmax, the others' GEMMs run. In its turn a
 //     consumer issues S = Q Kᵀ of key tile j + 1 and then O += P V of key tile j, hands the turn
 //     on, and runs the softmax of tile j + 1 while its O += P V is still on the tensor cores.
-//     K and V stages are released separately (a K stage as soon as its S is done).
+//     K and V stages are released separately (a K stage as soon as its S is done). At the end
+//     of a work tile each consumer writes its O / l rows to its own o_smem and one of its
+//     threads issues a TMA store of them (where o_smem fits; else the lanes store O directly).
 //
 // Shared memory holds 128-byte swizzled panels of 64 columns: a [rows, D] tile is D / 64 panels
 // of [rows, 64], each written by one TMA box and read by wgmma through a descriptor.
