@@ -19,6 +19,8 @@ Probes (each a textual patch of fwd_sm90.cu; a patch whose anchor is gone stops 
 - ``trace``: the same kernel, bit for bit, with SM clock stamps at the tile-boundary events of
   the first TRACE_TILES work tiles of every block (``cf_trace``); benchmarks/fwd_trace.py reads
   and summarises them. Not in the timed set by default (``--probes`` picks).
+- ``epitrace``: the same with stamps inside the epilogue of a variant that stages O
+  (``fwd_trace.py --epilogue``).
 """
 from __future__ import annotations
 
@@ -106,6 +108,30 @@ PROBES["trace"] = [
     ("        wgmma_wait<0>();\n        pv_done(kv_it);\n        ++kv_it;\n",
      f"        wgmma_wait<0>();\n        {_stamp('1 + cw', 6)}\n        pv_done(kv_it);\n        ++kv_it;\n"),
     ("            store_tile();\n", f"            store_tile();\n            {_stamp('1 + cw', 7)}\n"),
+]
+#: ``epitrace``: stamps inside the epilogue of an O_SMEM variant (staged O, TMA store) instead
+TRACE_EVENTS_EPILOGUE = ["last PV done", "finish_rows (1 / l, lse)", "barrier 1 (o_smem free)",
+                         "stmatrix + fence", "barrier 2 (rows staged)", "TMA store issued",
+                         "back in the loop"]
+PROBES["epitrace"] = [
+    *PROBES["trace"][:3],   # the stamp definitions and the producer's clock calibration
+    ("        wgmma_wait<0>();\n        pv_done(kv_it);\n        ++kv_it;\n",
+     f"        wgmma_wait<0>();\n        {_stamp('1 + cw', 0)}\n        pv_done(kv_it);\n        ++kv_it;\n"),
+    ("                finish_rows<VARLEN>(p, wt, m_run, l_run, sl2, row0, t % 4 == 0, inv_l);\n",
+     "                finish_rows<VARLEN>(p, wt, m_run, l_run, sl2, row0, t % 4 == 0, inv_l);\n"
+     f"                {_stamp('1 + cw', 1)}\n"),
+    ("                named_bar_sync(WG_BAR + cw, 128);     // ... before any warp overwrites it\n",
+     "                named_bar_sync(WG_BAR + cw, 128);     // ... before any warp overwrites it\n"
+     f"                {_stamp('1 + cw', 2)}\n"),
+    ("                fence_proxy_async();                  // the rows visible to the TMA unit,\n",
+     "                fence_proxy_async();                  // the rows visible to the TMA unit,\n"
+     f"                {_stamp('1 + cw', 3)}\n"),
+    ("                named_bar_sync(WG_BAR + cw, 128);     // ... all four warps' rows staged\n",
+     "                named_bar_sync(WG_BAR + cw, 128);     // ... all four warps' rows staged\n"
+     f"                {_stamp('1 + cw', 4)}\n"),
+    ("                    bulk_commit();\n                }\n                return;\n",
+     f"                    bulk_commit();\n                }}\n                {_stamp('1 + cw', 5)}\n                return;\n"),
+    ("            store_tile();\n", f"            store_tile();\n            {_stamp('1 + cw', 6)}\n"),
 ]
 TIMED = ["nostore", "static", "qonce"]
 
