@@ -183,9 +183,10 @@ def test_streams_and_repeated_launches():
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_out_base_not_16_byte_aligned(dtype, d):
-    """out whose base is 4- but not 16-byte aligned: the epilogue's 4-byte stores instead of its
-    16-byte ones (quad transpose), bit for bit the same out and lse; both near the portable
-    kernel's. Rows past s_q (201: a ragged last tile) must stay untouched in either."""
+    """out whose base is 4- but not 16-byte aligned: the epilogue's 4-byte stores (no tensor map
+    for out) instead of O staged in shared memory and its TMA store, bit for bit the same out
+    and lse; both near the portable kernel's; exactly out's elements written in either (201
+    rows: a ragged last tile, whose rows past s_q neither path may write)."""
     import ml_dtypes
     from cupyflash import _gpu
     dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else cp.float16
