@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from cupyflash import _gpu_dbias_sm90 as d90
-from test_sm90_f32_bwd_protocol import Buf, Hazard, MBar, W, run
+from test_sm90_f32_bwd_protocol import Buf, Hazard, MBar, W, produce, run, take_tile
 
 CONSUMERS = ("c0", "c1")
 
@@ -36,38 +36,22 @@ def protocol(tiles, stages, biasbuf, drop=None):
     def tma():
         half_it = bias_it = 0
         for i, pairs in enumerate(seq):
-            ts = i % 2
-            if i >= 2:
-                yield wait("tma:tile_empty", tile_empty[ts], i // 2 - 1)
-            tile_smem[ts].write(i, CONSUMERS)
-            tile_full[ts].arrive()
+            yield from produce("tile", i, tile_smem, tile_full, tile_empty, wait, CONSUMERS)
             if pairs is None:
                 return
             for it in range(pairs):
                 for _ in range(2):                       # half A (Q, K), then half B (dO, V)
-                    s = half_it % stages
-                    if half_it >= stages:
-                        yield wait("tma:ring_empty", ring_empty[s], half_it // stages - 1)
-                    ring[s].write(half_it, CONSUMERS)
-                    ring_full[s].arrive()
+                    yield from produce("ring", half_it, ring, ring_full, ring_empty, wait, CONSUMERS)
                     half_it += 1
                 if it == 0:                              # the tile's bias, after pair 0's halves
-                    bb = bias_it % biasbuf
-                    if bias_it >= biasbuf:
-                        yield wait("tma:bias_empty", bias_empty[bb], bias_it // biasbuf - 1)
-                    bias[bb].write(bias_it, CONSUMERS)
-                    bias_full[bb].arrive()
+                    yield from produce("bias", bias_it, bias, bias_full, bias_empty, wait, CONSUMERS)
                     bias_it += 1
                 yield None
 
     def consumer(c):
         half_it = bias_it = 0
         for i, pairs in enumerate(seq):
-            ts = i % 2
-            yield wait(f"{c}:tile_full", tile_full[ts], i // 2)
-            tile_smem[ts].start(c, i)
-            tile_smem[ts].end(c)
-            tile_empty[ts].arrive(4)                     # take_tile: one arrival per warp
+            yield from take_tile(c, i, 4, tile_smem, tile_full, tile_empty, wait)   # 4 warps
             if pairs is None:
                 return
             bb = bias_it % biasbuf

@@ -95,14 +95,20 @@ def run(roles, seed, max_events=200_000):
 CONSUMERS = ("c0", "c1")
 
 
+def produce(kind, it, bufs, full, empty, wait, readers):
+    """The TMA thread's side of a ring of len(bufs) slots (wait name "tma:<kind>_empty"): wait
+    until item it - len(bufs)'s readers freed slot it % len(bufs), write item it for
+    ``readers``, mark the slot full."""
+    s = it % len(bufs)
+    if it >= len(bufs):
+        yield wait(f"tma:{kind}_empty", empty[s], it // len(bufs) - 1)
+    bufs[s].write(it, readers)
+    full[s].arrive()
+
+
 def publish_tile(i, ring, tile_full, tile_empty, wait):
-    """The TMA thread's side of the two-slot work-tile ring: wait until tile i - 2's readers freed
-    slot i % 2, write tile i for both consumers and the converters, mark the slot full."""
-    ts = i % 2
-    if i >= 2:
-        yield wait("tma:tile_empty", tile_empty[ts], i // 2 - 1)
-    ring[ts].write(i, ("c0", "c1", "conv"))
-    tile_full[ts].arrive()
+    """The two-slot work-tile ring: tile i for both consumers and the converters."""
+    yield from produce("tile", i, ring, tile_full, tile_empty, wait, ("c0", "c1", "conv"))
 
 
 def take_tile(who, i, warps, ring, tile_full, tile_empty, wait):
