@@ -206,7 +206,7 @@ __device__ __forceinline__ void online_softmax(float* s_acc, float* m_run, float
     }
     // ---- P = exp2(s·scale·log2e − shift) in place, denominator l; a right half masked for the
     //      whole warp gets P = 0 without exp2 (the exp2 unit bounds the softmax at hd 64: H200,
-    //      hd 64 causal s = 512 / 1k / 2k +2-3 %; 16k causal -2-3 %, not understood). Only in
+    //      hd 64 causal s = 512 / 1k / 2k +1-3 %; 16k causal -1-4 %, not understood). Only in
     //      the first key tile: there no product is in flight, while this branch inside the
     //      key-tile loop made ptxas serialize every wgmma of the kernel.
     if (WINDOW && FIRST && right_half_masked) exp_scores<NS / 2, NS>(s_acc, l_run, shift, sl2);
