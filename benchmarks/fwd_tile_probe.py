@@ -16,6 +16,11 @@ Probes (each a textual patch of fwd_sm90.cu; a patch whose anchor is gone stops 
   what drawing costs on the tile boundary (the same tiles, the same results, another order).
 - ``qonce``: the producer loads Q for a block's first work tile only (later tiles reuse it):
   what waiting for the next Q costs.
+- ``pad``: the same kernel, bit for bit, plus code that never runs: the empty turns that
+  session 11's idle-consumer candidate added to fetch_tile, behind a condition that is false at
+  run time. That candidate ran 2–10 % slower even where it never took them (docs/hopper.md step
+  19); this says whether the code's presence alone does that (layout, instruction fetch,
+  register allocation) before any such A/B difference is read as the candidate's effect.
 - ``trace``: the same kernel, bit for bit, with SM clock stamps at the tile-boundary events of
   the first TRACE_TILES work tiles of every block (``cf_trace``); benchmarks/fwd_trace.py reads
   and summarises them. Not in the timed set by default (``--probes`` picks).
@@ -49,6 +54,23 @@ PROBES = {
     ), (
         "wt.q_row + wt.m0, wt.head, wt.tma_b);\n",
         "wt.q_row + wt.m0, wt.head, wt.tma_b);\n                }\n",
+    )],
+    "pad": [(
+        "            if (wt.n_tiles > 0) return true;\n",
+        "            if (wt.n_tiles > 0 && p.b >= 0) return true;   // probe: p.b >= 0 always\n"
+        "            if (wt.n_tiles > 0) {                // probe: never runs (session 11's empty turns)\n"
+        "                for (int it = 0; it <= wt.n_tiles; ++it) {\n"
+        "                    named_bar_sync(TURN_BAR + cw, 256);\n"
+        "                    named_bar_arrive(next_turn, 256);\n"
+        "                    if (t == 0) {\n"
+        "                        if (it < wt.n_tiles) mbar_arrive(k_empty + 8 * ((kv_it + it) % STAGES));\n"
+        "                        if (it > 0) mbar_arrive(v_empty + 8 * ((kv_it + it - 1) % STAGES));\n"
+        "                        if (it + 1 == wt.n_tiles) mbar_arrive(q_empty);\n"
+        "                    }\n"
+        "                }\n"
+        "                kv_it += wt.n_tiles;\n"
+        "                continue;\n"
+        "            }\n",
     )],
 }
 
