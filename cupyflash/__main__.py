@@ -72,7 +72,7 @@ def _forward_kernels(cc: int) -> str:
     if cc < 80:
         return "none (the GPU kernels need compute capability 8.0+): the CPU implementation"
     why = _plan.sm90_unsupported("bfloat16", 128, 128, scale=1.0, softcap=0.0, has_alibi=False,
-                                 cc=cc, smem_optin=227 * 1024)
+                                 cc=cc, smem_optin=_plan.SM90_SMEM_MAX)
     if why is not None:
         return "portable kernel (fwd.cu, mma.sync) for every call"
     f32 = ("; float32 (dense, head dim "

@@ -131,7 +131,7 @@ class _Sm90Launch(_Launch):
     def __init__(self, fn, plan, dtype_name, maps, portable_plan, portable_strides_ok, dev_id):
         super().__init__(fn, plan, True)
         self.dtype_name = dtype_name
-        self.maps = maps                      # (dims, byte strides, box) of q, k, v
+        self.maps = maps                      # (dims, byte strides, box) of q, k, v (, out)
         self.records = {}                     # (q, k, v, out, lse pointers, stream) -> (args, record)
         self.portable_plan = portable_plan
         self.portable_strides_ok = portable_strides_ok

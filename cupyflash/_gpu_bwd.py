@@ -123,7 +123,7 @@ def tiles(elem: str, d_bucket: int, smem_optin: int,
     return _TILES[(_plan.smem_class(smem_optin), _ELEM_SIZE[elem])][d_bucket]
 
 
-def all_variants(smem_optin: int = 227 * 1024):
+def all_variants(smem_optin: int = _plan.SM90_SMEM_MAX):
     """Every BwdVariant the planner can select on a device with this shared-memory limit."""
     out = []
     for elem in ELEMS:
@@ -152,7 +152,7 @@ def plan_backward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int,
                   d_v: int, *, scale: float, window_left: int = -1, window_right: int = -1,
                   bottom_right: bool = True, softcap: float = 0.0, has_alibi: bool = False,
                   allow_tf32: bool = False, deterministic: bool = False,
-                  smem_optin: int = 227 * 1024, num_sms: int = 132,
+                  smem_optin: int = _plan.SM90_SMEM_MAX, num_sms: int = 132,
                   variant: Optional[BwdVariant] = None, has_bias: bool = False,
                   has_mask: bool = False, varlen: bool = False) -> BwdPlan:
     """Choose the backward variant and launch shapes; fill the size/scalar fields of Params.
@@ -365,7 +365,8 @@ DBIAS_TILES = ((128, 64, 2), (64, 64, 1), (64, 32, 1), (32, 32, 1), (32, 16, 1),
 DBIAS_SMEM_CAP = 112 * 1024
 
 
-def dbias_variant(elem: str, d_bucket: int, smem_optin: int = 227 * 1024) -> DbiasVariant:
+def dbias_variant(elem: str, d_bucket: int,
+                  smem_optin: int = _plan.SM90_SMEM_MAX) -> DbiasVariant:
     """The flash_bwd_dbias instantiation for this element type and head-dim bucket."""
     for bm, bn, nbuf in DBIAS_TILES:
         v = DbiasVariant(elem, d_bucket, bm, bn, nbuf)
@@ -374,7 +375,7 @@ def dbias_variant(elem: str, d_bucket: int, smem_optin: int = 227 * 1024) -> Dbi
     raise NotImplementedError(f"no flash_bwd_dbias tile fits {smem_optin} bytes of shared memory")
 
 
-def all_dbias_variants(smem_optin: int = 227 * 1024):
+def all_dbias_variants(smem_optin: int = _plan.SM90_SMEM_MAX):
     """Every DbiasVariant the launcher can select on a device with this shared-memory limit."""
     return [dbias_variant(e, d, smem_optin) for e in ELEMS for d in HEAD_DIM_BUCKETS]
 

@@ -26,7 +26,7 @@ BN = 128             # keys per work tile
 THREADS = 384
 HEAD_DIMS = (64, 128)
 TILE_RING = 2        # work-tile indices in flight
-SMEM_LIMIT = 227 * 1024   # the H100 / H200 opt-in limit the ring sizes below are chosen for
+SMEM_LIMIT = _plan.SM90_SMEM_MAX   # the H100 / H200 opt-in limit the rings below are sized for
 
 #: (STAGES, BIASBUF) per (d, float32 bias): half stages of the ring ((Q, K) or (dO, V) of a pair)
 #: and bias tile buffers within SMEM_LIMIT (kernels_cu/dbias_sm90.cu: the arithmetic): at d = 128

@@ -155,7 +155,12 @@ def tiles(elem: str, d_bucket: int, smem_optin: int,
     return bm, bn, nw, stages
 
 
-def all_variants(smem_optin: int = 227 * 1024):
+#: Dynamic shared memory per block on compute capability 9.0 (opt-in; H100 / H200), sm90::SMEM_MAX
+#: in fwd_sm90.cu; the default device limit of the planners (precompile, CPU tests)
+SM90_SMEM_MAX = 227 * 1024
+
+
+def all_variants(smem_optin: int = SM90_SMEM_MAX):
     """Every Variant the planner can select on a device with this shared-memory limit."""
     out = []
     for elem in ELEMS:
@@ -235,7 +240,7 @@ class Plan(NamedTuple):
 def plan_forward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, d: int,
                  d_v: int, *, scale: float, window_left: int = -1, window_right: int = -1,
                  bottom_right: bool = True, softcap: float = 0.0, has_alibi: bool = False,
-                 allow_tf32: bool = False, smem_optin: int = 227 * 1024,
+                 allow_tf32: bool = False, smem_optin: int = SM90_SMEM_MAX,
                  variant: Optional[Variant] = None, has_bias: bool = False,
                  has_mask: bool = False, varlen: bool = False) -> Plan:
     """Choose the kernel variant and launch shape; fill the size/scalar fields of Params.
@@ -371,9 +376,6 @@ class Sm90Variant(NamedTuple):
         """The epilogue stages O in shared memory for a TMA store (needs the tma_o map)."""
         return sm90_o_smem(self.d, self.bn, self.stages, self.nc, self.varlen)
 
-
-#: Dynamic shared memory per block on compute capability 9.0 (opt-in), sm90::SMEM_MAX
-SM90_SMEM_MAX = 227 * 1024
 
 
 def _sm90_ring_bytes(d: int, bn: int, stages: int, nc: int) -> int:
@@ -658,7 +660,7 @@ def plan_forward_varlen(dtype_name: str, batch: int, total_q: int, total_k: int,
                         max_seqlen_q: int, max_seqlen_k: int, h: int, h_k: int, d: int, d_v: int,
                         *, scale: float, window_left: int = -1, window_right: int = -1,
                         bottom_right: bool = True, softcap: float = 0.0, has_alibi: bool = False,
-                        allow_tf32: bool = False, smem_optin: int = 227 * 1024) -> Plan:
+                        allow_tf32: bool = False, smem_optin: int = SM90_SMEM_MAX) -> Plan:
     """The GENERAL variant over ``batch`` packed sequences: grid (ceil(max_seqlen_q / BM), h,
     batch); blocks past their sequence's end exit at once. Params: b = 1, s_q / s_k = the packed
     totals (lse is [1, h, total_q]); each block reads its own lengths from cu_seqlens and aligns
