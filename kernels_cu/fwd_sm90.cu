@@ -378,12 +378,18 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     static_assert(BIAS == 0 || !VARLEN, "bias: dense batches");
     constexpr int NS = BN / 2;       // S accumulator registers per lane: [64, BN] over 128 lanes
     constexpr int NO = D / 2;        // O accumulator registers per lane: [64, D]
+    // Whether a work tile can have rows that see no key: with a causal / window band, or a packed
+    // sequence without keys. A dense call without a band has s_k > 0 (the launcher answers s_k = 0
+    // itself, _gpu._empty), so every tile sees keys; that path is then compiled out (code in the
+    // consumers' tile-to-tile path cost time even untaken: docs/hopper.md step 19).
+    constexpr bool SOME_EMPTY = WINDOW || VARLEN;
 
     extern __shared__ unsigned char smem_raw[];
     // The planner (_plan.sm90_smem_bytes) sizes the launch: stop loudly if it disagrees with Layout
     u32 smem_given;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_given));
     if (smem_given < L::BYTES + 1024) __trap();
+    if (!SOME_EMPTY && p.s_k <= 0) __trap();   // (a launch the launcher never makes: no tile would load)
     // 128-byte swizzled tiles need 1024-byte aligned panels (the swizzle pattern repeats every 8 rows)
     const u32 smem = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 q_smem = smem + L::Q, k_smem = smem + L::K, v_smem = smem + L::V;
@@ -440,7 +446,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                     break;
                 }
                 *tile_smem = w;                       // published by the q_full arrival (release)
-                if (wt.n_tiles == 0) {                // rows that see no key: nothing to load
+                if (SOME_EMPTY && wt.n_tiles == 0) {  // rows that see no key: nothing to load
                     mbar_arrive(q_full);
                     continue;
                 }
@@ -504,7 +510,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             const int w = *tile_smem;
             if (w < 0) return false;
             wt = work_tile<WINDOW, VARLEN, BM, BN>(p, w);
-            if (wt.n_tiles > 0) return true;
+            if (!SOME_EMPTY || wt.n_tiles > 0) return true;
             store_empty_rows<E, D, VARLEN>(p, wt, wt.m0 + cw * WG_ROWS, t);
             named_bar_sync(WG_BAR + cw, 128);   // the whole warpgroup has read the tile index
             if (t == 0) mbar_arrive(q_empty);
