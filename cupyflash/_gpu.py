@@ -104,6 +104,13 @@ def _sm90_fwd_maps(variant, q, k, v, out, elem_strides):
                  for (a, rows), st in zip(tensors, elem_strides))
 
 
+def sm90_out_align(variant, dtype_name) -> int:
+    """Bytes out's base must be aligned to on the Hopper forward: 16 where O goes out through a
+    TMA store (o_smem: such kernels have no other epilogue) or as float32 quads, else 4 (16-bit
+    pairs)."""
+    return 16 if dtype_name == "float32" or getattr(variant, "o_smem", False) else 4
+
+
 _sched = {}   # (device id, stream handle) -> the Hopper kernel's work-tile counter
 
 
@@ -122,16 +129,19 @@ def _sched_counter(dev_id, stream) -> int:
 class _Sm90Launch(_Launch):
     """The Hopper kernel's entry. Its TMA descriptors bake in the base addresses, so finished
     Params records (pointers, descriptors and the stream's tile counter written, then never
-    changed: no lock needed) are kept per (pointers, stream). A base address TMA cannot take (a view at an odd offset) sends
-    the call to the portable kernel, whose entry is compiled on first need."""
+    changed: no lock needed) are kept per (pointers, stream). A base address the kernel cannot
+    take (a view at an odd offset: q, k, v not 16-byte aligned for TMA; out not 16-byte aligned
+    where O goes out through a TMA store or as float32 quads, else not 4-byte aligned) sends the
+    call to the portable kernel, whose entry is compiled on first need."""
 
-    __slots__ = ("dtype_name", "maps", "records", "portable_plan", "portable_strides_ok",
-                 "dev_id", "portable")
+    __slots__ = ("dtype_name", "maps", "out_align", "records", "portable_plan",
+                 "portable_strides_ok", "dev_id", "portable")
 
     def __init__(self, fn, plan, dtype_name, maps, portable_plan, portable_strides_ok, dev_id):
         super().__init__(fn, plan, True)
         self.dtype_name = dtype_name
         self.maps = maps                      # (dims, byte strides, box) of q, k, v (, out)
+        self.out_align = sm90_out_align(plan.variant, dtype_name)
         self.records = {}                     # (q, k, v, out, lse pointers, stream) -> (args, record)
         self.portable_plan = portable_plan
         self.portable_strides_ok = portable_strides_ok
@@ -144,7 +154,7 @@ class _Sm90Launch(_Launch):
         hit = self.records.get(ptrs)
         if hit is None:
             # TMA bases; output stores of 16-bit pairs (4 bytes) or float32 quads (16 bytes)
-            if (qp | kp | vp) % _plan.TMA_ALIGN or op % (16 if self.dtype_name == "float32" else 4):
+            if (qp | kp | vp) % _plan.TMA_ALIGN or op % self.out_align:
                 if self.portable is None:
                     plan = self.portable_plan
                     self.portable = _Launch(_modules.get_function(plan.variant, self.dev_id), plan,
@@ -152,11 +162,9 @@ class _Sm90Launch(_Launch):
                 return self.portable.launch(qp, kp, vp, op, lp)
             arr = self.arr.copy()             # sizes, scalars, strides of this signature
             _PUT_PTRS(memoryview(arr.view(np.uint8)), 0, qp, kp, vp, op, lp, 0)
-            # q, k, v; out's map for a kernel staging O (o_smem) when out is 16-byte aligned
-            # (else the kernel stores O itself, and tma_o stays zero)
+            # q, k, v and, for a kernel staging O (o_smem), out
             for field, ptr, (dims, byte_strides, box) in zip(_SM90_FWD_TMA_FIELDS, ptrs, self.maps):
-                if ptr % _plan.TMA_ALIGN == 0:
-                    arr[field][0] = _tma.encode(self.dtype_name, ptr, dims, byte_strides, box)
+                arr[field][0] = _tma.encode(self.dtype_name, ptr, dims, byte_strides, box)
             arr["sched"][0] = _sched_counter(self.dev_id, stream)
             hit = ((_CPointer(arr.ctypes.data) if _CPointer is not None else arr[0],), arr)
             if len(self.records) >= 64:       # many different buffers: start over
@@ -496,7 +504,8 @@ def _forward_general(q, k, v, out, lse, opts, kernel="auto") -> str:
             operand = bias_operand(opts.bias, q.dtype)
             if not bias_pair_ok(operand[0], s_k):
                 reason = "bias layout (needs a unit key stride, even s_k and even strides)"
-            elif out.data.ptr % 4 or (q.data.ptr | k.data.ptr | v.data.ptr) % _plan.TMA_ALIGN:
+            elif (out.data.ptr | q.data.ptr | k.data.ptr | v.data.ptr) % _plan.TMA_ALIGN:
+                # (q, k, v for TMA; out: the bias variants stage O for a TMA store, o_smem)
                 reason = "base addresses not 16-byte aligned"
         if reason is None:
             return _forward_bias_sm90(q, k, v, out, lse, opts, name, elem_strides, operand, dev_id)
@@ -591,13 +600,12 @@ def _forward_bias_sm90(q, k, v, out, lse, opts, dtype_name, elem_strides, operan
 
 
 def _launch_sm90(plan, prm, qkvo, elem_strides, dtype_name, dev_id, keep) -> str:
-    """Launch a Hopper plan planned per call: tensor maps of q, k, v and (O staged, out 16-byte
-    aligned) out (_sm90_fwd_maps), the stream's work-tile counter; ``keep``: arrays alive until
-    the launch is queued."""
+    """Launch a Hopper plan planned per call: tensor maps of q, k, v and (O staged) out
+    (_sm90_fwd_maps; the callers have checked their bases: 16-byte aligned), the stream's
+    work-tile counter; ``keep``: arrays alive until the launch is queued."""
     for field, a, (dims, byte_strides, box) in zip(_SM90_FWD_TMA_FIELDS, qkvo,
                                                    _sm90_fwd_maps(plan.variant, *qkvo, elem_strides)):
-        if a.data.ptr % _plan.TMA_ALIGN == 0:
-            prm[field] = _tma.encode(dtype_name, a.data.ptr, dims, byte_strides, box)
+        prm[field] = _tma.encode(dtype_name, a.data.ptr, dims, byte_strides, box)
     prm["sched"] = _sched_counter(dev_id, _current_stream().ptr)
     name = _launch(plan, prm, dev_id)
     del keep

@@ -91,11 +91,11 @@ struct WorkTile {
     bool rows;              // the tile has query rows (varlen: m0 < this sequence's s_q)
 };
 
-template <bool WINDOW, bool VARLEN, int BM, int BN>
+template <bool WINDOW, bool VARLEN, int BM, int BN, bool BIAS = false>
 __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
     WorkTile wt;
     int mh = w;    // m_block fastest, then head
-    if (!WINDOW && !VARLEN && p.bias != nullptr && p.bias_stride_b == 0) {
+    if (BIAS && !WINDOW && !VARLEN && p.bias_stride_b == 0) {
         // a bias shared by the batch entries: w runs batch fastest, so blocks running at the same
         // time read the same bias rows (L2 hits: one DRAM read per tile, not one per batch entry)
         wt.batch = w % p.b;
@@ -390,6 +390,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_given));
     if (smem_given < L::BYTES + 1024) __trap();
     if (!SOME_EMPTY && p.s_k <= 0) __trap();   // (a launch the launcher never makes: no tile would load)
+    if (L::O_SMEM && ((size_t)p.o & 15) != 0) __trap();   // (nor this: out has no tensor map)
     // 128-byte swizzled tiles need 1024-byte aligned panels (the swizzle pattern repeats every 8 rows)
     const u32 smem = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 q_smem = smem + L::Q, k_smem = smem + L::K, v_smem = smem + L::V;
@@ -438,7 +439,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                     // dense causal / window: the grid's tail longest first
                     if (WINDOW && !VARLEN && w < num_work)
                         w = longest_first_tail(w, p.num_m_blocks, p.h * p.b, gridDim.x);
-                    if (w < num_work) wt = work_tile<WINDOW, VARLEN, BM, BN>(p, w);
+                    if (w < num_work) wt = work_tile<WINDOW, VARLEN, BM, BN, BIAS != 0>(p, w);
                 } while (VARLEN && w < num_work && !wt.rows);
                 if (w >= num_work) {                  // no work left: tell the consumers, stop
                     *tile_smem = -1;
@@ -509,7 +510,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             mbar_wait(q_full, tile_i & 1);
             const int w = *tile_smem;
             if (w < 0) return false;
-            wt = work_tile<WINDOW, VARLEN, BM, BN>(p, w);
+            wt = work_tile<WINDOW, VARLEN, BM, BN, BIAS != 0>(p, w);
             if (!SOME_EMPTY || wt.n_tiles > 0) return true;
             store_empty_rows<E, D, VARLEN>(p, wt, wt.m0 + cw * WG_ROWS, t);
             named_bar_sync(WG_BAR + cw, 128);   // the whole warpgroup has read the tile index
@@ -651,35 +652,34 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         softmax_scores(key0(0), true);   // no product in flight
         pack_p();
     };
-    // ---- final O / l and lse of work tile wt (rows past s_q are not stored). O_SMEM (and out
-    //      16-byte aligned, so the host built its tensor map): O / l goes to this consumer's
-    //      o_smem and one TMA store takes it to out, so that no global store holds up the next
-    //      tile (the direct stores took ~2000 SM cycles per tile at hd 128 even as 16-byte stores,
-    //      0.7 key-tile steps; benchmarks/fwd_trace.py on the H200)
-    const bool o_tma = L::O_SMEM && ((size_t)p.o & 15) == 0;
+    // ---- final O / l and lse of work tile wt (rows past s_q are not stored). O_SMEM: O / l goes
+    //      to this consumer's o_smem and one TMA store takes it to out, so that no global store
+    //      holds up the next tile (the direct stores took ~2000 SM cycles per tile at hd 128 even
+    //      as 16-byte stores, 0.7 key-tile steps; benchmarks/fwd_trace.py on the H200). The host
+    //      sends an out whose base is not 16-byte aligned (no tensor map) to the portable kernel,
+    //      so these variants carry no second epilogue (code never run that cost time at each
+    //      tile boundary: docs/hopper.md steps 19-20)
     auto store_tile = [&]() {
         const int row0 = wt.m0 + cw * WG_ROWS + row_in_wg;
         if constexpr (L::O_SMEM) {
-            if (o_tma) {
-                float inv_l[2];
-                finish_rows<VARLEN>(p, wt, m_run, l_run, sl2, row0, t % 4 == 0, inv_l);
-                const u32 o_wg = smem + L::O + cw * L::O_WG;   // [PANELS][64][64]
-                if (t == 0) bulk_wait_read<0>();      // the previous tile's store has read o_smem,
-                named_bar_sync(WG_BAR + cw, 128);     // ... before any warp overwrites it
-                stage_rows<E, NO>(o_wg, o_acc, inv_l, t / 32, t % 32);
-                fence_proxy_async();                  // the rows visible to the TMA unit,
-                named_bar_sync(WG_BAR + cw, 128);     // ... all four warps' rows staged
-                if (t == 0) {
+            float inv_l[2];
+            finish_rows<VARLEN>(p, wt, m_run, l_run, sl2, row0, t % 4 == 0, inv_l);
+            const u32 o_wg = smem + L::O + cw * L::O_WG;   // [PANELS][64][64]
+            if (t == 0) bulk_wait_read<0>();      // the previous tile's store has read o_smem,
+            named_bar_sync(WG_BAR + cw, 128);     // ... before any warp overwrites it
+            stage_rows<E, NO>(o_wg, o_acc, inv_l, t / 32, t % 32);
+            fence_proxy_async();                  // the rows visible to the TMA unit,
+            named_bar_sync(WG_BAR + cw, 128);     // ... all four warps' rows staged
+            if (t == 0) {
 #pragma unroll
-                    for (int c = 0; c < L::PANELS; ++c)
-                        tma_store_4d(&p.tma_o, o_wg + c * L::O_PANEL, c * PANEL_COLS,
-                                     wt.q_row + wt.m0 + cw * WG_ROWS, wt.head, wt.tma_b);
-                    bulk_commit();
-                }
-                return;
+                for (int c = 0; c < L::PANELS; ++c)
+                    tma_store_4d(&p.tma_o, o_wg + c * L::O_PANEL, c * PANEL_COLS,
+                                 wt.q_row + wt.m0 + cw * WG_ROWS, wt.head, wt.tma_b);
+                bulk_commit();
             }
+        } else {
+            store_rows<E, NO, VARLEN>(p, wt, o_acc, m_run, l_run, sl2, row0, col_in_8, t % 4 == 0);
         }
-        store_rows<E, NO, VARLEN>(p, wt, o_acc, m_run, l_run, sl2, row0, col_in_8, t % 4 == 0);
     };
     // A turn with the S of the current tile's first key tile alone (no O += P V in flight)
     auto first_turn = [&]() {
@@ -739,5 +739,5 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             first_turn();
         }
     }
-    if (o_tma && t == 0) bulk_wait<0>();   // the last TMA store done before the block's smem goes
+    if (L::O_SMEM && t == 0) bulk_wait<0>();   // the last TMA store done before the block's smem goes
 }

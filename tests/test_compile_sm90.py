@@ -42,7 +42,9 @@ def _spill_budget(v):
     # tile (before its first S; nothing in the key-tile loop), NVRTC / nvcc 13
     if v.bias == 2 and v.softcap and v.window and v.d == 128:
         return 72
-    return 16 if v.bias == 2 or (v.bias == 1 and not v.window and not v.softcap) else 0
+    # a bias without a band: up to 16 B (hd 128; with softcap, since the epilogue is TMA-only, a
+    # Q descriptor spilled at the first S of each work tile, outside the key-tile loop)
+    return 16 if v.bias == 2 or (v.bias == 1 and not v.window) else 0
 
 
 def test_every_variant_compiles_without_spills(reports):

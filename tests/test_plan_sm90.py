@@ -155,6 +155,21 @@ def test_o_staged_where_it_fits(d, bn, stages, nc, varlen, staged):
     assert (v.smem_bytes + 2 * d * 64 * nc <= _plan.SM90_SMEM_MAX) is (staged or varlen)
 
 
+@pytest.mark.parametrize("d,bn,varlen,dtype_name,align", [
+    (64, 128, False, "bfloat16", 16), (128, 128, False, "float16", 16),   # O staged: TMA store
+    (128, 176, False, "bfloat16", 4), (256, 80, False, "float16", 4),    # O stored as 16-bit pairs
+    (128, 128, True, "bfloat16", 4)], ids=["d64", "d128", "d128_wide", "d256", "d128_varlen"])
+def test_out_alignment_the_forward_needs(d, bn, varlen, dtype_name, align):
+    """A kernel that stages O has only the TMA store (out 16-byte aligned); the others store
+    16-bit pairs (4 bytes); float32 quads need 16 (the launcher sends other bases to the
+    portable kernel)."""
+    pytest.importorskip("cupy")
+    from cupyflash._gpu import sm90_out_align
+    v = _plan.Sm90Variant("bf16_t", d, bn, 2, False, False, 2, varlen)
+    assert sm90_out_align(v, dtype_name) == align
+    assert sm90_out_align(v, "float32") == 16
+
+
 # ---------------------------------------------------------------------------------------------
 # Hopper backward (cupyflash/_gpu_bwd_sm90.py)
 # ---------------------------------------------------------------------------------------------
