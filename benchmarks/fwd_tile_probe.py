@@ -56,8 +56,8 @@ PROBES = {
         "wt.q_row + wt.m0, wt.head, wt.tma_b);\n                }\n",
     )],
     "pad": [(
-        "            if (wt.n_tiles > 0) return true;\n",
-        "            if (wt.n_tiles > 0 && p.b >= 0) return true;   // probe: p.b >= 0 always\n"
+        "            if (!SOME_EMPTY || wt.n_tiles > 0) return true;\n",
+        "            if ((!SOME_EMPTY || wt.n_tiles > 0) && p.b >= 0) return true;   // probe: p.b >= 0 always\n"
         "            if (wt.n_tiles > 0) {                // probe: never runs (session 11's empty turns)\n"
         "                for (int it = 0; it <= wt.n_tiles; ++it) {\n"
         "                    named_bar_sync(TURN_BAR + cw, 256);\n"
@@ -139,20 +139,20 @@ PROBES["epitrace"] = [
     *PROBES["trace"][:3],   # the stamp definitions and the producer's clock calibration
     ("        wgmma_wait<0>();\n        pv_done(kv_it);\n        ++kv_it;\n",
      f"        wgmma_wait<0>();\n        {_stamp('1 + cw', 0)}\n        pv_done(kv_it);\n        ++kv_it;\n"),
-    ("                finish_rows<VARLEN>(p, wt, m_run, l_run, sl2, row0, t % 4 == 0, inv_l);\n",
-     "                finish_rows<VARLEN>(p, wt, m_run, l_run, sl2, row0, t % 4 == 0, inv_l);\n"
-     f"                {_stamp('1 + cw', 1)}\n"),
-    ("                named_bar_sync(WG_BAR + cw, 128);     // ... before any warp overwrites it\n",
-     "                named_bar_sync(WG_BAR + cw, 128);     // ... before any warp overwrites it\n"
-     f"                {_stamp('1 + cw', 2)}\n"),
-    ("                fence_proxy_async();                  // the rows visible to the TMA unit,\n",
-     "                fence_proxy_async();                  // the rows visible to the TMA unit,\n"
-     f"                {_stamp('1 + cw', 3)}\n"),
-    ("                named_bar_sync(WG_BAR + cw, 128);     // ... all four warps' rows staged\n",
-     "                named_bar_sync(WG_BAR + cw, 128);     // ... all four warps' rows staged\n"
-     f"                {_stamp('1 + cw', 4)}\n"),
-    ("                    bulk_commit();\n                }\n                return;\n",
-     f"                    bulk_commit();\n                }}\n                {_stamp('1 + cw', 5)}\n                return;\n"),
+    ("            finish_rows<VARLEN>(p, wt, m_run, l_run, sl2, row0, t % 4 == 0, inv_l);\n",
+     "            finish_rows<VARLEN>(p, wt, m_run, l_run, sl2, row0, t % 4 == 0, inv_l);\n"
+     f"            {_stamp('1 + cw', 1)}\n"),
+    ("            named_bar_sync(WG_BAR + cw, 128);     // ... before any warp overwrites it\n",
+     "            named_bar_sync(WG_BAR + cw, 128);     // ... before any warp overwrites it\n"
+     f"            {_stamp('1 + cw', 2)}\n"),
+    ("            fence_proxy_async();                  // the rows visible to the TMA unit,\n",
+     "            fence_proxy_async();                  // the rows visible to the TMA unit,\n"
+     f"            {_stamp('1 + cw', 3)}\n"),
+    ("            named_bar_sync(WG_BAR + cw, 128);     // ... all four warps' rows staged\n",
+     "            named_bar_sync(WG_BAR + cw, 128);     // ... all four warps' rows staged\n"
+     f"            {_stamp('1 + cw', 4)}\n"),
+    ("                bulk_commit();\n            }\n        } else {\n",
+     f"                bulk_commit();\n            }}\n            {_stamp('1 + cw', 5)}\n        }} else {{\n"),
     ("            store_tile();\n", f"            store_tile();\n            {_stamp('1 + cw', 6)}\n"),
 ]
 TIMED = ["nostore", "static", "qonce"]
