@@ -309,6 +309,8 @@ SM90_HEAD_DIMS = (64, 128, 256)
 #: warpgroups of 64 query rows (work tiles of BM = 64·NC rows). benchmarks/sm90_tune.py measured these
 #: (docs/hopper.md): three consumers win at hd 64 except for causal / window calls of up to
 #: 1k queries, whose 192-row tiles waste more of the masked diagonal.
+#: shared memory of one SM (228 KB on the H100 / H200; each resident block reserves 1 KB of it)
+SM90_SMEM_PER_SM = 228 * 1024
 SM90_TILES = {64: (128, 2, 3), 128: (128, 2, 2), 256: (80, 2, 2)}
 #: hd 64 with two consumers: softcap, varlen and bias (the tanh, the per-sequence tile state or
 #: the bias fragment needs registers that three consumers' 160 lack: ptxas spills) and short
@@ -354,6 +356,12 @@ class Sm90Variant(NamedTuple):
     @property
     def threads(self) -> int:
         return 128 * (self.nc + 1)
+
+    @property
+    def blocks_per_sm(self) -> int:
+        """Resident blocks per SM of the persistent grid: two with one consumer where two fit
+        in an SM's shared memory (the kernel's __launch_bounds__ then asks for two), else one."""
+        return 2 if self.nc == 1 and 2 * (self.smem_bytes + 1024) <= SM90_SMEM_PER_SM else 1
 
     @property
     def name_expression(self) -> str:
@@ -619,7 +627,8 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
     work = num_m * h * b
     if work > 2**31 - 1:
         raise NotImplementedError(f"{work} work tiles exceed the kernel's int32 tile index")
-    return Plan(variant, (min(work, num_sms), 1, 1), (variant.threads, 1, 1), variant.smem_bytes, prm)
+    grid = min(work, num_sms * getattr(variant, "blocks_per_sm", 1))
+    return Plan(variant, (grid, 1, 1), (variant.threads, 1, 1), variant.smem_bytes, prm)
 
 
 def plan_forward_varlen_sm90(dtype_name: str, batch: int, total_q: int, total_k: int,

@@ -43,8 +43,11 @@ constexpr int TURN_BAR = 1;          // named barriers 1 .. NC: consumer c's tur
 constexpr int WG_BAR = 4;            // named barriers 4 .. 3 + NC: the 128 threads of consumer c
 constexpr int PANEL_COLS = 64;       // 64 16-bit columns = one 128-byte swizzle row
 
-// Registers per thread after setmaxnreg: producer·128 + consumer·128·NC <= 64K per SM.
+// Registers per thread after setmaxnreg: producer·128 + consumer·128·NC <= 64K per SM (one
+// block per SM), or 32K per block for NC = 1 (two blocks per SM: each runs one consumer, so one
+// block's tile boundary can run beside the other's key-tile loop).
 template <int NC> struct Regs;
+template <> struct Regs<1> { static constexpr int PRODUCER = 40, CONSUMER = 216; };
 template <> struct Regs<2> { static constexpr int PRODUCER = 40, CONSUMER = 232; };
 template <> struct Regs<3> { static constexpr int PRODUCER = 32, CONSUMER = 160; };
 
@@ -367,7 +370,7 @@ __device__ __forceinline__ void stage_rows(u32 o_wg, const float* o_acc, const f
 // consumers finish the current one.
 // BIAS: 0 none, 1 bias elements in E's storage, 2 float32 bias elements.
 template <typename E, int D, int BN, int STAGES, int NC, bool WINDOW, bool SOFTCAP, bool VARLEN, int BIAS>
-__global__ void __launch_bounds__(128 * (NC + 1), 1)
+__global__ void __launch_bounds__(128 * (NC + 1), NC == 1 ? 2 : 1)
 flash_fwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90;
     using L = Layout<D, BN, STAGES, NC, VARLEN>;
