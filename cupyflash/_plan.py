@@ -361,7 +361,10 @@ class Sm90Variant(NamedTuple):
     def blocks_per_sm(self) -> int:
         """Resident blocks per SM of the persistent grid: two with one consumer where two fit
         in an SM's shared memory (the kernel's __launch_bounds__ then asks for two), else one."""
-        return 2 if self.nc == 1 and 2 * (self.smem_bytes + 1024) <= SM90_SMEM_PER_SM else 1
+        n = (3 if self.bn <= 64 else 2) if self.nc == 1 else 1
+        while n > 1 and n * (self.smem_bytes + 1024) > SM90_SMEM_PER_SM:
+            n -= 1
+        return n
 
     @property
     def name_expression(self) -> str:

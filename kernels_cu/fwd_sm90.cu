@@ -46,8 +46,9 @@ constexpr int PANEL_COLS = 64;       // 64 16-bit columns = one 128-byte swizzle
 // Registers per thread after setmaxnreg: producer·128 + consumer·128·NC <= 64K per SM (one
 // block per SM), or 32K per block for NC = 1 (two blocks per SM: each runs one consumer, so one
 // block's tile boundary can run beside the other's key-tile loop).
-template <int NC> struct Regs;
-template <> struct Regs<1> { static constexpr int PRODUCER = 40, CONSUMER = 216; };
+template <int NC, int BLOCKS = 1> struct Regs;
+template <> struct Regs<1, 2> { static constexpr int PRODUCER = 40, CONSUMER = 216; };
+template <> struct Regs<1, 3> { static constexpr int PRODUCER = 32, CONSUMER = 128; };   // 80 at launch
 template <> struct Regs<2> { static constexpr int PRODUCER = 40, CONSUMER = 232; };
 template <> struct Regs<3> { static constexpr int PRODUCER = 32, CONSUMER = 160; };
 
@@ -78,6 +79,16 @@ struct Layout {
 };
 
 }  // namespace sm90
+
+// Resident blocks per SM: one; with one consumer two, three with 64-key tiles, as many as fit in
+// an SM's 228 KB of shared memory (1 KB reserved per block; mirrored by
+// _plan.Sm90Variant.blocks_per_sm)
+template <int D, int BN, int STAGES, int NC, bool VARLEN>
+struct BlocksPerSm {
+    static constexpr int WANT = NC == 1 ? (BN <= 64 ? 3 : 2) : 1;
+    static constexpr int FIT = 228 * 1024 / (sm90::Layout<D, BN, STAGES, NC, VARLEN>::BYTES + 2048);
+    static constexpr int VALUE = WANT < FIT ? WANT : (FIT > 0 ? FIT : 1);
+};
 
 // One work tile = BM query rows of one (batch, head): its index w runs m_block fastest (from the
 // last query tile down, so the longest causal tiles start first and neighbouring blocks share K/V
@@ -370,7 +381,7 @@ __device__ __forceinline__ void stage_rows(u32 o_wg, const float* o_acc, const f
 // consumers finish the current one.
 // BIAS: 0 none, 1 bias elements in E's storage, 2 float32 bias elements.
 template <typename E, int D, int BN, int STAGES, int NC, bool WINDOW, bool SOFTCAP, bool VARLEN, int BIAS>
-__global__ void __launch_bounds__(128 * (NC + 1), NC == 1 ? 2 : 1)
+__global__ void __launch_bounds__(128 * (NC + 1), BlocksPerSm<D, BN, STAGES, NC, VARLEN>::VALUE)
 flash_fwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90;
     using L = Layout<D, BN, STAGES, NC, VARLEN>;
@@ -424,7 +435,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
 
     if (wg == 0) {
         // ================================ producer ================================
-        regs_release<Regs<NC>::PRODUCER>();
+        regs_release<Regs<NC, BlocksPerSm<D, BN, STAGES, NC, VARLEN>::VALUE>::PRODUCER>();
         if (t == 0) {
             tma_prefetch_desc(&p.tma_q);
             tma_prefetch_desc(&p.tma_k);
@@ -483,7 +494,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     }
 
     // ================================ consumers ================================
-    regs_acquire<Regs<NC>::CONSUMER>();
+    regs_acquire<Regs<NC, BlocksPerSm<D, BN, STAGES, NC, VARLEN>::VALUE>::CONSUMER>();
     const int cw = wg - 1;                                 // consumer 0 .. NC-1: rows 64·cw .. of a tile
     const int next_turn = TURN_BAR + (cw + 1) % NC;        // the consumer whose turn follows ours
     const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8
