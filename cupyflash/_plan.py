@@ -309,14 +309,22 @@ SM90_HEAD_DIMS = (64, 128, 256)
 #: warpgroups of 64 query rows (work tiles of BM = 64·NC rows). benchmarks/sm90_tune.py measured these
 #: (docs/hopper.md): three consumers win at hd 64 except for causal / window calls of up to
 #: 1k queries, whose 192-row tiles waste more of the masked diagonal.
-#: shared memory of one SM (228 KB on the H100 / H200; each resident block reserves 1 KB of it)
-SM90_SMEM_PER_SM = 228 * 1024
 SM90_TILES = {64: (128, 2, 3), 128: (128, 2, 2), 256: (80, 2, 2)}
 #: hd 64 with two consumers: softcap, varlen and bias (the tanh, the per-sequence tile state or
-#: the bias fragment needs registers that three consumers' 160 lack: ptxas spills) and short
-#: causal / window calls.
+#: the bias fragment needs registers that three consumers' 160 lack: ptxas spills) and their
+#: short causal / window calls.
 SM90_TILES_NC2 = {64: (128, 2, 2)}
 SM90_SHORT_WINDOW_SQ = 1024
+#: hd 64 causal / window calls of at most SM90_FEW_ROWS_SQ queries without softcap, varlen or
+#: bias: one consumer, 64-key tiles and three blocks per SM (Sm90Variant.blocks_per_sm), so
+#: the many short work tiles' boundaries (the lone first S, the masked softmax, the epilogue)
+#: run beside the other blocks' key-tile loops. H200, sm90_tune.py (docs/hopper.md step 20):
+#: causal 512 / 1k / 2k 268 / 311 / 351 TFLOP/s against two consumers' 218 / 290 / 335 and
+#: three's 187 / 251 / 340; at 4k three consumers lead (400 against 374).
+SM90_TILES_FEW_ROWS = {64: (64, 2, 1)}
+SM90_FEW_ROWS_SQ = 2048
+#: shared memory of one SM (228 KB on the H100 / H200; each resident block reserves 1 KB of it)
+SM90_SMEM_PER_SM = 228 * 1024
 #: hd 128 with key tiles of 176 (FlashAttention-3's width) where a query row sees at least
 #: SM90_WIDE_MIN_KEYS keys (sm90_keys): on the H200 +3-5 % at s = 8k / 16k and +2-3 % at 4k,
 #: causal or not, over 128 x 128, but up to 9 % slower causal at s <= 1k (docs/hopper.md,
@@ -499,18 +507,24 @@ def sm90_variant(elem: str, d: int, window: bool, softcap: bool,
     """The planner's Hopper forward instantiation for these template flags, s_q queries (the
     longest sequence's, varlen) and at most ``keys`` keys per query row (sm90_keys) (SM90_TILES;
     SM90_TILES_WIDE for dense calls without softcap or bias from SM90_WIDE_MIN_KEYS keys on;
-    SM90_TILES_NC2 for softcap, and for window calls of at most SM90_SHORT_WINDOW_SQ queries).
-    float32 tags: the Sm90F32Variant (no softcap, varlen, bias there)."""
+    SM90_TILES_FEW_ROWS for window calls of at most SM90_FEW_ROWS_SQ queries without softcap,
+    varlen or bias; SM90_TILES_NC2 for softcap, varlen and bias, and for their window calls of at
+    most SM90_SHORT_WINDOW_SQ queries). float32 tags: the Sm90F32Variant (no softcap, varlen,
+    bias there)."""
     if elem in F32_ELEMS:
         if softcap or varlen or bias:
             raise ValueError("the float32 Hopper kernel has no softcap, varlen or bias")
         return sm90_f32_variant(elem, d, window)
     short_window = window and s_q is not None and s_q <= SM90_SHORT_WINDOW_SQ
     nc2 = softcap or varlen or bias or short_window
-    wide = (d in SM90_TILES_WIDE and keys is not None and keys >= SM90_WIDE_MIN_KEYS
-            and not (softcap or varlen or bias))
+    plain = not (softcap or varlen or bias)
+    wide = d in SM90_TILES_WIDE and keys is not None and keys >= SM90_WIDE_MIN_KEYS and plain
+    few_rows = (d in SM90_TILES_FEW_ROWS and window and s_q is not None
+                and s_q <= SM90_FEW_ROWS_SQ and plain)
     if wide:
         tiles = SM90_TILES_WIDE[d]
+    elif few_rows:
+        tiles = SM90_TILES_FEW_ROWS[d]
     else:
         tiles = SM90_TILES_NC2.get(d, SM90_TILES[d]) if nc2 else SM90_TILES[d]
     bn, stages, nc = tiles
@@ -524,7 +538,8 @@ def sm90_variants():
         for d in SM90_HEAD_DIMS:
             for window in (False, True):
                 for cap in (False, True):
-                    for s_q, keys in ((None, None), (1, None), (None, SM90_WIDE_MIN_KEYS)):
+                    for s_q, keys in ((None, None), (1, None), (SM90_FEW_ROWS_SQ, None),
+                                      (None, SM90_WIDE_MIN_KEYS)):
                         for varlen, bias in ((False, 0), (True, 0), (False, 1), (False, 2)):
                             if bias and d not in SM90_BIAS_HEAD_DIMS:
                                 continue

@@ -54,6 +54,29 @@ def test_every_variant_compiles_without_spills(reports):
     assert not bad, "\n".join(bad)
 
 
+def test_register_pool_covers_setmaxnreg(reports):
+    """setmaxnreg.inc takes only registers the block's own warps gave back, so a block's launch
+    pool (entry registers x threads) must hold producer·128 + consumer·128·NC of fwd_sm90.cu's
+    Regs (else every consumer hangs at regs_acquire), and the blocks_per_sm blocks' pools must
+    fit in the SM's 64K registers."""
+    import re
+    from pathlib import Path
+    src = (Path(_modules.__file__).resolve().parent.parent / "kernels_cu" / "fwd_sm90.cu").read_text()
+    regs = {(int(nc), int(blocks or 1)): (int(p), int(c)) for nc, blocks, p, c in re.findall(
+        r"struct Regs<(\d)(?:, (\d))?> \{ static constexpr int PRODUCER = (\d+), CONSUMER = (\d+); \}",
+        src)}
+    assert set(regs) == {(1, 2), (1, 3), (2, 1), (3, 1)}
+    bad = []
+    for v in _plan.sm90_variants():
+        entry = reports[v.name_expression][0]
+        producer, consumer = regs[(v.nc, v.blocks_per_sm)]
+        if entry * v.threads < 128 * (producer + consumer * v.nc) or \
+                entry * v.threads * v.blocks_per_sm > 65536:
+            bad.append(f"{v.name}: {entry} entry registers x {v.threads} threads, "
+                       f"{v.blocks_per_sm} blocks, Regs {producer} / {consumer}")
+    assert not bad, "\n".join(bad)
+
+
 def _ptxas_warnings(parts, filename):
     """ptxas warning lines of one NVRTC program (source, options, name expressions) for sm_90a."""
     src, opts, names = parts

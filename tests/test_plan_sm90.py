@@ -279,18 +279,43 @@ def test_backward_bias_tma_layout(shape, strides, s_q, ptr, why):
         assert got is not None and why in got, got
 
 
-@pytest.mark.parametrize("s_q,window,softcap,nc", [
-    (4096, False, False, 3), (1024, False, False, 3), (4096, True, False, 3),
-    (2048, True, False, 3), (1024, True, False, 2), (4096, False, True, 2), (1024, True, True, 2),
-], ids=["long", "short", "long_causal", "2k_causal", "short_causal", "softcap", "short_causal_softcap"])
-def test_hd64_consumer_count(s_q, window, softcap, nc):
-    """hd 64: three consumer warpgroups (192-row tiles) except softcap and short causal calls."""
-    pl = _plan.plan_forward_sm90("bfloat16", 2, s_q, s_q, 4, 4, 64, 64, scale=0.125,
+@pytest.mark.parametrize("s_q,window,softcap,nc,bn,blocks", [
+    (4096, False, False, 3, 128, 1), (1024, False, False, 3, 128, 1), (4096, True, False, 3, 128, 1),
+    (2560, True, False, 3, 128, 1), (2048, True, False, 1, 64, 3), (1024, True, False, 1, 64, 3),
+    (1, True, False, 1, 64, 3), (4096, False, True, 2, 128, 1), (1024, True, True, 2, 128, 1),
+    (2048, True, True, 2, 128, 1),
+], ids=["long", "short", "long_causal", "2.5k_causal", "2k_causal", "short_causal", "one_row_causal",
+        "softcap", "short_causal_softcap", "2k_causal_softcap"])
+def test_hd64_consumer_count(s_q, window, softcap, nc, bn, blocks):
+    """hd 64: three consumer warpgroups (192-row tiles), but causal / window calls of at most
+    SM90_FEW_ROWS_SQ queries run one consumer with 64-key tiles, three blocks per SM, and softcap
+    calls two consumers."""
+    pl = _plan.plan_forward_sm90("bfloat16", 2, s_q, s_q, 64, 64, 64, 64, scale=0.125,
                                  window_right=0 if window else -1, softcap=30.0 if softcap else 0.0)
     v = pl.variant
-    assert v.nc == nc and v.bm == 64 * nc and pl.block == (128 * (nc + 1), 1, 1)
-    assert v in _plan.sm90_variants()
+    assert v.nc == nc and v.bm == 64 * nc and v.bn == bn and pl.block == (128 * (nc + 1), 1, 1)
+    assert v.blocks_per_sm == blocks
     assert pl.params["num_m_blocks"] == -(-s_q // v.bm)
+    assert pl.grid == (min(pl.params["num_m_blocks"] * 64 * 2, 132 * blocks), 1, 1)
+    assert v in _plan.sm90_variants()
+
+
+def test_blocks_per_sm_mirror_the_kernel():
+    """Sm90Variant.blocks_per_sm is fwd_sm90.cu's BlocksPerSm: two blocks with one consumer (three
+    with 64-key tiles) as far as an SM's shared memory holds them (1 KB reserved per block), one
+    otherwise; the kernel's __launch_bounds__ asks for that many."""
+    src = (ROOT / "kernels_cu" / "fwd_sm90.cu").read_text()
+    assert "WANT = NC == 1 ? (BN <= 64 ? 3 : 2) : 1;" in src
+    assert "FIT = 228 * 1024 / (sm90::Layout<D, BN, STAGES, NC, VARLEN>::BYTES + 2048);" in src
+    assert "__launch_bounds__(128 * (NC + 1), BlocksPerSm<D, BN, STAGES, NC, VARLEN>::VALUE)" in src
+    assert _plan.SM90_SMEM_PER_SM == 228 * 1024
+    for v in _plan.sm90_variants():
+        want = (3 if v.bn <= 64 else 2) if v.nc == 1 else 1
+        fit = _plan.SM90_SMEM_PER_SM // (v.smem_bytes + 1024)   # smem_bytes = BYTES + 1024
+        assert v.blocks_per_sm == min(want, fit), v.name
+    one = _plan.Sm90Variant("bf16_t", 128, 64, 2, True, False, 1)    # 99 KB: two fit, not three
+    assert one.blocks_per_sm == 2
+    assert _plan.Sm90Variant("bf16_t", 128, 128, 2, True, False, 1).blocks_per_sm == 1
 
 
 
