@@ -695,11 +695,16 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             store_rows<E, NO, VARLEN>(p, wt, o_acc, m_run, l_run, sl2, row0, col_in_8, t % 4 == 0);
         }
     };
+    // Our turn on the tensor cores (waits for the consumer before us to hand it on), and handing
+    // it on to the next consumer once our GEMMs are issued; a lone consumer (NC = 1, several
+    // blocks per SM) has no one to take turns with
+    auto take_turn = [&]() { if constexpr (NC > 1) named_bar_sync(TURN_BAR + cw, 256); };
+    auto pass_turn = [&]() { if constexpr (NC > 1) named_bar_arrive(next_turn, 256); };
     // A turn with the S of the current tile's first key tile alone (no O += P V in flight)
     auto first_turn = [&]() {
-        named_bar_sync(TURN_BAR + cw, 256);    // our turn on the tensor cores
+        take_turn();
         issue_s(kv_it);
-        named_bar_arrive(next_turn, 256);      // the next consumer may issue its GEMMs
+        pass_turn();
         if constexpr (BIAS != 0) fetch_bias(key0(0));
         wgmma_wait<0>();
         s_done(kv_it, wt.n_tiles == 1);
@@ -707,9 +712,9 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     };
     // A turn with the last O += P V of the current tile alone
     auto last_turn = [&]() {
-        named_bar_sync(TURN_BAR + cw, 256);
+        take_turn();
         issue_pv(kv_it);
-        named_bar_arrive(next_turn, 256);
+        pass_turn();
         wgmma_wait<0>();
         pv_done(kv_it);
         ++kv_it;
@@ -721,7 +726,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     // plus its first sync complete barrier TURN_BAR. Every consumer walks the same work tiles
     // and takes the same n_tiles + 1 turns per tile (the first S; S of the next key tile + O += P V
     // per key tile; the last O += P V alone), so the order holds across tiles.
-    if (cw == 0) named_bar_arrive(TURN_BAR, 256);
+    if (NC > 1 && cw == 0) named_bar_arrive(TURN_BAR, 256);
 
     if (fetch_tile()) {
         first_turn();
@@ -732,10 +737,10 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             //      then keeps the products asynchronous.)
             const int last = wt.n_tiles - 1;
             for (int it = 0; it < last; ++it, ++kv_it) {
-                named_bar_sync(TURN_BAR + cw, 256);     // our turn on the tensor cores
+                take_turn();
                 issue_s(kv_it + 1);
                 issue_pv(kv_it);
-                named_bar_arrive(next_turn, 256);        // the next consumer may issue its GEMMs
+                pass_turn();
                 if constexpr (BIAS != 0) fetch_bias(key0(it + 1));
                 wgmma_wait<1>();                         // S done (O += P V may still run)
                 s_done(kv_it + 1, it + 1 == last);
