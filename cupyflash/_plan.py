@@ -311,10 +311,8 @@ SM90_HEAD_DIMS = (64, 128, 256)
 #: 1k queries, whose 192-row tiles waste more of the masked diagonal.
 SM90_TILES = {64: (128, 2, 3), 128: (128, 2, 2), 256: (80, 2, 2)}
 #: hd 64 with two consumers: softcap, varlen and bias (the tanh, the per-sequence tile state or
-#: the bias fragment needs registers that three consumers' 160 lack: ptxas spills) and their
-#: short causal / window calls.
+#: the bias fragment needs registers that three consumers' 160 lack: ptxas spills).
 SM90_TILES_NC2 = {64: (128, 2, 2)}
-SM90_SHORT_WINDOW_SQ = 1024
 #: hd 64 causal / window calls of at most SM90_FEW_ROWS_SQ queries without softcap, varlen or
 #: bias: one consumer, 64-key tiles and three blocks per SM (Sm90Variant.blocks_per_sm), so
 #: the many short work tiles' boundaries (the lone first S, the masked softmax, the epilogue)
@@ -508,15 +506,12 @@ def sm90_variant(elem: str, d: int, window: bool, softcap: bool,
     longest sequence's, varlen) and at most ``keys`` keys per query row (sm90_keys) (SM90_TILES;
     SM90_TILES_WIDE for dense calls without softcap or bias from SM90_WIDE_MIN_KEYS keys on;
     SM90_TILES_FEW_ROWS for window calls of at most SM90_FEW_ROWS_SQ queries without softcap,
-    varlen or bias; SM90_TILES_NC2 for softcap, varlen and bias, and for their window calls of at
-    most SM90_SHORT_WINDOW_SQ queries). float32 tags: the Sm90F32Variant (no softcap, varlen,
-    bias there)."""
+    varlen or bias; SM90_TILES_NC2 for softcap, varlen and bias). float32 tags: the
+    Sm90F32Variant (no softcap, varlen, bias there)."""
     if elem in F32_ELEMS:
         if softcap or varlen or bias:
             raise ValueError("the float32 Hopper kernel has no softcap, varlen or bias")
         return sm90_f32_variant(elem, d, window)
-    short_window = window and s_q is not None and s_q <= SM90_SHORT_WINDOW_SQ
-    nc2 = softcap or varlen or bias or short_window
     plain = not (softcap or varlen or bias)
     wide = d in SM90_TILES_WIDE and keys is not None and keys >= SM90_WIDE_MIN_KEYS and plain
     few_rows = (d in SM90_TILES_FEW_ROWS and window and s_q is not None
@@ -526,7 +521,7 @@ def sm90_variant(elem: str, d: int, window: bool, softcap: bool,
     elif few_rows:
         tiles = SM90_TILES_FEW_ROWS[d]
     else:
-        tiles = SM90_TILES_NC2.get(d, SM90_TILES[d]) if nc2 else SM90_TILES[d]
+        tiles = SM90_TILES[d] if plain else SM90_TILES_NC2.get(d, SM90_TILES[d])
     bn, stages, nc = tiles
     return Sm90Variant(elem, d, bn, stages, window, softcap, nc, varlen, bias)
 

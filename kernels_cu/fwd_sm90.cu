@@ -4,8 +4,9 @@
 //   time with the online-softmax recurrence (running max m, denominator l, O rescaled, one final
 //   O / l).
 //
-// Persistent blocks of 128·(NC + 1) threads (one per SM) walk the work tiles (BM = 64·NC query
-// rows of one head of one batch); each block = NC + 1 warpgroups:
+// Persistent blocks of 128·(NC + 1) threads (one per SM; with NC = 1, two or three per SM, each
+// on its own tiles: BlocksPerSm) walk the work tiles (BM = 64·NC query rows of one head of one
+// batch); each block = NC + 1 warpgroups:
 //   warpgroup 0, producer: one thread issues TMA copies of each Q tile and of its K / V tiles
 //     into a STAGES-deep ring of shared-memory buffers (K and V on separate mbarriers, so S = Q Kᵀ
 //     starts before V has landed); it keeps few registers (setmaxnreg), giving the rest to
@@ -16,6 +17,7 @@
 //     robin, "pingpong"): while one runs its softmax, the others' GEMMs run. In its turn a
 //     consumer issues S = Q Kᵀ of key tile j + 1 and then O += P V of key tile j, hands the turn
 //     on, and runs the softmax of tile j + 1 while its O += P V is still on the tensor cores.
+//     (A lone consumer, NC = 1, takes no turns: the other blocks on its SM fill the tensor cores.)
 //     K and V stages are released separately (a K stage as soon as its S is done). At the end
 //     of a work tile each consumer writes its O / l rows to its own o_smem and one of its
 //     threads issues a TMA store of them (where o_smem fits; else the lanes store O directly).
@@ -43,12 +45,14 @@ constexpr int TURN_BAR = 1;          // named barriers 1 .. NC: consumer c's tur
 constexpr int WG_BAR = 4;            // named barriers 4 .. 3 + NC: the 128 threads of consumer c
 constexpr int PANEL_COLS = 64;       // 64 16-bit columns = one 128-byte swizzle row
 
-// Registers per thread after setmaxnreg: producer·128 + consumer·128·NC <= 64K per SM (one
-// block per SM), or 32K per block for NC = 1 (two blocks per SM: each runs one consumer, so one
-// block's tile boundary can run beside the other's key-tile loop).
+// Registers per thread after setmaxnreg, per (NC, blocks per SM): producer·128 +
+// consumer·128·NC must not exceed the block's launch pool (setmaxnreg.inc only takes what the
+// block's own warps gave back): 168 x 384 with one block per SM, 128 x 256 with two, 80 x 256
+// with three (NC = 1: each block runs one consumer on its own tiles, so one block's tile
+// boundary runs beside the others' key-tile loops; tests/test_compile_sm90.py checks the pools).
 template <int NC, int BLOCKS = 1> struct Regs;
 template <> struct Regs<1, 2> { static constexpr int PRODUCER = 40, CONSUMER = 216; };
-template <> struct Regs<1, 3> { static constexpr int PRODUCER = 32, CONSUMER = 128; };   // 80 at launch
+template <> struct Regs<1, 3> { static constexpr int PRODUCER = 32, CONSUMER = 128; };
 template <> struct Regs<2> { static constexpr int PRODUCER = 40, CONSUMER = 232; };
 template <> struct Regs<3> { static constexpr int PRODUCER = 32, CONSUMER = 160; };
 
