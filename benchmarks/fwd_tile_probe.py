@@ -119,14 +119,13 @@ PROBES["trace"] = [
     # consumers
     ("            mbar_wait(q_full, tile_i & 1);\n",
      f"            {_stamp('1 + cw', 0)}\n            mbar_wait(q_full, tile_i & 1);\n            {_stamp('1 + cw', 1)}\n"),
-    ("        named_bar_sync(TURN_BAR + cw, 256);    // our turn on the tensor cores\n        issue_s(kv_it);\n",
-     f"        named_bar_sync(TURN_BAR + cw, 256);    // our turn on the tensor cores\n        {_stamp('1 + cw', 2)}\n"
-     "        issue_s(kv_it);\n"),
+    ("        take_turn();\n        issue_s(kv_it);\n",
+     f"        take_turn();\n        {_stamp('1 + cw', 2)}\n        issue_s(kv_it);\n"),
     ("        wgmma_wait<0>();\n        s_done(kv_it, wt.n_tiles == 1);\n        start_tile();\n",
      f"        wgmma_wait<0>();\n        {_stamp('1 + cw', 3)}\n        s_done(kv_it, wt.n_tiles == 1);\n"
      f"        start_tile();\n        {_stamp('1 + cw', 4)}\n"),
-    ("        named_bar_sync(TURN_BAR + cw, 256);\n        issue_pv(kv_it);\n",
-     f"        named_bar_sync(TURN_BAR + cw, 256);\n        {_stamp('1 + cw', 5)}\n        issue_pv(kv_it);\n"),
+    ("        take_turn();\n        issue_pv(kv_it);\n",
+     f"        take_turn();\n        {_stamp('1 + cw', 5)}\n        issue_pv(kv_it);\n"),
     ("        wgmma_wait<0>();\n        pv_done(kv_it);\n        ++kv_it;\n",
      f"        wgmma_wait<0>();\n        {_stamp('1 + cw', 6)}\n        pv_done(kv_it);\n        ++kv_it;\n"),
     ("            store_tile();\n", f"            store_tile();\n            {_stamp('1 + cw', 7)}\n"),
