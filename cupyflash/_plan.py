@@ -308,7 +308,7 @@ SM90_HEAD_DIMS = (64, 128, 256)
 #: (BN, STAGES, NC) per head dim: K/V tiles of BN keys in a ring of STAGES buffers, NC consumer
 #: warpgroups of 64 query rows (work tiles of BM = 64·NC rows). benchmarks/sm90_tune.py measured these
 #: (docs/hopper.md): three consumers win at hd 64 except for causal / window calls of up to
-#: 1k queries, whose 192-row tiles waste more of the masked diagonal.
+#: 2k queries (SM90_TILES_FEW_ROWS below).
 SM90_TILES = {64: (128, 2, 3), 128: (128, 2, 2), 256: (80, 2, 2)}
 #: hd 64 with two consumers: softcap, varlen and bias (the tanh, the per-sequence tile state or
 #: the bias fragment needs registers that three consumers' 160 lack: ptxas spills).
@@ -316,7 +316,7 @@ SM90_TILES_NC2 = {64: (128, 2, 2)}
 #: hd 64 causal / window calls of at most SM90_FEW_ROWS_SQ queries without softcap, varlen or
 #: bias: one consumer, 64-key tiles and three blocks per SM (Sm90Variant.blocks_per_sm), so
 #: the many short work tiles' boundaries (the lone first S, the masked softmax, the epilogue)
-#: run beside the other blocks' key-tile loops. H200, sm90_tune.py (docs/hopper.md step 20):
+#: run beside the other blocks' key-tile loops. H200, sm90_tune.py (docs/hopper.md step 21):
 #: causal 512 / 1k / 2k 268 / 311 / 351 TFLOP/s against two consumers' 218 / 290 / 335 and
 #: three's 187 / 251 / 340; at 4k three consumers lead (400 against 374).
 SM90_TILES_FEW_ROWS = {64: (64, 2, 1)}
@@ -365,8 +365,9 @@ class Sm90Variant(NamedTuple):
 
     @property
     def blocks_per_sm(self) -> int:
-        """Resident blocks per SM of the persistent grid: two with one consumer where two fit
-        in an SM's shared memory (the kernel's __launch_bounds__ then asks for two), else one."""
+        """Resident blocks per SM of the persistent grid (mirrors fwd_sm90.cu's BlocksPerSm, which
+        the kernel's __launch_bounds__ asks for): with one consumer two, three with 64-key tiles,
+        as many as fit in an SM's shared memory; else one."""
         n = (3 if self.bn <= 64 else 2) if self.nc == 1 else 1
         while n > 1 and n * (self.smem_bytes + 1024) > SM90_SMEM_PER_SM:
             n -= 1
