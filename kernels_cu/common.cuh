@@ -92,7 +92,7 @@ struct Params {
     TmaDesc tma_bias;       // bias [b', h', s_q, s_k] (Hopper backward, BIAS_TMA) as (s_k, s_q, h', b'):
                             // box [64 keys, BM queries]; a broadcast dimension has extent 1
     TmaDesc tma_o;          // out [b, s_q, h, d_v] (Hopper forward, O staged in shared memory):
-                            // box [64 columns, 64 rows]; zero when out is not 16-byte aligned
+                            // box [64 columns, 64 rows]; zero for variants that store O themselves
 };
 #ifdef CUPYFLASH_PARAMS_NBYTES   // passed by cupyflash/_modules.py from the Python mirror
 static_assert(sizeof(Params) == CUPYFLASH_PARAMS_NBYTES,

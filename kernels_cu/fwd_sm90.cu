@@ -57,6 +57,7 @@ template <> struct Regs<2> { static constexpr int PRODUCER = 40, CONSUMER = 232;
 template <> struct Regs<3> { static constexpr int PRODUCER = 32, CONSUMER = 160; };
 
 constexpr int SMEM_MAX = 227 * 1024;  // dynamic shared memory per block on sm_90 (opt-in)
+constexpr int SMEM_PER_SM = 228 * 1024;   // shared memory of one SM (each resident block reserves 1 KB)
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
 // cupyflash/_plan.py: sm90_smem_bytes. O_SMEM: the epilogue stages each consumer's O rows in
@@ -90,7 +91,7 @@ struct Layout {
 template <int D, int BN, int STAGES, int NC, bool VARLEN>
 struct BlocksPerSm {
     static constexpr int WANT = NC == 1 ? (BN <= 64 ? 3 : 2) : 1;
-    static constexpr int FIT = 228 * 1024 / (sm90::Layout<D, BN, STAGES, NC, VARLEN>::BYTES + 2048);
+    static constexpr int FIT = sm90::SMEM_PER_SM / (sm90::Layout<D, BN, STAGES, NC, VARLEN>::BYTES + 2048);
     static constexpr int VALUE = WANT < FIT ? WANT : (FIT > 0 ? FIT : 1);
 };
 
@@ -376,7 +377,7 @@ __device__ __forceinline__ void stage_rows(u32 o_wg, const float* o_acc, const f
     }
 }
 
-// Persistent kernel: gridDim.x blocks (at most one per SM) take work tiles from a global counter
+// Persistent kernel: gridDim.x blocks (BlocksPerSm per SM) take work tiles from a global counter
 // (p.sched[0], in the order w = 0, 1, ...: blocks running at the same time work on neighbouring
 // tiles, which share K/V in L2, and a block that drew cheap causal tiles simply draws more); the
 // last block to finish zeroes the counter for the next launch on the stream. Without a counter

@@ -306,7 +306,8 @@ def test_blocks_per_sm_mirror_the_kernel():
     otherwise; the kernel's __launch_bounds__ asks for that many."""
     src = (ROOT / "kernels_cu" / "fwd_sm90.cu").read_text()
     assert "WANT = NC == 1 ? (BN <= 64 ? 3 : 2) : 1;" in src
-    assert "FIT = 228 * 1024 / (sm90::Layout<D, BN, STAGES, NC, VARLEN>::BYTES + 2048);" in src
+    assert "FIT = sm90::SMEM_PER_SM / (sm90::Layout<D, BN, STAGES, NC, VARLEN>::BYTES + 2048);" in src
+    assert "constexpr int SMEM_PER_SM = 228 * 1024;" in src
     assert "__launch_bounds__(128 * (NC + 1), BlocksPerSm<D, BN, STAGES, NC, VARLEN>::VALUE)" in src
     assert _plan.SM90_SMEM_PER_SM == 228 * 1024
     for v in _plan.sm90_variants():
