@@ -402,6 +402,14 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     // itself, _gpu._empty), so every tile sees keys; that path is then compiled out (code in the
     // consumers' tile-to-tile path cost time even untaken: docs/hopper.md step 19).
     constexpr bool SOME_EMPTY = WINDOW || VARLEN;
+    // Whether the softmax of key tile j + 1 runs beside this consumer's own O += P V of tile j.
+    // Written so in the source, but ptxas put the wait for P V (WARPGROUP.DEPBAR) before the
+    // softmax's first exp2 in every variant (it is free to hoist a wait within a basic block;
+    // there it interleaved O's rescale with the exp2s); a basic block ending between them keeps
+    // the order (tests/test_sass_sm90.py). On the H200 that gained up to 2.6 % at hd 128 (most
+    // with 176-key tiles) and lost 2-8 % at hd 64, whose consumers are bound by instruction
+    // issue, and 2-9 % at hd 256 (docs/hopper.md step 22): hd 128 only.
+    constexpr bool SOFTMAX_BESIDE_PV = D == 128;
 
     extern __shared__ unsigned char smem_raw[];
     // The planner (_plan.sm90_smem_bytes) sizes the launch: stop loudly if it disagrees with Layout
@@ -750,6 +758,11 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                 wgmma_wait<1>();                         // S done (O += P V may still run)
                 s_done(kv_it + 1, it + 1 == last);
                 softmax_scores(key0(it + 1), false);
+                // SOFTMAX_BESIDE_PV: V of key tile it + 1 landed (the next turn's O += P V reads
+                // it), waited for here because the wait's loop ends a basic block, which keeps the
+                // O += P V wait below after the softmax
+                if constexpr (SOFTMAX_BESIDE_PV)
+                    mbar_wait(v_full + 8 * ((kv_it + 1) % STAGES), ((kv_it + 1) / STAGES) & 1);
                 wgmma_wait<0>();                         // O += P V done
                 pv_done(kv_it);
                 pack_p();

@@ -43,7 +43,11 @@ def _spill_budget(v):
     if v.bias == 2 and v.softcap and v.window and v.d == 128:
         return 72
     # a bias without a band: up to 16 B (hd 128; with softcap, since the epilogue is TMA-only, a
-    # Q descriptor spilled at the first S of each work tile, outside the key-tile loop)
+    # Q descriptor spilled at the first S of each work tile, outside the key-tile loop); 24 B for
+    # softcap + 16-bit bias since the softmax runs beside P V (SOFTMAX_BESIDE_PV: 20 B under NVRTC
+    # 12.9, stored before a work tile's first S and reloaded after its epilogue, nvcc 13 SASS)
+    if v.bias == 1 and v.softcap and not v.window:
+        return 24
     return 16 if v.bias == 2 or (v.bias == 1 and not v.window) else 0
 
 
