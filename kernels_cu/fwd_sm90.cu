@@ -508,7 +508,10 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
 
     // ================================ consumers ================================
     regs_acquire<Regs<NC, BlocksPerSm<D, BN, STAGES, NC, VARLEN>::VALUE>::CONSUMER>();
-    const int cw = wg - 1;                                 // consumer 0 .. NC-1: rows 64·cw .. of a tile
+    // consumer 0 .. NC-1: rows 64·cw .. of a tile (broadcast from lane 0, so that the compiler
+    // knows it is warp-uniform and keeps what derives from it, such as the Q descriptor, in
+    // uniform registers)
+    const int cw = __shfl_sync(0xffffffffu, wg, 0) - 1;
     const int next_turn = TURN_BAR + (cw + 1) % NC;        // the consumer whose turn follows ours
     const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8
     const int col_in_8 = 2 * (t % 4);                      // accumulator columns col_in_8, +1 (of 8)
@@ -548,30 +551,34 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
 
     // ---- S = Q Kᵀ  [64, BN], fp32, of the key tile in ring position kv: k-steps of 16 columns
     //      through the D / 64 panels (issued and committed)
+    // wgmma descriptors (K-major Q and K tiles, MN-major V) of this warpgroup's 64 rows of Q and of
+    // ring stage 0; every product's descriptor is one of these plus a byte offset (desc_add)
+    const u64 q_desc = smem_desc(q_smem + cw * WG_ROWS * 128, 16, 1024);
+    const u64 k_desc = smem_desc(k_smem, 16, 1024);
+    const u64 v_desc = smem_desc(v_smem, L::KV_PANEL, 1024);
     auto issue_s = [&](int kv) {
         const int s = kv % STAGES;
-        const u32 q_wg = q_smem + cw * WG_ROWS * 128;      // this warpgroup's 64 rows of each Q panel
-        const u32 k_tile = k_smem + s * L::KV_TILE;
+        const u64 k_tile = desc_add(k_desc, s * L::KV_TILE);
         mbar_wait(k_full + 8 * s, (kv / STAGES) & 1);
         wgmma_fence();   // a pipeline stage of its own: O's product may be waited for alone
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             const u32 off = (kk % 4) * 32;    // 16 columns = 32 bytes within a 128-byte panel row
-            wgmma_ss<E, BN>(s_acc, smem_desc(q_wg + (kk / 4) * L::Q_PANEL + off, 16, 1024),
-                            smem_desc(k_tile + (kk / 4) * L::KV_PANEL + off, 16, 1024), kk > 0);
+            wgmma_ss<E, BN>(s_acc, desc_add(q_desc, (kk / 4) * L::Q_PANEL + off),
+                            desc_add(k_tile, (kk / 4) * L::KV_PANEL + off), kk > 0);
         }
         wgmma_commit();
     };
     // ---- O += P V  [64, D] of the key tile in ring position kv: V read MN-major (LBO = bytes
     //      between 64-column panels), 16 keys = 16 rows of 128 bytes per k-step
     auto issue_pv = [&](int kv) {
-        const u32 v_tile = v_smem + (kv % STAGES) * L::KV_TILE;
+        const u64 v_tile = desc_add(v_desc, (kv % STAGES) * L::KV_TILE);
         mbar_wait(v_full + 8 * (kv % STAGES), (kv / STAGES) & 1);
         fence_regs<NO>(o_acc);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_rs<E, D>(o_acc, p_frag + 4 * kk, smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024));
+            wgmma_rs<E, D>(o_acc, p_frag + 4 * kk, desc_add(v_tile, kk * 2048));
         wgmma_commit();
     };
     // S of ring position kv has completed: release its K stage, and the Q tile when it was the

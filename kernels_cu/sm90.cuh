@@ -84,6 +84,13 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo) {
     return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) |
            (1ull << 62);
 }
+// The descriptor of the tile at byte offset off (a multiple of 16) from the one desc describes:
+// the address field (bits 0-13, in 16-byte units) of a shared address below 256 KB does not
+// carry, so it is one add to the low word (smem_desc's mask, shift and or per wgmma took ~10
+// instructions each in the forward's key-tile loop)
+__device__ __forceinline__ u64 desc_add(u64 desc, u32 off) {
+    return (desc & 0xFFFFFFFF00000000ull) | (u32)((u32)desc + (off >> 4));
+}
 
 __device__ __forceinline__ void wgmma_fence() {      // registers written before -> visible to wgmma
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
