@@ -16,7 +16,9 @@
 //     A-fragment layout). The consumers take turns on the tensor cores (named barriers, round
 //     robin, "pingpong"): while one runs its softmax, the others' GEMMs run. In its turn a
 //     consumer issues S = Q Kᵀ of key tile j + 1 and then O += P V of key tile j, hands the turn
-//     on, and runs the softmax of tile j + 1 while its O += P V is still on the tensor cores.
+//     on, and runs the softmax of tile j + 1 while its O += P V is still on the tensor cores
+//     (at hd 128; at hd 64 / 256 ptxas waits for that product first, which measured faster:
+//     SOFTMAX_BESIDE_PV).
 //     (A lone consumer, NC = 1, takes no turns: the other blocks on its SM fill the tensor cores.)
 //     K and V stages are released separately (a K stage as soon as its S is done). At the end
 //     of a work tile each consumer writes its O / l rows to its own o_smem and one of its
@@ -407,7 +409,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     // softmax's first exp2 in every variant (it is free to hoist a wait within a basic block;
     // there it interleaved O's rescale with the exp2s); a basic block ending between them keeps
     // the order (tests/test_sass_sm90.py). On the H200 that gained up to 2.6 % at hd 128 (most
-    // with 176-key tiles) and lost 2-8 % at hd 64, whose consumers are bound by instruction
+    // with 176-key tiles) and lost 1.6-5.5 % at hd 64, whose consumers are bound by instruction
     // issue, and 2-9 % at hd 256 (docs/hopper.md step 22): hd 128 only.
     constexpr bool SOFTMAX_BESIDE_PV = D == 128;
 
@@ -549,13 +551,13 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     };
     auto key0 = [&](int it) { return (wt.t_first + wt.n_tiles - 1 - it) * BN; };   // right to left
 
-    // ---- S = Q Kᵀ  [64, BN], fp32, of the key tile in ring position kv: k-steps of 16 columns
-    //      through the D / 64 panels (issued and committed)
     // wgmma descriptors (K-major Q and K tiles, MN-major V) of this warpgroup's 64 rows of Q and of
     // ring stage 0; every product's descriptor is one of these plus a byte offset (desc_add)
-    const u64 q_desc = smem_desc(q_smem + cw * WG_ROWS * 128, 16, 1024);
-    const u64 k_desc = smem_desc(k_smem, 16, 1024);
-    const u64 v_desc = smem_desc(v_smem, L::KV_PANEL, 1024);
+    const u64 q_desc = smem_desc(q_smem + cw * WG_ROWS * 128, 16, 1024);   // q_smem [PANELS][BM][64]
+    const u64 k_desc = smem_desc(k_smem, 16, 1024);                        // k_smem [STAGES][PANELS][BN][64]
+    const u64 v_desc = smem_desc(v_smem, L::KV_PANEL, 1024);               // v_smem [STAGES][PANELS][BN][64]
+    // ---- S = Q Kᵀ  [64, BN], fp32, of the key tile in ring position kv: k-steps of 16 columns
+    //      through the D / 64 panels (issued and committed)
     auto issue_s = [&](int kv) {
         const int s = kv % STAGES;
         const u64 k_tile = desc_add(k_desc, s * L::KV_TILE);
