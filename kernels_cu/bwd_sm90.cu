@@ -397,7 +397,16 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
 
     // ================================ consumers ================================
     regs_acquire<CONSUMER_REGS>();
-    const int cw = wg - 1;                                 // consumer 0 or 1: keys n0 + 64·cw ..
+    // consumer 0 or 1: keys n0 + 64·cw .. (broadcast from lane 0: warp-uniform for the compiler,
+    // so what derives from it, the descriptors below, stays in uniform registers)
+    const int cw = __shfl_sync(0xffffffffu, wg, 0) - 1;
+    // wgmma descriptors of stage / buffer 0 (K-major: LBO 16; MN-major: LBO = bytes between
+    // panels); every product's is one of these plus a byte offset (desc_add: one add, not
+    // smem_desc's ~10 instructions per product)
+    const u64 k_desc = smem_desc(k_smem, 16, 1024), v_desc = smem_desc(v_smem, 16, 1024);     // K-major
+    const u64 q_desc = smem_desc(q_smem, 16, 1024), do_desc = smem_desc(do_smem, 16, 1024);
+    const u64 q_desc_mn = smem_desc(q_smem, L::Q_PANEL, 1024), do_desc_mn = smem_desc(do_smem, L::Q_PANEL, 1024);
+    const u64 ds_desc = smem_desc(ds_smem, L::DS_TILE, 1024), k_desc_mn = smem_desc(k_smem, L::KV_PANEL, 1024);
     const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8
     const int col_in_8 = 2 * (t % 4);                      // accumulator columns col_in_8, +1 (of 8)
     const bool dq_cols = cw * PANEL_COLS < D;              // this consumer computes a dQ slice
@@ -470,8 +479,8 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
                 const u32 off = (kk % 4) * 32;    // 16 columns = 32 bytes within a 128-byte panel row
-                wgmma_ss<E, BM>(s_acc, smem_desc(k_wg + (kk / 4) * L::KV_PANEL + off, 16, 1024),
-                                smem_desc(q_tile + (kk / 4) * L::Q_PANEL + off, 16, 1024), kk > 0);
+                wgmma_ss<E, BM>(s_acc, desc_add(k_desc, k_wg - k_smem + (kk / 4) * L::KV_PANEL + off),
+                                desc_add(q_desc, q_tile - q_smem + (kk / 4) * L::Q_PANEL + off), kk > 0);
             }
             wgmma_commit();
             // dPᵀ = V dOᵀ: issued right behind Sᵀ (Pᵀ overlaps it), or after Pᵀ (a bias at d = 128:
@@ -486,8 +495,8 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
 #pragma unroll
                 for (int kk = 0; kk < D / 16; ++kk) {
                     const u32 off = (kk % 4) * 32;
-                    wgmma_ss<E, BM>(dp_acc, smem_desc(v_wg + (kk / 4) * L::KV_PANEL + off, 16, 1024),
-                                    smem_desc(do_tile + (kk / 4) * L::Q_PANEL + off, 16, 1024), kk > 0);
+                    wgmma_ss<E, BM>(dp_acc, desc_add(v_desc, v_wg - v_smem + (kk / 4) * L::KV_PANEL + off),
+                                    desc_add(do_desc, do_tile - do_smem + (kk / 4) * L::Q_PANEL + off), kk > 0);
                 }
                 wgmma_commit();
             };
@@ -634,10 +643,10 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk)
-                wgmma_rs<E, D>(dv_acc, p_frag + 4 * kk, smem_desc(do_tile + kk * 2048, L::Q_PANEL, 1024));
+                wgmma_rs<E, D>(dv_acc, p_frag + 4 * kk, desc_add(do_desc_mn, do_tile - do_smem + kk * 2048));
 #pragma unroll
             for (int kk = 0; kk < BM / 16; ++kk)
-                wgmma_rs<E, D>(dk_acc, ds_frag + 4 * kk, smem_desc(q_tile + kk * 2048, L::Q_PANEL, 1024));
+                wgmma_rs<E, D>(dk_acc, ds_frag + 4 * kk, desc_add(q_desc_mn, q_tile - q_smem + kk * 2048));
             wgmma_commit();
 
             // Both consumers' dSᵀ rows are written (and, two steps back, the other buffer's dQ
@@ -698,8 +707,8 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < BN / 16; ++kk)
-                    wgmma_ss_tt<E, PANEL_COLS>(dq_acc, smem_desc(ds_tile + kk * 2048, L::DS_TILE, 1024),
-                                               smem_desc(k_tile + cw * L::KV_PANEL + kk * 2048, L::KV_PANEL, 1024),
+                    wgmma_ss_tt<E, PANEL_COLS>(dq_acc, desc_add(ds_desc, ds_tile - ds_smem + kk * 2048),
+                                               desc_add(k_desc_mn, k_tile - k_smem + cw * L::KV_PANEL + kk * 2048),
                                                kk > 0);
                 wgmma_commit();
                 wgmma_wait<0>();
