@@ -1,6 +1,5 @@
 """One forward of cupyflash and/or one of SDPA's cuDNN backend on a FlashAttention benchmark shape,
-for Nsight Compute (bf16; batch = 16384 / seqlen, heads = 2048 / head dim, as `python -m cupyflash
-bench`).
+for Nsight Compute (bf16; the shapes of `python -m cupyflash bench`).
 
     ncu --clock-control none --set full --import-source yes -k regex:flash_fwd_sm90 -c 1 \\
         -o /tmp/fwd python benchmarks/ncu_fwd_once.py 128 2048 0 ours
@@ -17,12 +16,13 @@ import numpy as np
 
 sys.path.insert(0, ".")
 import cupyflash as cf  # noqa: E402
+from cupyflash._bench import HIDDEN, TOKENS  # noqa: E402
 
 
 def main(argv):
     hd, s, causal = int(argv[0]), int(argv[1]), argv[2] == "1"
     which = argv[3] if len(argv) > 3 else "both"
-    b, h = max(1, 16384 // s), 2048 // hd
+    b, h = max(1, TOKENS // s), max(1, HIDDEN // hd)
     rng = np.random.default_rng(0)
     bf16 = np.dtype(ml_dtypes.bfloat16)
     q, k, v = (cp.asarray(rng.standard_normal((b, s, h, hd), np.float32)).astype(bf16) for _ in range(3))

@@ -120,14 +120,12 @@ def precompile(variants, workers: int = 8, program_fn=None):
         return list(ex.map(_compile_one, jobs))
 
 
-def nvrtc_report(parts, arch: str, filename: str) -> dict:
-    """Compile ``parts`` = (source, options, name expressions) for ``arch`` with NVRTC alone
-    (no GPU needed); returns {name expression: (registers, spill store bytes)} from ptxas.
+def nvrtc_compile(parts, arch: str, filename: str, extra_options=()):
+    """Compile ``parts`` = (source, options, name expressions) for ``arch`` with NVRTC alone (no
+    GPU needed); returns (NVRTC's log, {lowered name: name expression}, the cubin).
 
-    Raises RuntimeError with NVRTC's log on a compile error. Used by the compile harness.
-    """
-    import re
-
+    Raises RuntimeError with NVRTC's log on a compile error. Used by the compile harness and the
+    SASS test (tests/test_sass_sm90.py)."""
     from cupy_backends.cuda.libs import nvrtc
 
     src, opts, names = parts
@@ -137,19 +135,31 @@ def nvrtc_report(parts, arch: str, filename: str) -> dict:
         for n in names:
             nvrtc.addNameExpression(prog, n)
         try:
-            nvrtc.compileProgram(prog, list(opts) + [f"-arch={arch}", "--ptxas-options=-v"])
+            nvrtc.compileProgram(prog, list(opts) + [f"-arch={arch}", *extra_options])
         except Exception as e:  # noqa: BLE001
             log = nvrtc.getProgramLog(prog).replace("\0", "")
             raise RuntimeError(f"NVRTC failed for {arch}: {e}\n{log}") from None
         log = nvrtc.getProgramLog(prog).replace("\0", "")
         lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
+        # CuPy 14's getCUBIN returns one byte short (the ELF's last byte, a zero: nvdisasm then
+        # rejects the file); a trailing zero byte more is harmless
+        cubin = nvrtc.getCUBIN(prog) + b"\0"
     finally:
         nvrtc.destroyProgram(prog)
+    return log, lowered, cubin
+
+
+def nvrtc_report(parts, arch: str, filename: str) -> dict:
+    """Compile ``parts`` (nvrtc_compile) and return {name expression: (registers, spill store
+    bytes)} from ptxas. Raises RuntimeError when NVRTC fails or a kernel has no ptxas report."""
+    import re
+
+    log, lowered, _ = nvrtc_compile(parts, arch, filename, ("--ptxas-options=-v",))
     out = {}
     for m in re.finditer(r"Compiling entry function '(\S+)'.*?(\d+) bytes spill stores.*?"
                          r"Used (\d+) registers", log, re.S):
         out[lowered.get(m.group(1), m.group(1))] = (int(m.group(3)), int(m.group(2)))
-    missing = set(names) - set(out)
+    missing = set(parts[2]) - set(out)
     if missing:
         raise RuntimeError(f"no ptxas report for {sorted(missing)}")
     return out

@@ -225,13 +225,12 @@ __device__ __forceinline__ void add_dq_t(float* dq_bh, i64 stride_s, int m0, int
 }
 
 // Design T's wgmma B descriptors: a swizzled K-major tile (LBO 16, SBO 1024) at base + off, as
-// smem_desc(base + off, 16, 1024) for base, off multiples of 16 inside shared memory (the address
-// field, bits 0-13 in 16-byte units, does not carry): the low word of base's descriptor, computed
-// once, plus off / 16, so every wgmma's descriptor is one add on uniform registers, not
-// smem_desc's mask, shift and or (step-loop code size: see t_first_product)
+// smem_desc(base + off, 16, 1024): the low word of base's descriptor, computed once (desc_lo),
+// plus off / 16 (sm90.cuh's desc_add), so every wgmma's descriptor is one add on uniform
+// registers, not smem_desc's mask, shift and or (step-loop code size: see t_first_product)
 __device__ __forceinline__ u32 desc_lo(u32 base) { return (u32)smem_desc(base, 16, 1024); }
 __device__ __forceinline__ u64 desc_at(u32 lo, u32 off) {
-    return ((u64)(u32)(smem_desc(0, 16, 1024) >> 32) << 32) | (u64)(lo + (off >> 4));
+    return desc_add((smem_desc(0, 16, 1024) & 0xFFFFFFFF00000000ull) | lo, off);
 }
 
 // Design T's first product of a step, c0: Sᵀ = K Qᵀ, c1: dPᵀ = V dOᵀ  [BN keys, BM] -> x_acc: D / 8

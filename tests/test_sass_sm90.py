@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 from cupyflash import _modules, _plan  # noqa: E402
 
@@ -43,18 +43,7 @@ pytestmark = pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not installed
 
 
 def _cubin(variants) -> bytes:
-    src, opts, names = _modules.program(variants)
-    opts = [o for o in opts if not o.startswith("-arch")]
-    prog = nvrtc.createProgram(src, "fwd_sm90.cu", [], [])
-    try:
-        for n in names:
-            nvrtc.addNameExpression(prog, n)
-        nvrtc.compileProgram(prog, opts + ["-arch=sm_90a"])
-        # CuPy 14's getCUBIN returns one byte short (the ELF's last byte, a zero: nvdisasm then
-        # rejects the file); a trailing zero byte more is harmless
-        return nvrtc.getCUBIN(prog) + b"\0"
-    finally:
-        nvrtc.destroyProgram(prog)
+    return _modules.nvrtc_compile(_modules.program(variants), "sm_90a", "fwd_sm90.cu")[2]
 
 
 def loop_waits(sass: str):
