@@ -384,8 +384,9 @@ __device__ __forceinline__ void stage_rows(u32 o_wg, const float* o_acc, const f
 // tiles, which share K/V in L2, and a block that drew cheap causal tiles simply draws more); the
 // last block to finish zeroes the counter for the next launch on the stream. Without a counter
 // (p.sched == null) block i takes tiles i, i + gridDim.x, ... The K/V ring and the barrier phases
-// run on across tiles, so the producer loads the next tile's Q and first K/V tiles while the
-// consumers finish the current one.
+// run on across tiles, and the producer draws each next work tile as soon as the current one's
+// loads are issued (its Q prefetched into L2, its first K tile into the ring), so that the next
+// Q and first K / V tiles are there when the consumers finish the current tile.
 // BIAS: 0 none, 1 bias elements in E's storage, 2 float32 bias elements.
 template <typename E, int D, int BN, int STAGES, int NC, bool WINDOW, bool SOFTCAP, bool VARLEN, int BIAS>
 __global__ void __launch_bounds__(128 * (NC + 1), BlocksPerSm<D, BN, STAGES, NC, VARLEN>::VALUE)
@@ -457,11 +458,9 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             tma_prefetch_desc(&p.tma_v);
             int kv_it = 0;     // K/V tiles issued so far (ring position)
             int drawn = 0;     // work-tile indices drawn so far (without a counter: i + k·grid)
-            for (int tile_i = 0;; ++tile_i) {   // tile_i: work tiles handed to the consumers
-                // the consumers are done with the previous tile's Q (and have read its index)
-                if (tile_i > 0) mbar_wait(q_empty, (tile_i - 1) & 1);
+            // The next work tile: its index w (num_work or more when no work is left) and wt
+            auto draw = [&](WorkTile& wt) -> int {
                 int w;
-                WorkTile wt;
                 do {   // varlen: tiles past their sequence's end have no rows; skip them here
                     w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
                     ++drawn;
@@ -470,6 +469,26 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                         w = longest_first_tail(w, p.num_m_blocks, p.h * p.b, gridDim.x);
                     if (w < num_work) wt = work_tile<WINDOW, VARLEN, BM, BN, BIAS != 0>(p, w);
                 } while (VARLEN && w < num_work && !wt.rows);
+                return w;
+            };
+            // K (or V) tile `it` of work tile wt [BN, D] into ring stage kv_it % STAGES, once every
+            // consumer has released the stage's previous one
+            auto load = [&](const WorkTile& wt, int it, u32 dst_smem, const TmaDesc* desc, u32 full, u32 empty) {
+                const int n0 = wt.k_row + (wt.t_first + wt.n_tiles - 1 - it) * BN;   // packed row, right to left
+                const int s = kv_it % STAGES;
+                if (kv_it >= STAGES) mbar_wait(empty + 8 * s, ((kv_it / STAGES) - 1) & 1);
+                mbar_arrive_expect_tx(full + 8 * s, BN * D * 2);
+#pragma unroll
+                for (int c = 0; c < L::PANELS; ++c)
+                    tma_load_4d(dst_smem + s * L::KV_TILE + c * L::KV_PANEL, desc, full + 8 * s,
+                                c * PANEL_COLS, n0, wt.kv_head, wt.tma_b);
+            };
+            WorkTile wt;
+            int w = draw(wt);
+            bool k0_loaded = false;   // the tile's first K tile was issued ahead (below)
+            for (int tile_i = 0;; ++tile_i) {   // tile_i: work tiles handed to the consumers
+                // the consumers are done with the previous tile's Q (and have read its index)
+                if (tile_i > 0) mbar_wait(q_empty, (tile_i - 1) & 1);
                 if (w >= num_work) {                  // no work left: tell the consumers, stop
                     *tile_smem = -1;
                     mbar_arrive(q_full);
@@ -478,30 +497,34 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                 *tile_smem = w;                       // published by the q_full arrival (release)
                 if (SOME_EMPTY && wt.n_tiles == 0) {  // rows that see no key: nothing to load
                     mbar_arrive(q_full);
-                    continue;
-                }
-                // Q tile [BM, D]
-                mbar_arrive_expect_tx(q_full, BM * D * 2);
+                } else {
+                    // Q tile [BM, D]
+                    mbar_arrive_expect_tx(q_full, BM * D * 2);
 #pragma unroll
-                for (int c = 0; c < L::PANELS; ++c)
-                    tma_load_4d(q_smem + c * L::Q_PANEL, &p.tma_q, q_full, c * PANEL_COLS,
-                                wt.q_row + wt.m0, wt.head, wt.tma_b);
-                // K, V tiles [BN, D], right to left through the band, STAGES buffers deep
-                for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
-                    const int n0 = wt.k_row + (wt.t_first + wt.n_tiles - 1 - it) * BN;   // packed row
-                    const int s = kv_it % STAGES;
-                    // K (then V) of stage s, once every consumer has released the stage's last one
-                    auto load = [&](u32 dst_smem, const TmaDesc* desc, u32 full, u32 empty) {
-                        if (kv_it >= STAGES) mbar_wait(empty + 8 * s, ((kv_it / STAGES) - 1) & 1);
-                        mbar_arrive_expect_tx(full + 8 * s, BN * D * 2);
-#pragma unroll
-                        for (int c = 0; c < L::PANELS; ++c)
-                            tma_load_4d(dst_smem + s * L::KV_TILE + c * L::KV_PANEL, desc,
-                                        full + 8 * s, c * PANEL_COLS, n0, wt.kv_head, wt.tma_b);
-                    };
-                    load(k_smem, &p.tma_k, k_full, k_empty);
-                    load(v_smem, &p.tma_v, v_full, v_empty);
+                    for (int c = 0; c < L::PANELS; ++c)
+                        tma_load_4d(q_smem + c * L::Q_PANEL, &p.tma_q, q_full, c * PANEL_COLS,
+                                    wt.q_row + wt.m0, wt.head, wt.tma_b);
+                    // K, V tiles [BN, D], right to left through the band, STAGES buffers deep
+                    for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
+                        if (it > 0 || !k0_loaded) load(wt, it, k_smem, &p.tma_k, k_full, k_empty);
+                        load(wt, it, v_smem, &p.tma_v, v_full, v_empty);
+                    }
                 }
+                // Draw ahead, while the consumers still work on this tile: the next tile's index
+                // (the counter's atomic takes ~1600 cycles), its Q into L2 and its first K tile into
+                // the ring, so that neither waits on the consumers' tile-to-tile path. (Its Q tile
+                // itself loads once the consumers release q_smem; its first V stage is released
+                // only after that, so it loads after Q.)
+                WorkTile next;
+                w = draw(next);
+                k0_loaded = w < num_work && (!SOME_EMPTY || next.n_tiles > 0);
+                if (k0_loaded) {
+#pragma unroll
+                    for (int c = 0; c < L::PANELS; ++c)
+                        tma_prefetch_l2_4d(&p.tma_q, c * PANEL_COLS, next.q_row + next.m0, next.head, next.tma_b);
+                    load(next, 0, k_smem, &p.tma_k, k_full, k_empty);
+                }
+                wt = next;
             }
             if (p.sched) sched_finish(p.sched);   // this block has drawn its last work tile
         }
