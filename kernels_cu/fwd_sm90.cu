@@ -759,7 +759,8 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         issue_pv(kv_it);
         pass_turn();
         // O_SMEM: the previous tile's TMA store has read o_smem before store_tile overwrites it;
-        // waited for here, where the warps wait for the product anyway (+0.4 % at s <= 2k, call 3)
+        // waited for here, where the warps wait for the product anyway (+0.4 % at s <= 2k: call 3
+        // of docs/runs/2026-12-01-session14.log)
         if constexpr (L::O_SMEM) {
             if (t == 0) bulk_wait_read<0>();
             named_bar_sync(WG_BAR + cw, 128);     // (thread 0's wait holds the warpgroup)
