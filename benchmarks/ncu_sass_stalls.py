@@ -4,6 +4,11 @@ with ``--set full --import-source yes``; gzip'd CSVs are read too).
 
     python benchmarks/ncu_sass_stalls.py page.csv                # stall reasons, top 30 instructions
     python benchmarks/ncu_sass_stalls.py page.csv --range a4200 a5000   # every instruction there
+    python benchmarks/ncu_sass_stalls.py page.csv --by-count     # samples per execution count
+
+--by-count groups instructions by how often they ran (the page's "Instructions Executed", per
+warp): in a persistent kernel that separates the key-tile loop (k iterations per work tile)
+from the once-per-tile code (the tile boundary) and the producer, without reading addresses.
 
 Samples are per warp: the producer's and the consumers' warps alike. On the H200 this found the
 forward's hoisted P·V wait and its descriptor arithmetic (docs/hopper.md steps 22–23).
@@ -58,6 +63,24 @@ def summary(rows, top=30):
     return out
 
 
+def by_count(rows, top=12):
+    """Lines: per distinct execution count (most samples first), the instructions with that count,
+    their samples and share, and their three largest stall reasons."""
+    total = sum(_n(r[SAMPLES]) for r in rows) or 1
+    groups = collections.defaultdict(lambda: [0, 0, collections.Counter()])
+    for r in rows:
+        g = groups[_n(r.get("Instructions Executed"))]
+        g[0] += 1
+        g[1] += _n(r[SAMPLES])
+        for k in stall_columns(r):
+            g[2][k[6:]] += _n(r[k])
+    out = [f"total samples {total}"]
+    for count, (n, samples, why) in sorted(groups.items(), key=lambda x: -x[1][1])[:top]:
+        reasons = " ".join(f"{k}:{v}" for k, v in why.most_common(3) if v)
+        out.append(f"executed {count:9d}  instructions {n:5d}  samples {samples:7d} {100 * samples / total:5.1f} %  {reasons}")
+    return out
+
+
 def span(rows, lo, hi):
     """Every instruction whose address (its last five hex digits) lies in [lo, hi]."""
     out = []
@@ -73,10 +96,14 @@ def main(argv=None) -> int:
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--range", nargs=2, metavar=("LO", "HI"), help="hex addresses (last 5 digits)")
+    ap.add_argument("--by-count", action="store_true", help="samples per execution count")
     a = ap.parse_args(argv)
     kernel, rows = read_page(a.csv)
     print(kernel)
-    lines = span(rows, int(a.range[0], 16), int(a.range[1], 16)) if a.range else summary(rows, a.top)
+    if a.range:
+        lines = span(rows, int(a.range[0], 16), int(a.range[1], 16))
+    else:
+        lines = by_count(rows, a.top) if a.by_count else summary(rows, a.top)
     print("\n".join(lines))
     return 0
 

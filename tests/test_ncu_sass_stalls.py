@@ -12,11 +12,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import ncu_sass_stalls as nss  # noqa: E402
 
 HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
-          "stall_barrier", "stall_wait", "stall_barrier (Not Issued)"]
+          "Instructions Executed", "stall_barrier", "stall_wait", "stall_barrier (Not Issued)"]
 ROWS = [
-    ["0x7f00a0", "  HGMMA.64x128x16.F32.BF16 R88, gdesc[UR20], R88", "30", "20", "0", "30", "0"],
-    ["0x7f00b0", "  WARPGROUP.DEPBAR.LE gsb0, 0x0", "60", "55", "58", "2", "55"],
-    ["0x7f00c0", "  MUFU.EX2 R88, R88", "10", "5", "0", "10", "0"],
+    ["0x7f00a0", "  HGMMA.64x128x16.F32.BF16 R88, gdesc[UR20], R88", "30", "20", "300", "0", "30", "0"],
+    ["0x7f00b0", "  WARPGROUP.DEPBAR.LE gsb0, 0x0", "60", "55", "100", "58", "2", "55"],
+    ["0x7f00c0", "  MUFU.EX2 R88, R88", "10", "5", "300", "0", "10", "0"],
 ]
 
 
@@ -49,3 +49,14 @@ def test_span_keeps_the_address_range(page):
     out = nss.span(rows, 0xF00B0, 0xF00C0)
     assert [line.split()[0] for line in out] == ["f00b0", "f00c0"]
     assert nss.main([page, "--range", "f00a0", "f00a0"]) == 0
+
+
+def test_by_count_groups_by_execution_count(page):
+    _, rows = nss.read_page(page)
+    out = nss.by_count(rows)
+    assert out[0] == "total samples 100"
+    # the once-per-tile DEPBAR (60 samples, 100 executions) first, then the two loop instructions
+    assert out[1].split()[:6] == ["executed", "100", "instructions", "1", "samples", "60"]
+    assert out[2].split()[:6] == ["executed", "300", "instructions", "2", "samples", "40"]
+    assert "wait:40" in out[2]
+    assert nss.main([page, "--by-count"]) == 0
