@@ -48,9 +48,9 @@ PROBES = {
         "w = blockIdx.x + drawn * gridDim.x;   // probe: static order",
     )],
     "qonce": [(
-        "                mbar_arrive_expect_tx(q_full, BM * D * 2);\n",
-        "                if (tile_i > 0) { mbar_arrive(q_full); } else {   // probe: Q loaded once\n"
-        "                mbar_arrive_expect_tx(q_full, BM * D * 2);\n",
+        "                    mbar_arrive_expect_tx(q_full, BM * D * 2);\n",
+        "                    if (tile_i > 0) { mbar_arrive(q_full); } else {   // probe: Q loaded once\n"
+        "                    mbar_arrive_expect_tx(q_full, BM * D * 2);\n",
     ), (
         "wt.q_row + wt.m0, wt.head, wt.tma_b);\n",
         "wt.q_row + wt.m0, wt.head, wt.tma_b);\n                }\n",
@@ -79,7 +79,7 @@ PROBES = {
 #: cf_clock [block][start, end][clock64, globaltimer ns] (producer) calibrates cycles to time.
 TRACE_BLOCKS, TRACE_ROLES, TRACE_TILES, TRACE_EVENTS = 132, 4, 32, 8
 #: event names per role (index = event number)
-TRACE_EVENTS_PRODUCER = ["q_empty wait", "q_empty done", "tile drawn", "Q issued", "K/V issued"]
+TRACE_EVENTS_PRODUCER = ["q_empty wait", "q_empty done", "tile published (drawn ahead)", "Q issued", "K/V issued"]
 TRACE_EVENTS_CONSUMER = ["q_full wait", "q_full done", "first turn", "first S done",
                          "first softmax done", "last turn", "last PV done", "stored"]
 
@@ -114,8 +114,9 @@ PROBES["trace"] = [
      f"                {_stamp(0, 1)}\n"),
     ("                *tile_smem = w;  ", f"                {_stamp(0, 2)}\n                *tile_smem = w;  "),
     ("wt.q_row + wt.m0, wt.head, wt.tma_b);\n", f"wt.q_row + wt.m0, wt.head, wt.tma_b);\n                {_stamp(0, 3)}\n"),
-    ("                    load(v_smem, &p.tma_v, v_full, v_empty);\n                }\n",
-     f"                    load(v_smem, &p.tma_v, v_full, v_empty);\n                }}\n                {_stamp(0, 4)}\n"),
+    ("                        load(wt, it, v_smem, &p.tma_v, v_full, v_empty);\n                    }\n",
+     f"                        load(wt, it, v_smem, &p.tma_v, v_full, v_empty);\n                    }}\n"
+     f"                    {_stamp(0, 4)}\n"),
     # consumers
     ("            mbar_wait(q_full, tile_i & 1);\n",
      f"            {_stamp('1 + cw', 0)}\n            mbar_wait(q_full, tile_i & 1);\n            {_stamp('1 + cw', 1)}\n"),
@@ -131,7 +132,7 @@ PROBES["trace"] = [
     ("            store_tile();\n", f"            store_tile();\n            {_stamp('1 + cw', 7)}\n"),
 ]
 #: ``epitrace``: stamps inside the epilogue of an O_SMEM variant (staged O, TMA store) instead
-TRACE_EVENTS_EPILOGUE = ["last PV done", "finish_rows (1 / l, lse)", "barrier 1 (o_smem free)",
+TRACE_EVENTS_EPILOGUE = ["last PV done", "finish_rows (1 / l, lse)", "o_smem address (its barrier: in the last turn)",
                          "stmatrix + fence", "barrier 2 (rows staged)", "TMA store issued",
                          "back in the loop"]
 PROBES["epitrace"] = [
@@ -141,8 +142,8 @@ PROBES["epitrace"] = [
     ("            finish_rows<VARLEN>(p, wt, m_run, l_run, sl2, row0, t % 4 == 0, inv_l);\n",
      "            finish_rows<VARLEN>(p, wt, m_run, l_run, sl2, row0, t % 4 == 0, inv_l);\n"
      f"            {_stamp('1 + cw', 1)}\n"),
-    ("            named_bar_sync(WG_BAR + cw, 128);     // ... before any warp overwrites it\n",
-     "            named_bar_sync(WG_BAR + cw, 128);     // ... before any warp overwrites it\n"
+    ("            const u32 o_wg = smem + L::O + cw * L::O_WG;   // [PANELS][64][64] (free: last_turn)\n",
+     "            const u32 o_wg = smem + L::O + cw * L::O_WG;   // [PANELS][64][64] (free: last_turn)\n"
      f"            {_stamp('1 + cw', 2)}\n"),
     ("            fence_proxy_async();                  // the rows visible to the TMA unit,\n",
      "            fence_proxy_async();                  // the rows visible to the TMA unit,\n"
