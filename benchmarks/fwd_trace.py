@@ -61,7 +61,7 @@ def summarise(tr: np.ndarray, n_key_tiles: int, blocks: int) -> dict:
     rows = {k: [] for k in ["q wait", "turn wait (first)", "first S", "first softmax", "loop / key tile",
                             "last turn wait + P.V", "epilogue", "tile (stored to stored)",
                             "boundary (tile - n steps)"]}
-    pr = {k: [] for k in ["q_empty wait", "draw", "Q issue", "publish (q_empty) to consumer's Q landed"]}
+    pr = {k: [] for k in ["q_empty wait", "q_empty to publish (drawn ahead)", "Q issue", "publish (q_empty) to consumer's Q landed"]}
     for b in range(cons.shape[0]):
         for c in range(cons.shape[1]):
             ev = cons[b, c]
@@ -81,7 +81,7 @@ def summarise(tr: np.ndarray, n_key_tiles: int, blocks: int) -> dict:
                 rows["boundary (tile - n steps)"].append(e[7] - prev[7] - n_key_tiles * step)
                 if c == 0 and prod[b, i, 2] and prod[b, i, 1]:
                     pr["q_empty wait"].append(prod[b, i, 1] - prod[b, i, 0])
-                    pr["draw"].append(prod[b, i, 2] - prod[b, i, 1])
+                    pr["q_empty to publish (drawn ahead)"].append(prod[b, i, 2] - prod[b, i, 1])
                     pr["Q issue"].append(prod[b, i, 3] - prod[b, i, 2])
                     pr["publish (q_empty) to consumer's Q landed"].append(e[1] - prod[b, i, 2])
     for k, v in {**rows, **pr}.items():
