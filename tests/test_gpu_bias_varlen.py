@@ -150,7 +150,11 @@ def check_grad(dtype_name, w, got, ref, naive=None):
         return
     n_err = np.abs(naive - ref).max() if got.size else 0.0
     tol = 2 * n_err + FLOOR[dtype_name] * sc
-    assert err <= tol, f"{w}: err {err:.3g} > {tol:.3g} (naive {n_err:.3g}, scale {sc:.3g})"
+    where = ""
+    if err > tol:   # the worst element: its value, reference and naive value
+        i = np.unravel_index(np.abs(got - ref).argmax(), got.shape)
+        where = f"at {tuple(int(x) for x in i)}: got {got[i]:.6g}, ref {ref[i]:.6g}, naive {naive[i]:.6g}"
+    assert err <= tol, f"{w}: err {err:.3g} > {tol:.3g} (naive {n_err:.3g}, scale {sc:.3g}) {where}"
 
 
 # ----------------------------------------------------------------------------------------------
