@@ -149,7 +149,7 @@ def check_grad(dtype_name, w, got, ref, naive=None):
         assert err <= 5e-5 * sc, f"{w}: error {err:.3g} > 5e-5 * {sc:.3g}"
         return
     n_err = np.abs(naive - ref).max() if got.size else 0.0
-    tol = 2 * n_err + FLOOR[dtype_name] * sc
+    tol = gpu_util.grad_tolerance(dtype_name, ref, n_err)
     where = ""
     if err > tol:   # the worst element: its value, reference and naive value
         i = np.unravel_index(np.abs(got - ref).argmax(), got.shape)
