@@ -21,6 +21,10 @@ Probes (each a textual patch of fwd_sm90.cu; a patch whose anchor is gone stops 
   run time. That candidate ran 2–10 % slower even where it never took them (docs/hopper.md step
   19); this says whether the code's presence alone does that (layout, instruction fetch,
   register allocation) before any such A/B difference is read as the candidate's effect.
+- ``halfkv``: every K and V tile loads only its first 64-column panel (half the bytes the ring
+  reads from L2 at hd >= 128; hd 64 is unchanged): whether the K / V traffic from L2 limits the
+  key-tile loop, i.e. whether sharing each tile between two SMs (TMA multicast in a cluster of
+  two) could pay.
 - ``trace``: the same kernel, bit for bit, with SM clock stamps at the tile-boundary events of
   the first TRACE_TILES work tiles of every block (``cf_trace``); benchmarks/fwd_trace.py reads
   and summarises them. Not in the timed set by default (``--probes`` picks).
@@ -44,8 +48,8 @@ PROBES = {
         "    auto store_tile = [&]() {\n        if (p.b > 0) return;   // probe: always at run time\n",
     )],
     "static": [(
-        "w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;",
-        "w = blockIdx.x + drawn * gridDim.x;   // probe: static order",
+        "w = sched_draw(p.sched, drawn);",
+        "w = sched_draw(nullptr, drawn);   // probe: static order",
     )],
     "qonce": [(
         "                    mbar_arrive_expect_tx(q_full, BM * D * 2);\n",
@@ -56,8 +60,8 @@ PROBES = {
         "wt.q_row + wt.m0, wt.head, wt.tma_b);\n                }\n",
     )],
     "pad": [(
-        "            if (!SOME_EMPTY || wt.n_tiles > 0) return true;\n",
-        "            if ((!SOME_EMPTY || wt.n_tiles > 0) && p.b >= 0) return true;   // probe: p.b >= 0 always\n"
+        "            if (sees_keys(wt)) return true;\n",
+        "            if (sees_keys(wt) && p.b >= 0) return true;   // probe: p.b >= 0 always\n"
         "            if (wt.n_tiles > 0) {                // probe: never runs (session 11's empty turns)\n"
         "                for (int it = 0; it <= wt.n_tiles; ++it) {\n"
         "                    named_bar_sync(TURN_BAR + cw, 256);\n"
@@ -71,6 +75,14 @@ PROBES = {
         "                kv_it += wt.n_tiles;\n"
         "                continue;\n"
         "            }\n",
+    )],
+    "halfkv": [(
+        "                mbar_arrive_expect_tx(full + 8 * s, BN * D * 2);\n"
+        "#pragma unroll\n"
+        "                for (int c = 0; c < L::PANELS; ++c)\n",
+        "                mbar_arrive_expect_tx(full + 8 * s, BN * D * 2 / (L::PANELS > 1 ? 2 : 1));   // probe\n"
+        "#pragma unroll\n"
+        "                for (int c = 0; c < (L::PANELS > 1 ? L::PANELS / 2 : 1); ++c)   // probe: half the panels\n",
     )],
 }
 

@@ -296,8 +296,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 WorkTile wt;
                 do {   // varlen: tiles whose keys start past their sequence's end are skipped here,
                        // so the readers (consumers, ROWS_WARP) never see them
-                    w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
-                    ++drawn;
+                    w = sched_draw(p.sched, drawn);
                     if (w < num_work) wt = work_tile<WINDOW, VARLEN, BIAS>(p, w);
                 } while (VARLEN && w < num_work && !wt.keys);
                 tile_smem[ts] = w < num_work ? w : -1;

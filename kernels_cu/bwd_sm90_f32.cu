@@ -398,8 +398,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 const int ts = tile_i % TILE_RING;
                 // every reader has taken the slot's previous index
                 if (tile_i >= TILE_RING) mbar_wait(tile_empty + 8 * ts, ((tile_i / TILE_RING) - 1) & 1);
-                int w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
-                ++drawn;
+                int w = sched_draw(p.sched, drawn);
                 // causal / window: the grid's tail longest first (key tile 0 of a (kv head, batch)
                 // pair sees the most query rows under a causal mask)
                 if (WINDOW && w < num_work) w = longest_first_tail(w, num_n, p.h_k * p.b, gridDim.x);

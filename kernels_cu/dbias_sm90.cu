@@ -219,8 +219,7 @@ flash_bwd_dbias_sm90(const __grid_constant__ Params p) {
                 const int ts = tile_i % TILE_RING;
                 // every consumer warp has taken the slot's previous index
                 if (tile_i >= TILE_RING) mbar_wait(tile_empty + 8 * ts, ((tile_i / TILE_RING) - 1) & 1);
-                const int w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
-                ++drawn;
+                const int w = sched_draw(p.sched, drawn);
                 tile_smem[ts] = w < num_work ? w : -1;
                 mbar_arrive(tile_full + 8 * ts);     // publishes tile_smem[ts] (release)
                 if (w >= num_work) break;            // no work left: the consumers stop on -1

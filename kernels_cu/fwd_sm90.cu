@@ -405,6 +405,8 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     // itself, _gpu._empty), so every tile sees keys; that path is then compiled out (code in the
     // consumers' tile-to-tile path cost time even untaken: docs/hopper.md step 19).
     constexpr bool SOME_EMPTY = WINDOW || VARLEN;
+    // Whether a work tile's rows see any key (so that it has key tiles to load and run)
+    auto sees_keys = [](const WorkTile& wt) { return !SOME_EMPTY || wt.n_tiles > 0; };
     // Whether the softmax of key tile j + 1 runs beside this consumer's own O += P V of tile j.
     // Written so in the source, but ptxas put the wait for P V (WARPGROUP.DEPBAR) before the
     // softmax's first exp2 in every variant (it is free to hoist a wait within a basic block;
@@ -462,8 +464,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             auto draw = [&](WorkTile& wt) -> int {
                 int w;
                 do {   // varlen: tiles past their sequence's end have no rows; skip them here
-                    w = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
-                    ++drawn;
+                    w = sched_draw(p.sched, drawn);
                     // dense causal / window: the grid's tail longest first
                     if (WINDOW && !VARLEN && w < num_work)
                         w = longest_first_tail(w, p.num_m_blocks, p.h * p.b, gridDim.x);
@@ -495,7 +496,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                     break;
                 }
                 *tile_smem = w;                       // published by the q_full arrival (release)
-                if (SOME_EMPTY && wt.n_tiles == 0) {  // rows that see no key: nothing to load
+                if (!sees_keys(wt)) {                 // rows that see no key: nothing to load
                     mbar_arrive(q_full);
                 } else {
                     // Q tile [BM, D]
@@ -517,7 +518,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                 // only after that, so it loads after Q.)
                 WorkTile next;
                 w = draw(next);
-                k0_loaded = w < num_work && (!SOME_EMPTY || next.n_tiles > 0);
+                k0_loaded = w < num_work && sees_keys(next);
                 if (k0_loaded) {
 #pragma unroll
                     for (int c = 0; c < L::PANELS; ++c)
@@ -566,7 +567,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             const int w = *tile_smem;
             if (w < 0) return false;
             wt = work_tile<WINDOW, VARLEN, BM, BN, BIAS != 0>(p, w);
-            if (!SOME_EMPTY || wt.n_tiles > 0) return true;
+            if (sees_keys(wt)) return true;
             store_empty_rows<E, D, VARLEN>(p, wt, wt.m0 + cw * WG_ROWS, t);
             named_bar_sync(WG_BAR + cw, 128);   // the whole warpgroup has read the tile index
             if (t == 0) mbar_arrive(q_empty);

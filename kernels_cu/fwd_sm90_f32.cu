@@ -204,8 +204,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             int w, ahead;
             WorkTile wt;
             auto draw_next = [&]() {
-                const int w_drawn = p.sched ? (int)atomicAdd(p.sched, 1u) : blockIdx.x + drawn * gridDim.x;
-                ++drawn;
+                const int w_drawn = sched_draw(p.sched, drawn);
                 ahead = 0;
                 w = -1;
                 if (w_drawn >= num_work) return;

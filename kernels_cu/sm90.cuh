@@ -228,6 +228,15 @@ __device__ __forceinline__ int take_tile(volatile int* tile_smem, u32 tile_full,
     return w;
 }
 
+// The next work-tile index of a persistent block: from the per-stream counter sched [2] (the
+// scheduler's atomic, dynamic order), or without one (sched null) i · grid + block, the i-th
+// static draw; `drawn` counts this block's draws.
+__device__ __forceinline__ int sched_draw(unsigned int* sched, int& drawn) {
+    const int w = sched ? (int)atomicAdd(sched, 1u) : (int)blockIdx.x + drawn * (int)gridDim.x;
+    ++drawn;
+    return w;
+}
+
 // The persistent kernels' work-tile counter sched [2] (drawn index, finished blocks): called
 // once per block after its last draw. Every block has drawn its last index before it counts
 // itself finished, so the last one may zero the counter for the next launch on the stream.
