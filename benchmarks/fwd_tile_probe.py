@@ -24,7 +24,7 @@ Probes (each a textual patch of fwd_sm90.cu; a patch whose anchor is gone stops 
 - ``halfkv``: every K and V tile loads only its first 64-column panel (half the bytes the ring
   reads from L2 at hd >= 128; hd 64 is unchanged): whether the K / V traffic from L2 limits the
   key-tile loop, i.e. whether sharing each tile between two SMs (TMA multicast in a cluster of
-  two) could pay.
+  two) could pay. ``halfk`` / ``halfv``: the same for K tiles or V tiles alone.
 - ``trace``: the same kernel, bit for bit, with SM clock stamps at the tile-boundary events of
   the first TRACE_TILES work tiles of every block (``cf_trace``); benchmarks/fwd_trace.py reads
   and summarises them. Not in the timed set by default (``--probes`` picks).
@@ -76,15 +76,26 @@ PROBES = {
         "                continue;\n"
         "            }\n",
     )],
-    "halfkv": [(
+}
+
+
+def _half_panels(which: str):
+    """The ``half*`` probes: K and / or V tiles (``which``: a C++ condition on the load's
+    tensor map ``desc``) load only the first half of their 64-column panels."""
+    return [(
         "                mbar_arrive_expect_tx(full + 8 * s, BN * D * 2);\n"
         "#pragma unroll\n"
         "                for (int c = 0; c < L::PANELS; ++c)\n",
-        "                mbar_arrive_expect_tx(full + 8 * s, BN * D * 2 / (L::PANELS > 1 ? 2 : 1));   // probe\n"
+        f"                const bool half = L::PANELS > 1 && ({which});   // probe\n"
+        "                mbar_arrive_expect_tx(full + 8 * s, BN * D * 2 / (half ? 2 : 1));\n"
         "#pragma unroll\n"
-        "                for (int c = 0; c < (L::PANELS > 1 ? L::PANELS / 2 : 1); ++c)   // probe: half the panels\n",
-    )],
-}
+        "                for (int c = 0; c < (half ? L::PANELS / 2 : L::PANELS); ++c)   // probe: half the panels\n",
+    )]
+
+
+PROBES["halfkv"] = _half_panels("true")
+PROBES["halfk"] = _half_panels("desc == &p.tma_k")
+PROBES["halfv"] = _half_panels("desc == &p.tma_v")
 
 #: SM clock stamps (``trace``): cf_trace [block < TRACE_BLOCKS][role 0 producer, 1 + consumer]
 #: [work tile < TRACE_TILES][event < TRACE_EVENTS], written by lane 0 of each role's warpgroup;

@@ -94,7 +94,7 @@ def keep_mask(s_q, s_k, wl, wr, bottom_right):
 
 
 def naive_attention(q, k, v, do, dtype, scale, keep, bias=None, softcap=0.0, slopes=None, diag=None,
-                    bias_dtype=None):
+                    bias_dtype=None, o_saved=None):
     """Attention and its gradients computed the naive way in ``dtype`` (design.md §4's
     comparison), like PyTorch's same-dtype math: each matmul takes dtype operands, accumulates in
     float32 and rounds its result to dtype (what cuBLAS does for float16 / bfloat16; CuPy's
@@ -105,6 +105,11 @@ def naive_attention(q, k, v, do, dtype, scale, keep, bias=None, softcap=0.0, slo
     q [b, s_q, h, d], k [b, s_k, h_k, d], v [b, s_k, h_k, d_v], do [b, s_q, h, d_v] (None:
     forward only) CuPy float arrays; keep bool broadcastable to [b, h, s_q, s_k]; bias float32
     4-D or None; slopes (ALiBi) [b or 1, h] with diag [s_q] (each row's diagonal key).
+    o_saved [b, s_q, h, d_v] (optional): the forward output the backward is given; D =
+    rowsum(dO ∘ O) then uses it, as FlashAttention's backward (and ours) does, instead of this
+    function's own O. The two O are different roundings of the same values, and where one key
+    dominates some 2000 rows a dbias element sums their D errors: the kernel's and a
+    self-computed naive's then differ by chance, not by method (docs/hopper.md, session 15).
     Returns (out, lse) without do, else (out, lse, dq, dk, dv, dbias); dbias in the bias's 4-D
     shape and bias_dtype (None without a bias)."""
     f32 = cp.float32
@@ -137,7 +142,8 @@ def naive_attention(q, k, v, do, dtype, scale, keep, bias=None, softcap=0.0, slo
     dot = do.transpose(0, 2, 1, 3).astype(f32)
     dv = cp.matmul(p16.swapaxes(-1, -2), dot)
     dp = mm(dot, vt.swapaxes(-1, -2))
-    ds = p * (dp - (dot * o).sum(-1, keepdims=True))
+    o_d = o if o_saved is None else o_saved.transpose(0, 2, 1, 3).astype(f32)
+    ds = p * (dp - (dot * o_d).sum(-1, keepdims=True))
     dbias = None
     if bias is not None:
         red = tuple(a for a in range(4) if bias.shape[a] == 1 and ds.shape[a] != 1)

@@ -203,8 +203,9 @@ def run_dense(rng, dtype_name, b, sq, sk, h, hk, d, *, bias=None, bias_dtype=Non
     bias4 = None
     if bias_n is not None:
         bias4 = cp.asarray(bias_n.astype(np.float32).reshape((1,) * (4 - bias_n.ndim) + bias_n.shape))
+    # (the naive backward's D from the kernel's out, which the backward is given: gpu_util)
     naive = _naive(q, k, v, dout if backward else None, dtype, scale, keep, bias4, softcap,
-                   None if slopes is None else cp.asarray(slopes), diag, bias_dtype)
+                   None if slopes is None else cp.asarray(slopes), diag, bias_dtype, o_saved=out)
     check_out_lse(dtype_name, _h(out), _h(lse), ref_out, ref_lse, _h(naive[0]), _h(naive[1]),
                   what=name)
     dead = np.isneginf(ref_lse)
