@@ -399,7 +399,7 @@ class Sm90Variant(NamedTuple):
 def _sm90_ring_bytes(d: int, bn: int, stages: int, nc: int) -> int:
     """Q [64·nc, d], K and V [stages, bn, d] (16-bit), the mbarriers, the work-tile index and
     1024 bytes of slack to align the swizzled panels (sm90::Layout without O)."""
-    return 2 * d * (64 * nc + 2 * stages * bn) + 8 * (2 + 4 * stages + 1) + 1024
+    return 2 * d * (64 * nc + 2 * stages * bn) + 8 * (2 + 5 * stages + 1) + 1024
 
 
 def sm90_o_smem(d: int, bn: int, stages: int, nc: int = 2, varlen: bool = False) -> bool:

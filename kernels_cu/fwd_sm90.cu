@@ -78,10 +78,10 @@ struct Layout {
     static constexpr int K = Q + PANELS * Q_PANEL;           // k_smem [STAGES][PANELS][BN][64]
     static constexpr int V = K + STAGES * KV_TILE;           // v_smem [STAGES][PANELS][BN][64]
     static constexpr int O = V + STAGES * KV_TILE;           // o_smem [NC][PANELS][64][64] (O_SMEM)
-    static constexpr int RING_BYTES = O + 8 * (2 + 4 * STAGES) + 8;
+    static constexpr int RING_BYTES = O + 8 * (2 + 5 * STAGES) + 8;
     static constexpr bool O_SMEM = !VARLEN && RING_BYTES + NC * O_WG + 1024 <= SMEM_MAX;
-    static constexpr int BARS = O + (O_SMEM ? NC * O_WG : 0);  // q_full, q_empty, k/v_full[S], k/v_empty[S]
-    static constexpr int TILE = BARS + 8 * (2 + 4 * STAGES);  // work-tile index, producer -> consumers
+    static constexpr int BARS = O + (O_SMEM ? NC * O_WG : 0);  // q_full, q_empty, k/v_full[S], k/v_empty[S], k_full2[S]
+    static constexpr int TILE = BARS + 8 * (2 + 5 * STAGES);  // work-tile index, producer -> consumers
     static constexpr int BYTES = TILE + 8;
 };
 
@@ -432,6 +432,10 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     const u32 v_full = k_full + 8 * STAGES;            // [STAGES]: V tile landed
     const u32 k_empty = v_full + 8 * STAGES;           // [STAGES]: every consumer is done with the K tile
     const u32 v_empty = k_empty + 8 * STAGES;          // [STAGES]: every consumer is done with the V tile
+    // KSPLIT (D >= 128): k_full counts the K tile's first half of panels, k_full2 [STAGES] the
+    // second, so that S = Q Kᵀ starts on the first half while the second lands
+    constexpr bool KSPLIT = L::PANELS >= 2;
+    const u32 k_full2 = v_empty + 8 * STAGES;
     volatile int* tile_smem = (volatile int*)(smem_raw + (smem - smem_addr(smem_raw)) + L::TILE);
     const int num_work = p.num_m_blocks * p.h * p.b;
 
@@ -443,6 +447,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         mbar_init(q_empty, NC);                // one arrival per consumer warpgroup
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_full + 8 * s, 1);
+            mbar_init(k_full2 + 8 * s, 1);
             mbar_init(v_full + 8 * s, 1);
             mbar_init(k_empty + 8 * s, NC);
             mbar_init(v_empty + 8 * s, NC);
@@ -478,6 +483,18 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                 const int n0 = wt.k_row + (wt.t_first + wt.n_tiles - 1 - it) * BN;   // packed row, right to left
                 const int s = kv_it % STAGES;
                 if (kv_it >= STAGES) mbar_wait(empty + 8 * s, ((kv_it / STAGES) - 1) & 1);
+                if (KSPLIT && full == k_full) {   // K: each half of the panels on its own barrier
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const u32 bar = (h ? k_full2 : k_full) + 8 * s;
+                        mbar_arrive_expect_tx(bar, BN * D);
+#pragma unroll
+                        for (int c = h * L::PANELS / 2; c < (h + 1) * L::PANELS / 2; ++c)
+                            tma_load_4d(dst_smem + s * L::KV_TILE + c * L::KV_PANEL, desc, bar,
+                                        c * PANEL_COLS, n0, wt.kv_head, wt.tma_b);
+                    }
+                    return;
+                }
                 mbar_arrive_expect_tx(full + 8 * s, BN * D * 2);
 #pragma unroll
                 for (int c = 0; c < L::PANELS; ++c)
@@ -589,6 +606,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         wgmma_fence();   // a pipeline stage of its own: O's product may be waited for alone
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
+            if (KSPLIT && kk == D / 32) mbar_wait(k_full2 + 8 * s, (kv / STAGES) & 1);   // K's second half
             const u32 off = (kk % 4) * 32;    // 16 columns = 32 bytes within a 128-byte panel row
             wgmma_ss<E, BN>(s_acc, desc_add(q_desc, (kk / 4) * L::Q_PANEL + off),
                             desc_add(k_tile, (kk / 4) * L::KV_PANEL + off), kk > 0);

@@ -132,15 +132,15 @@ def test_wgmma_header_is_generated_and_current():
 def test_smem_layout_mirror():
     """sm90_smem_bytes mirrors sm90::Layout in fwd_sm90.cu (the kernel traps on a mismatch)."""
     src = (ROOT / "kernels_cu" / "fwd_sm90.cu").read_text()
-    assert "TILE = BARS + 8 * (2 + 4 * STAGES)" in src and "BYTES = TILE + 8" in src and "if (smem_given < L::BYTES + 1024) __trap();" in src
+    assert "TILE = BARS + 8 * (2 + 5 * STAGES)" in src and "BYTES = TILE + 8" in src and "if (smem_given < L::BYTES + 1024) __trap();" in src
     assert "O_SMEM = !VARLEN && RING_BYTES + NC * O_WG + 1024 <= SMEM_MAX" in src
     assert "constexpr int SMEM_MAX = 227 * 1024;" in src
-    ring = 2 * 128 * (128 + 4 * 128) + 8 * 11 + 1024
+    ring = 2 * 128 * (128 + 4 * 128) + 8 * 13 + 1024
     # O [128, 128] staged for the TMA store; not with packed sequences
     assert _plan.sm90_smem_bytes(128, 128, 2) == ring + 2 * 128 * 128
     assert _plan.sm90_smem_bytes(128, 128, 2, varlen=True) == ring
     # three consumer warpgroups: a 192-row Q tile (and O)
-    assert _plan.sm90_smem_bytes(64, 128, 2, 3) == 2 * 64 * (192 + 4 * 128) + 8 * 11 + 1024 + 2 * 64 * 192
+    assert _plan.sm90_smem_bytes(64, 128, 2, 3) == 2 * 64 * (192 + 4 * 128) + 8 * 13 + 1024 + 2 * 64 * 192
 
 
 @pytest.mark.parametrize("d,bn,stages,nc,varlen,staged", [
