@@ -41,6 +41,8 @@ def grad_tolerance(dtype_name: str, ref, naive_err: float) -> float:
     max|ref|) and rounding_floor."""
     sc = max(1.0, float(np.abs(ref).max()) if np.size(ref) else 0.0)
     return 2.0 * naive_err + max(FLOOR[dtype_name] * sc, rounding_floor(dtype_name, ref))
+
+
 #: Window and causal-alignment option cases, the first test_options cases of every GPU test file
 WINDOW_OPTION_SETS = {
     "window": dict(window=(32, 16)),
