@@ -81,15 +81,13 @@ PROBES = {
 
 def _half_panels(which: str):
     """The ``half*`` probes: K and / or V tiles (``which``: a C++ condition on the load's
-    tensor map ``desc``) load only the first half of their 64-column panels."""
+    tensor map ``desc``) load only the first half of their 64-column panels (a part of the
+    tile left without panels expects no bytes: its barrier completes on the arrival)."""
     return [(
-        "                mbar_arrive_expect_tx(full + 8 * s, BN * D * 2);\n"
-        "#pragma unroll\n"
-        "                for (int c = 0; c < L::PANELS; ++c)\n",
-        f"                const bool half = L::PANELS > 1 && ({which});   // probe\n"
-        "                mbar_arrive_expect_tx(full + 8 * s, BN * D * 2 / (half ? 2 : 1));\n"
-        "#pragma unroll\n"
-        "                for (int c = 0; c < (half ? L::PANELS / 2 : L::PANELS); ++c)   // probe: half the panels\n",
+        "                    const int c0 = h * L::PANELS / parts, c1 = (h + 1) * L::PANELS / parts;   // its panels\n",
+        f"                    const bool half = L::PANELS > 1 && ({which});   // probe\n"
+        "                    const int c_end = half ? L::PANELS / 2 : L::PANELS;   // probe: half the panels\n"
+        "                    const int c0 = min(h * L::PANELS / parts, c_end), c1 = min((h + 1) * L::PANELS / parts, c_end);\n",
     )]
 
 
@@ -137,8 +135,8 @@ PROBES["trace"] = [
      f"                {_stamp(0, 1)}\n"),
     ("                *tile_smem = w;  ", f"                {_stamp(0, 2)}\n                *tile_smem = w;  "),
     ("wt.q_row + wt.m0, wt.head, wt.tma_b);\n", f"wt.q_row + wt.m0, wt.head, wt.tma_b);\n                {_stamp(0, 3)}\n"),
-    ("                        load(wt, it, v_smem, &p.tma_v, v_full, v_empty);\n                    }\n",
-     f"                        load(wt, it, v_smem, &p.tma_v, v_full, v_empty);\n                    }}\n"
+    ("                        load_v(wt, it);\n                    }\n",
+     f"                        load_v(wt, it);\n                    }}\n"
      f"                    {_stamp(0, 4)}\n"),
     # consumers
     ("            mbar_wait(q_full, tile_i & 1);\n",

@@ -478,29 +478,29 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                 return w;
             };
             // K (or V) tile `it` of work tile wt [BN, D] into ring stage kv_it % STAGES, once every
-            // consumer has released the stage's previous one
-            auto load = [&](const WorkTile& wt, int it, u32 dst_smem, const TmaDesc* desc, u32 full, u32 empty) {
+            // consumer has released the stage's previous one; its panels in `parts` parts (a constant
+            // at each call), the first counted on barrier array `full`, the second on `full2` (K
+            // with KSPLIT: two halves, k_full and k_full2)
+            auto load = [&](const WorkTile& wt, int it, u32 dst_smem, const TmaDesc* desc, int parts,
+                            u32 full, u32 full2, u32 empty) {
                 const int n0 = wt.k_row + (wt.t_first + wt.n_tiles - 1 - it) * BN;   // packed row, right to left
                 const int s = kv_it % STAGES;
                 if (kv_it >= STAGES) mbar_wait(empty + 8 * s, ((kv_it / STAGES) - 1) & 1);
-                if (KSPLIT && full == k_full) {   // K: each half of the panels on its own barrier
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const u32 bar = (h ? k_full2 : k_full) + 8 * s;
-                        mbar_arrive_expect_tx(bar, BN * D);
+                for (int h = 0; h < parts; ++h) {
+                    const int c0 = h * L::PANELS / parts, c1 = (h + 1) * L::PANELS / parts;   // its panels
+                    const u32 bar = (h ? full2 : full) + 8 * s;
+                    mbar_arrive_expect_tx(bar, (c1 - c0) * L::KV_PANEL);
 #pragma unroll
-                        for (int c = h * L::PANELS / 2; c < (h + 1) * L::PANELS / 2; ++c)
-                            tma_load_4d(dst_smem + s * L::KV_TILE + c * L::KV_PANEL, desc, bar,
-                                        c * PANEL_COLS, n0, wt.kv_head, wt.tma_b);
-                    }
-                    return;
+                    for (int c = c0; c < c1; ++c)
+                        tma_load_4d(dst_smem + s * L::KV_TILE + c * L::KV_PANEL, desc, bar,
+                                    c * PANEL_COLS, n0, wt.kv_head, wt.tma_b);
                 }
-                mbar_arrive_expect_tx(full + 8 * s, BN * D * 2);
-#pragma unroll
-                for (int c = 0; c < L::PANELS; ++c)
-                    tma_load_4d(dst_smem + s * L::KV_TILE + c * L::KV_PANEL, desc, full + 8 * s,
-                                c * PANEL_COLS, n0, wt.kv_head, wt.tma_b);
             };
+            auto load_k = [&](const WorkTile& wt, int it) {
+                load(wt, it, k_smem, &p.tma_k, KSPLIT ? 2 : 1, k_full, k_full2, k_empty);
+            };
+            auto load_v = [&](const WorkTile& wt, int it) { load(wt, it, v_smem, &p.tma_v, 1, v_full, v_full, v_empty); };
             WorkTile wt;
             int w = draw(wt);
             bool k0_loaded = false;   // the tile's first K tile was issued ahead (below)
@@ -524,8 +524,8 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                                     wt.q_row + wt.m0, wt.head, wt.tma_b);
                     // K, V tiles [BN, D], right to left through the band, STAGES buffers deep
                     for (int it = 0; it < wt.n_tiles; ++it, ++kv_it) {
-                        if (it > 0 || !k0_loaded) load(wt, it, k_smem, &p.tma_k, k_full, k_empty);
-                        load(wt, it, v_smem, &p.tma_v, v_full, v_empty);
+                        if (it > 0 || !k0_loaded) load_k(wt, it);
+                        load_v(wt, it);
                     }
                 }
                 // Draw ahead, while the consumers still work on this tile: the next tile's index
@@ -540,7 +540,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
 #pragma unroll
                     for (int c = 0; c < L::PANELS; ++c)
                         tma_prefetch_l2_4d(&p.tma_q, c * PANEL_COLS, next.q_row + next.m0, next.head, next.tma_b);
-                    load(next, 0, k_smem, &p.tma_k, k_full, k_empty);
+                    load_k(next, 0);
                 }
                 wt = next;
             }
