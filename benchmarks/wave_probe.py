@@ -9,7 +9,6 @@ tail costs, TFLOP/s rises with the tile count up to a full last wave and drops r
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -21,6 +20,8 @@ import ml_dtypes  # noqa: E402
 
 import cupyflash as cf  # noqa: E402
 from cupyflash import _bench  # noqa: E402
+
+from ab_timing import interleaved_tflops  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -52,14 +53,8 @@ def main(argv=None) -> int:
             if args.peer:
                 import peers
                 peer = peers.try_peer(args.peer, q, k, v, args.causal, "fwd")
-            fl = _bench.flops(b, h, s, s, d, args.causal, "fwd")
-            t_ours, t_peer = [], []
-            for _ in range(args.rounds):
-                t_ours.append(_bench.time_ms(fn, warmup=2, rep=args.rep))
-                if peer is not None:
-                    t_peer.append(_bench.time_ms(peer, warmup=2, rep=args.rep))
-            tf = fl / sorted(t_ours)[len(t_ours) // 2] / 1e9
-            tp = fl / sorted(t_peer)[len(t_peer) // 2] / 1e9 if t_peer else math.nan
+            (tf,), tp = interleaved_tflops([fn], peer, _bench.flops(b, h, s, s, d, args.causal, "fwd"),
+                                           args.rounds, args.rep, _bench.time_ms)
             tiles = b * h * m_blocks
             print(f"{s:>6} {b:>4} {tiles:>6} {tiles / sms:>6.2f} | {tf:7.1f} {tp:7.1f} | {tf / tp:5.3f}", flush=True)
             del q, k, v, fn, peer
