@@ -173,12 +173,19 @@ def _reduce_to(x, shape):
 
 
 def attention_backward(dout, q, k, v, *, scale=None, causal=False, causal_align="bottom_right",
-                       window=None, bias=None, mask=None, softcap=None, alibi_slopes=None):
+                       window=None, bias=None, mask=None, softcap=None, alibi_slopes=None,
+                       out=None):
     """Closed-form gradients of :func:`attention` in float64.
 
     Parameters
     ----------
     dout : [b, s_q, h, d_v];  q : [b, s_q, h, d];  k : [b, s_k, h_k, d];  v : [b, s_k, h_k, d_v]
+    out : [b, s_q, h, d_v] or None
+        The forward output a backward is handed (e.g. a float16 one). None: the exact O. Given,
+        D = rowsum(dO ∘ out) uses it: the exact gradients of a backward given that output. A
+        backward given a 16-bit out cannot do better than this; where one key dominates
+        thousands of rows, a dbias element sums those rows' D errors (docs/hopper.md,
+        "Where it stands").
     other options: see :func:`scores`.
 
     Returns
@@ -206,6 +213,8 @@ def attention_backward(dout, q, k, v, *, scale=None, causal=False, causal_align=
     o = np.einsum("bhij,bhje->bhie", p, vh)                     # [b, h, s_q, d_v]
     dv_h = np.einsum("bhij,bhie->bhje", p, doh)                 # [b, h, s_k, d_v]
     dp = np.einsum("bhie,bhje->bhij", doh, vh)                  # dP = dO Vᵀ
+    if out is not None:
+        o = _f64(out).transpose(0, 2, 1, 3)                     # the O the backward is given
     D = (doh * o).sum(-1, keepdims=True)                        # rowsum(dO ∘ O)
     ds = p * (dp - D)                                           # dS = P ∘ (dP − D)
     ds_raw = ds

@@ -225,7 +225,9 @@ def run_dense(rng, dtype_name, b, sq, sk, h, hk, d, *, bias=None, bias_dtype=Non
     for other in results[1:]:
         for w, x, y in zip(("dq", "dk", "dv", "dbias"), results[0], other):
             assert np.array_equal(x, y, equal_nan=True), f"{bname}: {w} differs between runs"
-    refs = reference.attention_backward(don, qn, kn, vn, **kw)
+    # the float64 gradients of a backward given this out: D = rowsum(dO ∘ out) from the stored
+    # (16-bit) out, whose rounding no backward can undo; the naive takes it too (o_saved)
+    refs = reference.attention_backward(don, qn, kn, vn, out=_h(out), **kw)
     got = results[0]
     assert (got[0].transpose(0, 2, 1, 3)[dead] == 0).all(), "rows that see nothing: dq must be 0"
     names = ("dq", "dk", "dv", "dbias")

@@ -173,6 +173,33 @@ def test_backward_matches_finite_differences(rng, case, s_q, s_k, gqa):
         assert dbias is None
 
 
+@pytest.mark.parametrize("case", ["plain", "causal", "bias_keys", "softcap"])
+def test_backward_given_out(rng, case):
+    """out= takes D = rowsum(dO ∘ out) from the output a backward is handed: the exact O gives
+    the same gradients; an O off by e changes dS by -P·rowsum(dO ∘ e) and leaves dV alone."""
+    s_q, s_k = 5, 7
+    q, k, v = make_qkv(rng, s_q, s_k)
+    kw = options(case, rng, s_q, s_k)
+    dout = rng.standard_normal((B, s_q, H, DV))
+    exact = ref.attention_backward(dout, q, k, v, **kw)
+    o = ref.attention(q, k, v, **kw)
+    same = ref.attention_backward(dout, q, k, v, out=o, **kw)
+    for g, g0 in zip(same, exact):
+        if g0 is not None:
+            np.testing.assert_allclose(g, g0, rtol=1e-12, atol=1e-14)
+    e = 1e-3 * rng.standard_normal(o.shape)
+    off = ref.attention_backward(dout, q, k, v, out=o + e, **kw)
+    np.testing.assert_array_equal(off[2], exact[2])           # dV = Pᵀ dO: no D in it
+    assert np.abs(off[0] - exact[0]).max() > 1e-6            # dQ moves with D
+    if kw.get("bias") is not None:                           # dbias = Σ dS: moves by -Σ P·dD
+        s = ref.scores(q, k, **kw)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        dd = (dout * e).sum(-1).transpose(0, 2, 1)[..., None]   # [b, h, s_q, 1]
+        want = exact[3] - ref._reduce_to(p * dd, np.shape(kw["bias"]))
+        np.testing.assert_allclose(off[3], want, rtol=1e-10, atol=1e-12)
+
+
 # ------------------------------------------------------------------------------ mask semantics
 
 def test_fully_masked_rows_give_zero_and_neg_inf(rng):
