@@ -47,3 +47,18 @@ def test_floor_is_small():
     assert rounding_floor("float32", ref) == 0.0
     assert rounding_floor("float16", ref) <= 4 * 2.0 ** -10 * 4   # ~4 ulps of the largest (|x| < 4)
     assert rounding_floor("bfloat16", np.zeros(0)) == 0.0
+
+
+def test_check_grad_given_out_part():
+    """check_grad's given-out allowance (session 16, CUPYFLASH_SEED=11078482371635623096: a
+    key-only float16 dbias element 14.3984 against 14.3475, naive 14.3516): the part D's stored
+    out puts into every backward (model: 14.3937) is allowed element by element, no more."""
+    from test_gpu_bias_varlen import check_grad
+    ref, given, naive = np.array([14.3475, -2.0]), np.array([14.3937, -2.0]), np.array([14.3516, -2.0])
+    check_grad("float16", "dbias", np.array([14.3984, -2.0]), ref, naive, given)
+    with pytest.raises(AssertionError, match="err 0.0509"):            # without the allowance
+        check_grad("float16", "dbias", np.array([14.3984, -2.0]), ref, naive)
+    with pytest.raises(AssertionError, match="beyond the given-out part"):   # off by more
+        check_grad("float16", "dbias", np.array([14.45, -2.0]), ref, naive, given)
+    with pytest.raises(AssertionError, match="beyond the given-out part"):   # another element
+        check_grad("float16", "dbias", np.array([14.3984, -1.9]), ref, naive, given)
