@@ -323,13 +323,14 @@ SM90_TILES_FEW_ROWS = {64: (64, 2, 1)}
 SM90_FEW_ROWS_SQ = 2048
 #: shared memory of one SM (228 KB on the H100 / H200; each resident block reserves 1 KB of it)
 SM90_SMEM_PER_SM = 228 * 1024
-#: hd 128 with key tiles of 176 (FlashAttention-3's width) where a query row sees at least
-#: SM90_WIDE_MIN_KEYS keys (sm90_keys): on the H200 +3-5 % at s = 8k / 16k and +2-3 % at 4k,
-#: causal or not, over 128 x 128, but up to 9 % slower causal at s <= 1k (docs/hopper.md,
-#: "How the forward got there", step 8). Dense calls without softcap or bias only: those
-#: variants spill at 176.
+#: hd 128 with key tiles of 176 (FlashAttention-3's width) where query rows see at least
+#: SM90_WIDE_MIN_KEYS keys on average (sm90_keys): on the H200 (sm90_tune, session 16, 11
+#: interleaved rounds, 176 against 128) non-causal 4k -1.2 %, 6k / 8k / 16k +2.5 / +1.7 / +1.4 %;
+#: causal 4k / 6k -3.6 / -1.7 %, 8k 0.0 %, 12k / 16k +1.5 / +1.8 %: the mean keys per row, 6k
+#: on, separate them (docs/hopper.md, steps 8 and 33). Dense calls without softcap or bias only:
+#: those variants spill at 176.
 SM90_TILES_WIDE = {128: (176, 2, 2)}
-SM90_WIDE_MIN_KEYS = 4096
+SM90_WIDE_MIN_KEYS = 6144
 #: Head dims of the BIAS variants (hd 256 spills with the bias loads).
 SM90_BIAS_HEAD_DIMS = (64, 128)
 #: Largest stride TMA takes (bytes, exclusive), and the alignment it needs of strides and bases.
@@ -493,19 +494,31 @@ def sm90_f32_variants():
             for w in (False, True)]
 
 
-def sm90_keys(s_k: int, window_left: int, window_right: int) -> int:
-    """The most keys one query row can see: s_k, or the width of a window bounded on both sides."""
-    if window_left >= 0 and window_right >= 0:
-        return min(s_k, window_left + window_right + 1)
-    return s_k
+def _clamped_sum(a: int, n: int, hi: int) -> int:
+    """Σ min(max(x, 0), hi) over the n integers x = a, a + 1, ..., a + n − 1."""
+    def ramp(m):   # Σ max(x, 0) over x <= m
+        return m * (m + 1) // 2 if m > 0 else 0
+    b = a + n - 1
+    return ramp(b) - ramp(a - 1) - (ramp(b - hi) - ramp(a - 1 - hi))
+
+
+def sm90_keys(s_q: int, s_k: int, window_left: int, window_right: int,
+              bottom_right: bool = True) -> float:
+    """The keys a query row sees on average: row i sees keys [i + diag − left, i + diag + right]
+    clipped to [0, s_k) (diag = s_k − s_q bottom-right, 0 top-left; −1 = unbounded)."""
+    diag = s_k - s_q if bottom_right else 0
+    hi = s_q * s_k if window_right < 0 else _clamped_sum(diag + window_right + 1, s_q, s_k)
+    lo = 0 if window_left < 0 else _clamped_sum(diag - window_left, s_q, s_k)
+    return max(hi - lo, 0) / s_q if s_q > 0 else 0.0
 
 
 def sm90_variant(elem: str, d: int, window: bool, softcap: bool,
                  s_q: Optional[int] = None, varlen: bool = False, bias: int = 0,
-                 keys: Optional[int] = None):
+                 keys: Optional[float] = None):
     """The planner's Hopper forward instantiation for these template flags, s_q queries (the
-    longest sequence's, varlen) and at most ``keys`` keys per query row (sm90_keys) (SM90_TILES;
-    SM90_TILES_WIDE for dense calls without softcap or bias from SM90_WIDE_MIN_KEYS keys on;
+    longest sequence's, varlen) and ``keys`` keys per query row on average (sm90_keys)
+    (SM90_TILES; SM90_TILES_WIDE for dense calls without softcap or bias from
+    SM90_WIDE_MIN_KEYS keys on;
     SM90_TILES_FEW_ROWS for window calls of at most SM90_FEW_ROWS_SQ queries without softcap,
     varlen or bias; SM90_TILES_NC2 for softcap, varlen and bias). float32 tags: the
     Sm90F32Variant (no softcap, varlen, bias there)."""
@@ -632,7 +645,8 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
     window = window_left >= 0 or window_right >= 0
     if variant is None:
         variant = sm90_variant(elem, d, window, softcap > 0, s_q,
-                               keys=sm90_keys(s_k, window_left, window_right))
+                               keys=sm90_keys(s_q, s_k, window_left, window_right,
+                                              bottom_right))
     elif variant.elem != elem or variant.d != d or d_v != d or (window and not variant.window) \
             or (softcap > 0) != variant.softcap or variant.varlen != varlen:
         raise ValueError(f"kernel {variant.name} cannot compute this problem")

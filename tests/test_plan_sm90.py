@@ -321,19 +321,37 @@ def test_blocks_per_sm_mirror_the_kernel():
 
 
 @pytest.mark.parametrize("s_k,kw,bn", [
-    (4096, {}, 176), (16384, dict(window_right=0), 176), (2048, {}, 128),
+    (8192, {}, 176), (6144, {}, 176), (4096, {}, 128), (16384, dict(window_right=0), 176),
+    (12288, dict(window_right=0), 176), (8192, dict(window_right=0), 128), (2048, {}, 128),
     (1024, dict(window_right=0), 128), (8192, dict(softcap=30.0), 128),
     (8192, dict(window_left=1000, window_right=1000), 128),
-    (8192, dict(window_left=5000, window_right=0), 176),
-], ids=["4k", "16k_causal", "2k", "1k_causal", "softcap", "narrow_window", "wide_window"])
+    (16384, dict(window_left=10000, window_right=0), 176),
+    (16384, dict(window_left=5000, window_right=0), 128),
+], ids=["8k", "6k", "4k", "16k_causal", "12k_causal", "8k_causal", "2k", "1k_causal", "softcap",
+        "narrow_window", "wide_window", "window_5000"])
 def test_hd128_key_tile_width(s_k, kw, bn):
-    """hd 128: key tiles of 176 where a query row sees at least SM90_WIDE_MIN_KEYS keys (dense,
-    no softcap, no bias), 128 otherwise."""
+    """hd 128: key tiles of 176 where query rows see at least SM90_WIDE_MIN_KEYS keys on
+    average (dense, no softcap, no bias), 128 otherwise."""
     pl = _plan.plan_forward_sm90("bfloat16", 1, s_k, s_k, 16, 16, 128, 128, scale=0.088, **kw)
     v = pl.variant
     assert v.bn == bn and v.bm == 128 and v in _plan.sm90_variants() and pl.smem == v.smem_bytes
-    assert _plan.sm90_keys(s_k, kw.get("window_left", -1), kw.get("window_right", -1)) >= (
-        _plan.SM90_WIDE_MIN_KEYS if bn == 176 else 0)
+    keys = _plan.sm90_keys(s_k, s_k, kw.get("window_left", -1), kw.get("window_right", -1))
+    assert (keys >= _plan.SM90_WIDE_MIN_KEYS) == (bn == 176) or "softcap" in kw
+
+
+@pytest.mark.parametrize("bottom_right", [True, False], ids=["bottom_right", "top_left"])
+def test_sm90_keys_is_the_mean_over_rows(rng, bottom_right):
+    """sm90_keys's closed form against a count over rows, on random lengths and windows."""
+    for _ in range(200):
+        s_q, s_k = (int(x) for x in rng.integers(1, 400, 2))
+        wl, wr = (int(rng.choice([-1, 0, rng.integers(1, 500)])) for _ in range(2))
+        diag = s_k - s_q if bottom_right else 0
+        i = np.arange(s_q)
+        hi = np.full(s_q, s_k) if wr < 0 else np.clip(i + diag + wr + 1, 0, s_k)
+        lo = np.zeros(s_q) if wl < 0 else np.clip(i + diag - wl, 0, s_k)
+        want = np.maximum(hi - lo, 0).mean()
+        assert _plan.sm90_keys(s_q, s_k, wl, wr, bottom_right) == pytest.approx(want, abs=1e-9), \
+            (s_q, s_k, wl, wr)
 
 
 def test_wide_key_tiles_only_at_hd128_dense():
