@@ -2,7 +2,7 @@
 side by side on the FA benchmark shapes (bf16, batch·seqlen = 16k tokens, hidden 2048), each
 checked against the portable kernel first. For choosing _plan.SM90_TILES; run on a cc 9.0 GPU:
 
-    PYTHONPATH=. python benchmarks/sm90_tune.py [--seqlen 1024 4096 16384] [--rounds 5]
+    PYTHONPATH=. python benchmarks/sm90_tune.py [--seqlen 1024 4096 16384] [--rounds 5] [--peer cudnn]
 
 With --rounds N each cell times its candidates N times, interleaved (A B C A B C ...), and prints
 the median TFLOP/s with the lowest and highest in brackets: the card's clock drifts between
@@ -11,6 +11,10 @@ consecutive timings by several percent, which one timing per candidate takes for
 import argparse
 import math
 import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks/peers.py for --peer
 
 import cupy as cp
 import ml_dtypes
@@ -33,6 +37,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=1, help="interleaved timings per candidate")
     ap.add_argument("--tiles", nargs="+", default=[], metavar="D:BN,STAGES,NC",
                     help="candidates instead of CANDIDATES, e.g. 64:96,2,2 128:128,2,2")
+    ap.add_argument("--peer", choices=["cudnn", "flash", "memeff"],
+                    help="a PyTorch SDPA backend timed in every round after the candidates")
     args = ap.parse_args()
     candidates = CANDIDATES
     if args.tiles:
@@ -61,17 +67,23 @@ def main():
                     err = float(cp.abs(out.astype(cp.float32) - ref).max())
                     bad[var] = "" if err < 2e-2 else " BAD %.1e" % err
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                tfs = {var: [] for var in variants}
+                calls = {f"{var.bm}x{var.bn}s{var.stages}":
+                         (lambda var=var: _gpu.forward(q, k, v, out, lse, opts, kernel=var))
+                         for var in variants}
+                marks = {f"{var.bm}x{var.bn}s{var.stages}": bad[var] for var in variants}
+                if args.peer:
+                    from peers import try_peer
+                    fn = try_peer(args.peer, q, k, v, causal, "fwd")
+                    if fn is not None:
+                        calls[args.peer], marks[args.peer] = fn, ""
+                tfs = {name: [] for name in calls}
                 for _ in range(args.rounds):   # interleaved: clock drift hits every candidate
-                    for var in variants:
-                        ms = time_ms(lambda: _gpu.forward(q, k, v, out, lse, opts, kernel=var))
-                        tfs[var].append(flops / ms / 1e9)
+                    for name, fn in calls.items():
+                        tfs[name].append(flops / time_ms(fn) / 1e9)
                 cells = []
-                for var in variants:
-                    t = tfs[var]
+                for name, t in tfs.items():
                     spread = f" [{min(t):5.1f}-{max(t):5.1f}]" if args.rounds > 1 else ""
-                    cells.append(f"{var.bm}x{var.bn}s{var.stages}: {statistics.median(t):6.1f}"
-                                 f"{spread}{bad[var]}")
+                    cells.append(f"{name}: {statistics.median(t):6.1f}{spread}{marks[name]}")
                 print(f"d{d:3d} s{s:6d} causal={causal!s:5}  " + "  ".join(cells), flush=True)
             del q, k, v, out
             cp.get_default_memory_pool().free_all_blocks()
