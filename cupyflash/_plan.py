@@ -325,8 +325,8 @@ SM90_FEW_ROWS_SQ = 2048
 SM90_SMEM_PER_SM = 228 * 1024
 #: hd 128 with key tiles of 176 (FlashAttention-3's width) where query rows see at least
 #: SM90_WIDE_MIN_KEYS keys on average (sm90_keys): on the H200 (sm90_tune, session 16, 11
-#: interleaved rounds, 176 against 128) non-causal 4k -1.2 %, 6k / 8k / 16k +2.5 / +1.7 / +1.4 %;
-#: causal 4k / 6k -3.6 / -1.7 %, 8k 0.0 %, 12k / 16k +1.5 / +1.8 %: the mean keys per row, 6k
+#: interleaved rounds, 176 against 128) non-causal 4k -1.2 %, 6k / 8k / 16k +2.5 / +1.8 / +1.4 %;
+#: causal 4k / 6k -3.5 / -1.6 %, 8k +0.1 %, 12k / 16k +1.5 / +1.8 %: the mean keys per row, 6k
 #: on, separate them (docs/hopper.md, steps 8 and 33). Dense calls without softcap or bias only:
 #: those variants spill at 176.
 SM90_TILES_WIDE = {128: (176, 2, 2)}
