@@ -22,6 +22,7 @@ import ml_dtypes
 from cupyflash import _gpu, _plan
 from cupyflash._bench import time_ms
 from cupyflash._options import Options
+from peers import try_peer   # benchmarks/peers.py: imports torch only when a peer is asked for
 
 #: (BN, STAGES, NC) per head dim
 CANDIDATES = {64: [(128, 2, 2), (128, 2, 3), (192, 2, 2)],
@@ -72,7 +73,6 @@ def main():
                          for var in variants}
                 marks = {f"{var.bm}x{var.bn}s{var.stages}": bad[var] for var in variants}
                 if args.peer:
-                    from peers import try_peer
                     fn = try_peer(args.peer, q, k, v, causal, "fwd")
                     if fn is not None:
                         calls[args.peer], marks[args.peer] = fn, ""

@@ -181,11 +181,12 @@ def attention_backward(dout, q, k, v, *, scale=None, causal=False, causal_align=
     ----------
     dout : [b, s_q, h, d_v];  q : [b, s_q, h, d];  k : [b, s_k, h_k, d];  v : [b, s_k, h_k, d_v]
     out : [b, s_q, h, d_v] or None
-        The forward output a backward is handed (e.g. a float16 one). None: the exact O. Given,
-        D = rowsum(dO ∘ out) uses it: the exact gradients of a backward given that output. A
-        backward given a 16-bit out cannot do better than this; where one key dominates
-        thousands of rows, a dbias element sums those rows' D errors (docs/hopper.md,
-        "Where it stands").
+        The forward output a backward is handed (e.g. a float16 one), shaped as dout. None: the
+        exact O. Given, D = rowsum(dO ∘ out) uses it: the backward's formulas applied exactly to
+        that output. The difference to the exact gradients is the error out's rounding puts into
+        D; where one key dominates thousands of rows, a dbias element sums those rows' D errors
+        (docs/hopper.md, "Where it stands"). (A bias constant along the keys still has exact
+        dbias 0, which this formula does not give: the GPU tests use it as an allowance.)
     other options: see :func:`scores`.
 
     Returns
@@ -210,11 +211,15 @@ def attention_backward(dout, q, k, v, *, scale=None, causal=False, causal_align=
     vh = _expand_kv(v64, h)                                     # [b, h, s_k, d_v]
     kh = _expand_kv(k64, h)                                     # [b, h, s_k, d]
     doh = do.transpose(0, 2, 1, 3)                              # [b, h, s_q, d_v]
-    o = np.einsum("bhij,bhje->bhie", p, vh)                     # [b, h, s_q, d_v]
+    if out is None:
+        o = np.einsum("bhij,bhje->bhie", p, vh)                 # [b, h, s_q, d_v]
+    else:                                                       # the O the backward is given
+        if np.shape(out) != np.shape(dout):
+            raise ValueError(f"out: shape {np.shape(out)}, expected dout's {np.shape(dout)} "
+                             "[b, s_q, h, d_v]")
+        o = _f64(out).transpose(0, 2, 1, 3)
     dv_h = np.einsum("bhij,bhie->bhje", p, doh)                 # [b, h, s_k, d_v]
     dp = np.einsum("bhie,bhje->bhij", doh, vh)                  # dP = dO Vᵀ
-    if out is not None:
-        o = _f64(out).transpose(0, 2, 1, 3)                     # the O the backward is given
     D = (doh * o).sum(-1, keepdims=True)                        # rowsum(dO ∘ O)
     ds = p * (dp - D)                                           # dS = P ∘ (dP − D)
     ds_raw = ds

@@ -200,6 +200,15 @@ def test_backward_given_out(rng, case):
         np.testing.assert_allclose(off[3], want, rtol=1e-10, atol=1e-12)
 
 
+def test_backward_given_out_of_another_shape_is_refused(rng):
+    q, k, v = make_qkv(rng, 5, 7)
+    dout = rng.standard_normal((B, 5, H, DV))
+    o = ref.attention(q, k, v)
+    for bad in (o[:, :4], o[..., :1], o.transpose(0, 2, 1, 3)):   # broadcastable ones too
+        with pytest.raises(ValueError, match=r"out: shape .* expected dout's"):
+            ref.attention_backward(dout, q, k, v, out=bad)
+
+
 # ------------------------------------------------------------------------------ mask semantics
 
 def test_fully_masked_rows_give_zero_and_neg_inf(rng):
