@@ -150,7 +150,8 @@ PROBES["trace"] = [
      f"        take_turn();\n        {_stamp('1 + cw', 5)}\n        issue_pv(kv_it);\n"),
     ("        wgmma_wait<0>();\n        pv_done(kv_it);\n        ++kv_it;\n",
      f"        wgmma_wait<0>();\n        {_stamp('1 + cw', 6)}\n        pv_done(kv_it);\n        ++kv_it;\n"),
-    ("            store_tile();\n", f"            store_tile();\n            {_stamp('1 + cw', 7)}\n"),
+    ("            if (!SPLIT || wt.parts == 1 || merge_pieces()) store_tile();\n",
+     f"            if (!SPLIT || wt.parts == 1 || merge_pieces()) store_tile();\n            {_stamp('1 + cw', 7)}\n"),
 ]
 #: ``epitrace``: stamps inside the epilogue of an O_SMEM variant (staged O, TMA store) instead
 TRACE_EVENTS_EPILOGUE = ["last PV done", "finish_rows (1 / l, lse)", "o_smem address (its barrier: in the last turn)",
@@ -174,7 +175,8 @@ PROBES["epitrace"] = [
      f"            {_stamp('1 + cw', 4)}\n"),
     ("                bulk_commit();\n            }\n        } else {\n",
      f"                bulk_commit();\n            }}\n            {_stamp('1 + cw', 5)}\n        }} else {{\n"),
-    ("            store_tile();\n", f"            store_tile();\n            {_stamp('1 + cw', 6)}\n"),
+    ("            if (!SPLIT || wt.parts == 1 || merge_pieces()) store_tile();\n",
+     f"            if (!SPLIT || wt.parts == 1 || merge_pieces()) store_tile();\n            {_stamp('1 + cw', 6)}\n"),
 ]
 TIMED = ["nostore", "static", "qonce"]
 

@@ -4,6 +4,9 @@ checked against the portable kernel first. For choosing _plan.SM90_TILES; run on
 
     PYTHONPATH=. python benchmarks/sm90_tune.py [--seqlen 1024 4096 16384] [--rounds 5] [--peer cudnn]
 
+A candidate ``D:BN,STAGES,NC,s`` is the SPLIT variant (the grid's last partial wave split along
+the keys, always: _plan.sm90_split with force), timed in non-causal cells only.
+
 With --rounds N each cell times its candidates N times, interleaved (A B C A B C ...), and prints
 the median TFLOP/s with the lowest and highest in brackets: the card's clock drifts between
 consecutive timings by several percent, which one timing per candidate takes for a difference.
@@ -36,8 +39,11 @@ def main():
     ap.add_argument("--head-dim", nargs="+", type=int, default=sorted(CANDIDATES))
     ap.add_argument("--causal", nargs="+", default=["false", "true"], help="e.g. --causal true")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved timings per candidate")
-    ap.add_argument("--tiles", nargs="+", default=[], metavar="D:BN,STAGES,NC",
-                    help="candidates instead of CANDIDATES, e.g. 64:96,2,2 128:128,2,2")
+    ap.add_argument("--tiles", nargs="+", default=[], metavar="D:BN,STAGES,NC[,s]",
+                    help="candidates instead of CANDIDATES, e.g. 64:96,2,2 128:128,2,2 "
+                         "128:128,2,2,s (s: the SPLIT variant)")
+    ap.add_argument("--batch", type=int, help="batch instead of the FA shapes' 16k / seqlen")
+    ap.add_argument("--heads", type=int, help="heads instead of the FA shapes' 2048 / head dim")
     ap.add_argument("--peer", choices=["cudnn", "flash", "memeff"],
                     help="a PyTorch SDPA backend timed in every round after the candidates")
     args = ap.parse_args()
@@ -46,11 +52,14 @@ def main():
         candidates = {}
         for spec in args.tiles:
             d, tiles = spec.split(":")
-            candidates.setdefault(int(d), []).append(tuple(int(x) for x in tiles.split(",")))
+            bn, st, nc, *split = tiles.split(",")
+            if split not in ([], ["s"]):
+                raise SystemExit(f"--tiles {spec}: expected D:BN,STAGES,NC or D:BN,STAGES,NC,s")
+            candidates.setdefault(int(d), []).append((int(bn), int(st), int(nc), bool(split)))
     causals = [c.lower() in ("1", "true", "yes") for c in args.causal]
     for d in (args.head_dim if not args.tiles else sorted(candidates)):
         for s in args.seqlen:
-            b, h = max(1, 16384 // s), 2048 // d
+            b, h = args.batch or max(1, 16384 // s), args.heads or 2048 // d
             q, k, v = (cp.random.standard_normal((b, s, h, d), dtype=cp.float32)
                        .astype(ml_dtypes.bfloat16) for _ in range(3))
             out = cp.empty_like(q)
@@ -59,8 +68,10 @@ def main():
                 opts = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1)
                 _gpu.forward(q, k, v, out, lse, opts, kernel="portable")
                 ref = out.astype(cp.float32)
-                variants = [_plan.Sm90Variant("bf16_t", d, bn, st, causal, False, nc)
-                            for bn, st, nc in candidates[d]]
+                variants = [_plan.Sm90Variant("bf16_t", d, bn, st, causal, False, nc,
+                                              split=bool(split and split[0]))
+                            for bn, st, nc, *split in candidates[d]
+                            if not (causal and split and split[0])]
                 bad = {}
                 for var in variants:     # each candidate checked against the portable kernel
                     out.fill(0)
@@ -68,10 +79,12 @@ def main():
                     err = float(cp.abs(out.astype(cp.float32) - ref).max())
                     bad[var] = "" if err < 2e-2 else " BAD %.1e" % err
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                calls = {f"{var.bm}x{var.bn}s{var.stages}":
+                label = {var: f"{var.bm}x{var.bn}s{var.stages}" + ("split" if var.split else "")
+                         for var in variants}
+                calls = {label[var]:
                          (lambda var=var: _gpu.forward(q, k, v, out, lse, opts, kernel=var))
                          for var in variants}
-                marks = {f"{var.bm}x{var.bn}s{var.stages}": bad[var] for var in variants}
+                marks = {label[var]: bad[var] for var in variants}
                 if args.peer:
                     fn = try_peer(args.peer, q, k, v, causal, "fwd")
                     if fn is not None:
@@ -84,7 +97,8 @@ def main():
                 for name, t in tfs.items():
                     spread = f" [{min(t):5.1f}-{max(t):5.1f}]" if args.rounds > 1 else ""
                     cells.append(f"{name}: {statistics.median(t):6.1f}{spread}{marks[name]}")
-                print(f"d{d:3d} s{s:6d} causal={causal!s:5}  " + "  ".join(cells), flush=True)
+                print(f"d{d:3d} s{s:6d} b{b} h{h} causal={causal!s:5}  " + "  ".join(cells),
+                      flush=True)
             del q, k, v, out
             cp.get_default_memory_pool().free_all_blocks()
 

@@ -126,16 +126,47 @@ def _sched_counter(dev_id, stream) -> int:
     return buf.data.ptr
 
 
+_split_bufs = {}   # (device id, stream handle) -> (workspace, counters) of the split tail
+
+
+def _to_device(a):
+    """A host array's copy on the current device (kept by its launch entry, which may launch on
+    any stream: the copy is complete when this returns)."""
+    d = cupy.asarray(a)
+    cupy.cuda.get_current_stream().synchronize()
+    return d
+
+
+def _split_buffers(dev_id, stream, ws_bytes, counters):
+    """(workspace, counters) addresses for a Hopper forward whose last partial wave is split
+    (SPLIT variants): at least ``ws_bytes`` of workspace for the pieces' partial O, m, l and
+    ``counters`` zeroed uint32 (pieces finished per tile and consumer; each launch leaves them
+    zeroed). One pair per stream, grown on demand: a replaced buffer goes back to CuPy's pool,
+    which hands it out again only in that stream's order, after the kernels that used it."""
+    key = (dev_id, stream)
+    ws, count = _split_bufs.get(key, (None, None))
+    if ws is None or ws.nbytes < ws_bytes:
+        ws = cupy.empty(ws_bytes, cupy.uint8)
+    if count is None or count.size < counters:
+        count = cupy.zeros(counters, cupy.uint32)
+        cupy.cuda.get_current_stream().synchronize()   # zeroed before any kernel reads it
+    _split_bufs[key] = (ws, count)
+    return ws.data.ptr, count.data.ptr
+
+
 class _Sm90Launch(_Launch):
     """The Hopper kernel's entry. Its TMA descriptors bake in the base addresses, so finished
     Params records (pointers, descriptors and the stream's tile counter written, then never
     changed: no lock needed) are kept per (pointers, stream). A base address the kernel cannot
     take (a view at an odd offset: q, k, v not 16-byte aligned for TMA; out not 16-byte aligned
     where O goes out through a TMA store or as float32 quads, else not 4-byte aligned) sends the
-    call to the portable kernel, whose entry is compiled on first need."""
+    call to the portable kernel, whose entry is compiled on first need. A plan that splits the
+    last wave (Plan.split) keeps its pieces' table on the device and takes the stream's
+    workspace and counters (_split_buffers) into the record."""
 
     __slots__ = ("dtype_name", "maps", "out_align", "records", "portable_plan",
-                 "portable_strides_ok", "dev_id", "portable")
+                 "portable_strides_ok", "dev_id", "portable", "split", "split_table",
+                 "split_sizes")
 
     def __init__(self, fn, plan, dtype_name, maps, portable_plan, portable_strides_ok, dev_id):
         super().__init__(fn, plan, True)
@@ -147,10 +178,18 @@ class _Sm90Launch(_Launch):
         self.portable_strides_ok = portable_strides_ok
         self.dev_id = dev_id
         self.portable = None
+        self.split = plan.split               # [work items, 4] int32 (host), or None
+        self.split_table = self.split_sizes = None   # ... on the device (the first record)
+        if plan.split is not None:
+            first, pieces = int(plan.params["split_first"]), int(plan.params["split_pieces"])
+            self.split_sizes = (_plan.sm90_split_ws_bytes(plan.variant, pieces),
+                                (int(plan.split[-1, 0]) + 1 - first) * plan.variant.nc)
 
     def launch(self, qp, kp, vp, op, lp, alibi_ptr=0, alibi_stride_b=0) -> str:
         stream = _current_stream().ptr
         ptrs = (qp, kp, vp, op, lp, stream)
+        if self.split_sizes is not None:      # this stream's workspace and counters
+            ptrs += _split_buffers(self.dev_id, stream, *self.split_sizes)
         hit = self.records.get(ptrs)
         if hit is None:
             # TMA bases; output stores of 16-bit pairs (4 bytes) or float32 quads (16 bytes)
@@ -166,6 +205,11 @@ class _Sm90Launch(_Launch):
             for field, ptr, (dims, byte_strides, box) in zip(_SM90_FWD_TMA_FIELDS, ptrs, self.maps):
                 arr[field][0] = _tma.encode(self.dtype_name, ptr, dims, byte_strides, box)
             arr["sched"][0] = _sched_counter(self.dev_id, stream)
+            if self.split_sizes is not None:
+                if self.split_table is None:
+                    self.split_table = _to_device(self.split)
+                arr["split_table"][0] = self.split_table.data.ptr
+                arr["split_ws"][0], arr["split_count"][0] = ptrs[6:]
             hit = ((_CPointer(arr.ctypes.data) if _CPointer is not None else arr[0],), arr)
             if len(self.records) >= 64:       # many different buffers: start over
                 self.records.clear()

@@ -200,6 +200,9 @@ PARAMS_FIELDS = (
     + [("scale", np.float32)]
     # Hopper forward only (kernels_cu/fwd_sm90.cu); then the TMA descriptors, see below
     + [("sched", np.uint64)]
+    # Hopper forward SPLIT variants: the grid's last partial wave split along the keys
+    + [(n, np.uint64) for n in ("split_table", "split_ws", "split_count")]
+    + [(n, np.int32) for n in ("split_first", "split_pieces")]
 )
 #: Hopper kernels only: 128-byte TMA descriptors (struct TmaDesc, 64-byte aligned).
 PARAMS_TMA_FIELDS = ("tma_q", "tma_k", "tma_v", "tma_do", "tma_bias", "tma_o")
@@ -235,6 +238,8 @@ class Plan(NamedTuple):
     block: Tuple[int, int, int]
     smem: int
     params: np.ndarray   # 0-d PARAMS_DTYPE array: sizes and scalars filled, pointers/strides not
+    #: Hopper forward SPLIT variants: the work items (sm90_work_items), else None
+    split: Optional[np.ndarray] = None
 
 
 def plan_forward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, d: int,
@@ -352,6 +357,7 @@ class Sm90Variant(NamedTuple):
     nc: int = 2
     varlen: bool = False
     bias: int = 0           # 0 none, 1 bias in the inputs' 16-bit type, 2 float32 bias
+    split: bool = False     # the grid's last partial wave split along the keys (sm90_split)
 
     file = "fwd_sm90.cu"
     arch_options = ("-arch=sm_90a",)   # wgmma / setmaxnreg need the arch-specific target
@@ -378,12 +384,14 @@ class Sm90Variant(NamedTuple):
     def name_expression(self) -> str:
         b = cpp_bool
         return (f"flash_fwd_sm90<{self.elem}, {self.d}, {self.bn}, {self.stages}, {self.nc}, "
-                f"{b(self.window)}, {b(self.softcap)}, {b(self.varlen)}, {self.bias}>")
+                f"{b(self.window)}, {b(self.softcap)}, {b(self.varlen)}, {self.bias}, "
+                f"{b(self.split)}>")
 
     @property
     def name(self) -> str:
         flags = ("_window" if self.window else "") + ("_softcap" if self.softcap else "") + (
-            "_varlen" if self.varlen else "") + ("", "_bias", "_bias32")[self.bias]
+            "_varlen" if self.varlen else "") + ("", "_bias", "_bias32")[self.bias] + (
+            "_split" if self.split else "")
         return f"fwd90_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}s{self.stages}{flags}"
 
     @property
@@ -512,21 +520,109 @@ def sm90_keys(s_q: int, s_k: int, window_left: int, window_right: int,
     return max(hi - lo, 0) / s_q if s_q > 0 else 0.0
 
 
+#: The split tail (sm90_split), in key-tile steps of one work tile: what a piece costs besides
+#: its key tiles (the first S, the last P·V alone, the epilogue: ~0.9 step at hd 128 on the H200,
+#: docs/hopper.md step 14) and, per partial, the merge of a split tile (write, read, rescale).
+SM90_SPLIT_BOUNDARY = 1.0
+SM90_SPLIT_MERGE = 0.25
+#: split only when the model gains at least this fraction of the call's time
+SM90_SPLIT_MIN_GAIN = 0.05
+#: at most this many pieces per work tile (the last to finish reads all the others' partials)
+SM90_SPLIT_MAX_PARTS = 16
+#: at least this many key tiles per piece (H200, hd 128, b 1, h 16, s 512: two pieces of two
+#: key tiles ran 0.92x the whole tiles; docs/hopper.md step 34)
+SM90_SPLIT_MIN_KEYS = 4
+#: the partials' workspace, at most (bytes)
+SM90_SPLIT_MAX_WS = 64 << 20
+#: the planner's variant (kernel="auto") splits where sm90_split's model gains (False: never;
+#: benchmarks switch it to time both)
+SM90_SPLIT_AUTO = True
+
+
+def sm90_split(work: int, grid: int, n: int, *, force: bool = False) -> Optional[np.ndarray]:
+    """The pieces of the split tail of a dense Hopper forward (SPLIT variants), or None.
+
+    ``work`` work tiles of ``n`` key tiles each run on ``grid`` persistent blocks: F = work //
+    grid full waves, then a last wave of R = work % grid tiles on R blocks while the others
+    idle (the whole call, when work < grid). Split, each of the R tiles runs as p = grid // R
+    pieces (at most n / SM90_SPLIT_MIN_KEYS and SM90_SPLIT_MAX_PARTS), each a contiguous range
+    of about n / p of its key tiles: R·p <= grid pieces, one round on the blocks the tail left
+    idle; the last piece of a tile to finish merges the others' partial O, m, l. Model
+    (key-tile steps, c the boundary): whole (F + 1)·(n + c), split F·(n + c) + ceil(n / p) + c
+    + merge·(p − 1); split when that gains SM90_SPLIT_MIN_GAIN. (Pieces are drawn from the
+    dynamic counter: pieces of unequal sizes, or more than one round of them, ran slower than
+    the whole tiles on the H200, docs/hopper.md step 34.) ``force``: split whatever the model
+    says, into at least two pieces per tile of two or more key tiles, the last full wave when
+    work is a multiple of grid (tests). Returns int32 [pieces, 4]: tail tile r (work tile work −
+    R + r), the piece's first key tile within the tile, its key tiles, and 64 · (the tile's
+    first piece) + (its pieces).
+    """
+    if work < 1 or grid < 1 or n < 1:
+        return None
+    full, tail = divmod(work, grid)
+    if tail == 0 and force:
+        full, tail = full - 1, grid
+    if tail == 0:
+        return None
+    parts = min(grid // tail, n // SM90_SPLIT_MIN_KEYS, SM90_SPLIT_MAX_PARTS)
+    if force:
+        parts = max(parts, min(n, 2))
+    elif parts < 2:
+        return None
+    c = SM90_SPLIT_BOUNDARY
+    whole = (full + 1) * (n + c)
+    split = full * (n + c) + -(-n // parts) + c + SM90_SPLIT_MERGE * (parts - 1)
+    if not force and split > (1.0 - SM90_SPLIT_MIN_GAIN) * whole:
+        return None
+    j = np.arange(parts)
+    lo, hi = j * n // parts, (j + 1) * n // parts            # each tile's pieces, in key order
+    r = np.repeat(np.arange(tail), parts)
+    table = np.empty((tail * parts, 4), np.int32)
+    table[:, 0] = r
+    table[:, 1] = np.tile(lo, tail)
+    table[:, 2] = np.tile(hi - lo, tail)
+    table[:, 3] = 64 * (r * parts) + parts
+    return table
+
+
+def sm90_work_items(first: int, pieces: np.ndarray, n: int) -> np.ndarray:
+    """The SPLIT kernel's table, one row per work item (whole tiles too, so that no branch on the
+    item's index makes the key-tile loop's bounds look divergent to the compiler): int32
+    [first + pieces, 4] = (work tile, first key tile, key tiles, 64 · the tile's first piece +
+    its pieces); whole tiles 0 .. first − 1 are (w, 0, n, 1), then ``pieces`` (sm90_split's rows,
+    tile first + r; first piece counted from the first piece)."""
+    items = np.empty((first + len(pieces), 4), np.int32)
+    items[:first, 0] = np.arange(first)
+    items[:first, 1:] = (0, n, 1)
+    items[first:] = pieces
+    items[first:, 0] += first
+    return items
+
+
+def sm90_split_ws_bytes(variant, pieces: int) -> int:
+    """Bytes of the SPLIT workspace: per piece and consumer, 128 lanes' O [d / 2] and m, l [4]
+    float32 (fwd_sm90.cu's merge_pieces)."""
+    return pieces * variant.nc * 128 * (variant.d // 2 + 4) * 4
+
+
 def sm90_variant(elem: str, d: int, window: bool, softcap: bool,
                  s_q: Optional[int] = None, varlen: bool = False, bias: int = 0,
-                 keys: Optional[float] = None):
+                 keys: Optional[float] = None, split: bool = False):
     """The planner's Hopper forward instantiation for these template flags, s_q queries (the
     longest sequence's, varlen) and ``keys`` keys per query row on average (sm90_keys)
     (SM90_TILES; SM90_TILES_WIDE for dense calls without softcap or bias from
     SM90_WIDE_MIN_KEYS keys on;
     SM90_TILES_FEW_ROWS for window calls of at most SM90_FEW_ROWS_SQ queries without softcap,
-    varlen or bias; SM90_TILES_NC2 for softcap, varlen and bias). float32 tags: the
+    varlen or bias; SM90_TILES_NC2 for softcap, varlen and bias); ``split``: its SPLIT twin
+    (dense calls without a band, softcap or bias: sm90_split). float32 tags: the
     Sm90F32Variant (no softcap, varlen, bias there)."""
     if elem in F32_ELEMS:
         if softcap or varlen or bias:
             raise ValueError("the float32 Hopper kernel has no softcap, varlen or bias")
         return sm90_f32_variant(elem, d, window)
     plain = not (softcap or varlen or bias)
+    if split and (window or not plain):
+        raise ValueError("split: dense calls without a window, softcap, varlen or bias only")
     wide = d in SM90_TILES_WIDE and keys is not None and keys >= SM90_WIDE_MIN_KEYS and plain
     few_rows = (d in SM90_TILES_FEW_ROWS and window and s_q is not None
                 and s_q <= SM90_FEW_ROWS_SQ and plain)
@@ -537,7 +633,7 @@ def sm90_variant(elem: str, d: int, window: bool, softcap: bool,
     else:
         tiles = SM90_TILES[d] if plain else SM90_TILES_NC2.get(d, SM90_TILES[d])
     bn, stages, nc = tiles
-    return Sm90Variant(elem, d, bn, stages, window, softcap, nc, varlen, bias)
+    return Sm90Variant(elem, d, bn, stages, window, softcap, nc, varlen, bias, split)
 
 
 def sm90_variants():
@@ -554,6 +650,9 @@ def sm90_variants():
                                 continue
                             v = sm90_variant(elem, d, window, cap, s_q, varlen, bias, keys)
                             found[v.name] = v
+                            if not (window or cap or varlen or bias):
+                                v = v._replace(split=True)
+                                found[v.name] = v
     return list(found.values())
 
 
@@ -635,15 +734,20 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
                       bottom_right: bool = True, softcap: float = 0.0, num_sms: int = 132,
                       variant=None, varlen: bool = False, allow_tf32: bool = False) -> Plan:
     """Plan the Hopper kernel for a call that sm90_unsupported() accepted: a persistent grid of
-    min(work tiles, num_sms) blocks walking ceil(s_q / BM) x h x b work tiles (``varlen``: see
-    plan_forward_varlen_sm90, which calls this with the longest sequences as s_q, s_k)."""
+    min(work items, num_sms · blocks per SM) blocks walking ceil(s_q / BM) x h x b work tiles
+    (``varlen``: see plan_forward_varlen_sm90, which calls this with the longest sequences as
+    s_q, s_k). With ``variant`` None (the planner's choice), a dense call without a band,
+    softcap or bias splits the grid's last partial wave along the keys where sm90_split's model
+    gains (SM90_SPLIT_AUTO): the SPLIT variant, Plan.split its pieces (work items = whole
+    tiles + pieces); a forced SPLIT variant always splits; any other forced variant never."""
     if h % h_k:
         raise ValueError(f"heads {h} is not a multiple of heads_k {h_k}")
     if min(b, s_q, s_k, h, h_k, d, d_v) < 1:
         raise ValueError("empty problem: the launcher handles zero sizes before planning")
     elem = elem_tag(dtype_name, allow_tf32)   # float32: f32x3_t, or tf32_t (allow_tf32)
     window = window_left >= 0 or window_right >= 0
-    if variant is None:
+    auto = variant is None
+    if auto:
         variant = sm90_variant(elem, d, window, softcap > 0, s_q,
                                keys=sm90_keys(s_q, s_k, window_left, window_right,
                                               bottom_right))
@@ -655,8 +759,29 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
     work = num_m * h * b
     if work > 2**31 - 1:
         raise NotImplementedError(f"{work} work tiles exceed the kernel's int32 tile index")
-    grid = min(work, num_sms * getattr(variant, "blocks_per_sm", 1))
-    return Plan(variant, (grid, 1, 1), (variant.threads, 1, 1), variant.smem_bytes, prm)
+    blocks = num_sms * getattr(variant, "blocks_per_sm", 1)
+    table = None
+    if getattr(variant, "split", False) or (auto and SM90_SPLIT_AUTO and isinstance(
+            variant, Sm90Variant) and not (window or variant.softcap or variant.bias)):
+        # dense, no band: every work tile runs all ceil(s_k / bn) key tiles. The planner's
+        # variant splits where sm90_split's model gains; a forced SPLIT variant always does.
+        table = sm90_split(work, blocks, -(-s_k // variant.bn), force=variant.split)
+        too_big = table is not None and (
+            len(table) + work >= 2**31
+            or sm90_split_ws_bytes(variant, len(table)) > SM90_SPLIT_MAX_WS)
+        if too_big and variant.split:
+            raise ValueError(f"kernel {variant.name}: the split's workspace exceeds "
+                             f"SM90_SPLIT_MAX_WS ({SM90_SPLIT_MAX_WS} bytes) for this call")
+        table = None if too_big else table
+        variant = variant._replace(split=table is not None)
+    first = work
+    if table is not None:
+        first = work - (int(table[-1, 0]) + 1)
+        prm["split_pieces"] = len(table)
+        table = sm90_work_items(first, table, -(-s_k // variant.bn))
+    prm["split_first"] = first
+    grid = min(work if table is None else len(table), blocks)
+    return Plan(variant, (grid, 1, 1), (variant.threads, 1, 1), variant.smem_bytes, prm, table)
 
 
 def plan_forward_varlen_sm90(dtype_name: str, batch: int, total_q: int, total_k: int,
@@ -736,7 +861,8 @@ def flops(b: int, h: int, s_q: int, s_k: int, d: int, d_v: int, causal: bool = F
 
 __all__ = ["Variant", "Plan", "plan_forward", "plan_forward_varlen", "all_variants",
            "Sm90Variant", "sm90_variants", "sm90_unsupported", "plan_forward_sm90", "tma_tensor",
-           "Sm90F32Variant", "sm90_f32_variants", "SM90_FLOAT32_AUTO",
+           "Sm90F32Variant", "sm90_f32_variants", "SM90_FLOAT32_AUTO", "sm90_split",
+           "SM90_SPLIT_AUTO",
            "tma_strides_ok", "PARAMS_DTYPE", "PARAMS_FIELDS",
            "HEAD_DIM_BUCKETS", "head_dim_bucket", "elem_tag", "tiles", "smem_bytes", "vec_ok",
            "flops"]

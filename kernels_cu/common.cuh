@@ -82,6 +82,17 @@ struct Params {
     float scale;            // scale in natural units (the dS multiplier)
     // ---- Hopper kernels only (kernels_cu/fwd_sm90.cu, bwd_sm90.cu) ----
     unsigned int* sched;    // [2] Hopper fwd / bwd work-tile counter, blocks finished: zero before and after
+    // Hopper forward, SPLIT variants: the work tiles from split_first on (the grid's last partial
+    // wave) run as split_pieces pieces, each a range of the tile's key tiles, whose partial O, m, l
+    // the tile's last piece to finish merges (split_ws, split_count)
+    const int* split_table; // [split_first + split_pieces][4], one row per work item: its work
+                            // tile, first key tile (from the band's first), key tiles, and
+                            // 64 * (the tile's first piece, from split_first) + (the tile's pieces);
+                            // whole tiles (w, 0, all, 1)
+    float* split_ws;        // [split_pieces][NC][D / 8 + 1][128 lanes][4] partial O, m, l (float32)
+    unsigned int* split_count;   // [split tiles][NC] pieces finished: zero before and after a launch
+    int split_first;        // whole work tiles (the first piece's work item)
+    int split_pieces;       // pieces of the split tiles
     // TMA descriptors built by the host (cupyflash/_tma.py); each is a 128-byte CUtensorMap over
     // a rank-4 view (d, s, heads, b) of q / k / v, read through the kernel parameter
     // (__grid_constant__); a box row is 128 bytes: 64 columns of 16-bit elements, 32 of float32

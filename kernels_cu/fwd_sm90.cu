@@ -24,6 +24,11 @@
 //     of a work tile each consumer writes its O / l rows to its own o_smem and one of its
 //     threads issues a TMA store of them (where o_smem fits; else the lanes store O directly).
 //
+// SPLIT (dense calls without a band, softcap or bias): the work tiles of the grid's last partial
+// wave, which would run on a fraction of the SMs while the rest idle, are drawn as pieces, each a
+// range of a tile's key tiles (the planner's table, _plan.sm90_split); a piece leaves its partial
+// O, m, l in a workspace and the tile's last piece to finish merges them and stores the tile.
+//
 // Shared memory holds 128-byte swizzled panels of 64 columns: a [rows, D] tile is D / 64 panels
 // of [rows, 64], each written by one TMA box and read by wgmma through a descriptor.
 // Ragged tails come from the rank-4 tensor maps (d, s, heads, b): rows past s_q / s_k read as
@@ -110,11 +115,40 @@ struct WorkTile {
     int tma_b;              // batch coordinate of the tensor maps (0 varlen)
     int t_first, n_tiles;   // key tiles [t_first, t_first + n_tiles) meet the causal / window band
     bool rows;              // the tile has query rows (varlen: m0 < this sequence's s_q)
+    int piece, parts;       // SPLIT: this piece's workspace slot; the tile's pieces (1: whole)
+    int tail, piece0;       // SPLIT: the tile's counter slot (r) and its first piece
 };
 
-template <bool WINDOW, bool VARLEN, int BM, int BN, bool BIAS = false>
+// Work tile w. SPLIT: w is a work item of p.split_table, whose rows from p.split_first on are
+// pieces of the grid's last partial wave (piece u = w − split_first covers key tiles [first,
+// first + count) of its work tile's band), so that those tiles' key loops spread over every SM.
+// Every item reads its row, whole tiles too: a branch on w made the compiler take the key-tile
+// loop's bounds for divergent (ring stage and wgmma descriptors in per-thread registers, moved
+// to uniform ones before each product). WARP: called by whole warps (the consumers), which
+// reduce the row over the warp (redux.sync: the result is known to be warp-uniform).
+template <bool WINDOW, bool VARLEN, int BM, int BN, bool BIAS = false, bool SPLIT = false,
+          bool WARP = false>
 __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
     WorkTile wt;
+    wt.piece = wt.tail = wt.piece0 = 0;   // a whole tile
+    wt.parts = 1;
+    int k_first = 0, k_count = 0;
+    if (SPLIT) {   // every work item, whole tiles too, reads its entry (no branch on w)
+        int4 e = __ldg((const int4*)p.split_table + w);
+        if (WARP) {   // (redux.sync's result lands in a uniform register)
+            e.x = (int)__reduce_max_sync(0xffffffffu, (unsigned)e.x);
+            e.y = (int)__reduce_max_sync(0xffffffffu, (unsigned)e.y);
+            e.z = (int)__reduce_max_sync(0xffffffffu, (unsigned)e.z);
+            e.w = (int)__reduce_max_sync(0xffffffffu, (unsigned)e.w);
+        }
+        wt.piece = w - p.split_first;        // (pieces: its workspace slot)
+        wt.tail = e.x - p.split_first;       // (split tiles: their counters)
+        k_first = e.y;
+        k_count = e.z;
+        wt.piece0 = e.w >> 6;
+        wt.parts = e.w & 63;
+        w = e.x;                             // the work tile
+    }
     int mh = w;    // m_block fastest, then head
     if (BIAS && !WINDOW && !VARLEN && p.bias_stride_b == 0) {
         // a bias shared by the batch entries: w runs batch fastest, so blocks running at the same
@@ -139,6 +173,10 @@ __device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
     }
     wt.t_first = n_lo / BN;
     wt.n_tiles = wt.rows && n_hi > n_lo ? (n_hi + BN - 1) / BN - wt.t_first : 0;
+    if (SPLIT) {   // a piece: its range of the band's key tiles (whole tiles: all of them)
+        wt.t_first += k_first;
+        wt.n_tiles = k_count;
+    }
     return wt;
 }
 
@@ -387,8 +425,11 @@ __device__ __forceinline__ void stage_rows(u32 o_wg, const float* o_acc, const f
 // run on across tiles, and the producer draws each next work tile as soon as the current one's
 // loads are issued (its Q prefetched into L2, its first K tile into the ring), so that the next
 // Q and first K / V tiles are there when the consumers finish the current tile.
-// BIAS: 0 none, 1 bias elements in E's storage, 2 float32 bias elements.
-template <typename E, int D, int BN, int STAGES, int NC, bool WINDOW, bool SOFTCAP, bool VARLEN, int BIAS>
+// BIAS: 0 none, 1 bias elements in E's storage, 2 float32 bias elements. SPLIT (dense calls
+// without a band, bias or softcap): the grid's last partial wave runs as pieces along the keys
+// (work_tile), merged by each tile's last piece to finish (merge_pieces).
+template <typename E, int D, int BN, int STAGES, int NC, bool WINDOW, bool SOFTCAP, bool VARLEN, int BIAS,
+          bool SPLIT>
 __global__ void __launch_bounds__(128 * (NC + 1), BlocksPerSm<D, BN, STAGES, NC, VARLEN>::VALUE)
 flash_fwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90;
@@ -398,6 +439,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     static_assert(Elem<E>::is16, "the Hopper path takes float16 / bfloat16");
     static_assert(D % PANEL_COLS == 0 && D <= 256 && BN % 16 == 0 && BN <= 256 && BM <= 256, "tile shape");
     static_assert(BIAS == 0 || !VARLEN, "bias: dense batches");
+    static_assert(!SPLIT || (!WINDOW && !VARLEN && !SOFTCAP && BIAS == 0), "split: dense, no band");
     constexpr int NS = BN / 2;       // S accumulator registers per lane: [64, BN] over 128 lanes
     constexpr int NO = D / 2;        // O accumulator registers per lane: [64, D]
     // Whether a work tile can have rows that see no key: with a causal / window band, or a packed
@@ -437,7 +479,8 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     constexpr bool KSPLIT = L::PANELS >= 2;
     const u32 k_full2 = v_empty + 8 * STAGES;
     volatile int* tile_smem = (volatile int*)(smem_raw + (smem - smem_addr(smem_raw)) + L::TILE);
-    const int num_work = p.num_m_blocks * p.h * p.b;
+    // work tiles, then (SPLIT) the pieces of those from split_first on
+    const int num_work = SPLIT ? p.split_first + p.split_pieces : p.num_m_blocks * p.h * p.b;
 
     const int wg = threadIdx.x / 128;      // 0 producer, 1 .. NC consumers
     const int t = threadIdx.x % 128;       // lane within the warpgroup
@@ -473,7 +516,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                     // dense causal / window: the grid's tail longest first
                     if (WINDOW && !VARLEN && w < num_work)
                         w = longest_first_tail(w, p.num_m_blocks, p.h * p.b, gridDim.x);
-                    if (w < num_work) wt = work_tile<WINDOW, VARLEN, BM, BN, BIAS != 0>(p, w);
+                    if (w < num_work) wt = work_tile<WINDOW, VARLEN, BM, BN, BIAS != 0, SPLIT>(p, w);
                 } while (VARLEN && w < num_work && !wt.rows);
                 return w;
             };
@@ -583,7 +626,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             mbar_wait(q_full, tile_i & 1);
             const int w = *tile_smem;
             if (w < 0) return false;
-            wt = work_tile<WINDOW, VARLEN, BM, BN, BIAS != 0>(p, w);
+            wt = work_tile<WINDOW, VARLEN, BM, BN, BIAS != 0, SPLIT, true>(p, w);
             if (sees_keys(wt)) return true;
             store_empty_rows<E, D, VARLEN>(p, wt, wt.m0 + cw * WG_ROWS, t);
             named_bar_sync(WG_BAR + cw, 128);   // the whole warpgroup has read the tile index
@@ -757,6 +800,54 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             store_rows<E, NO, VARLEN>(p, wt, o_acc, m_run, l_run, sl2, row0, col_in_8, t % 4 == 0);
         }
     };
+    // ---- SPLIT, a piece of a split work tile: its partial O, m, l (this lane's registers) go to
+    //      its workspace slot split_ws [piece][cw][D / 8 + 1][128 lanes] (float4s, coalesced);
+    //      the tile's last piece to finish reads the others' and merges them into its own
+    //      (m = max of the pieces' m, O and l of each piece rescaled by exp2((m_piece − m)·sl2)),
+    //      then returns true: it stores the tile (store_tile). The others return false.
+    auto merge_pieces = [&]() -> bool {
+        constexpr int CH = NO / 4 + 1;          // float4s per lane: O [NO], then (m0, m1, l0, l1)
+        auto slot = [&](int u) { return (float4*)p.split_ws + (i64)(u * NC + cw) * CH * 128 + t; };
+        float4* mine = slot(wt.piece);
+#pragma unroll
+        for (int c = 0; c < NO / 4; ++c)
+            mine[c * 128] = make_float4(o_acc[4 * c], o_acc[4 * c + 1], o_acc[4 * c + 2], o_acc[4 * c + 3]);
+        mine[(CH - 1) * 128] = make_float4(m_run[0], m_run[1], l_run[0], l_run[1]);
+        __threadfence();                        // this lane's partial visible on the GPU, and
+        named_bar_sync(WG_BAR + cw, 128);       // ... every lane's, before the piece is counted
+        unsigned int* count = p.split_count + wt.tail * NC + cw;   // pieces of the tile done
+        bool last = named_bar_or(WG_BAR + cw, 128, t == 0 && atomicAdd(count, 1u) == wt.parts - 1u);
+        // (so that the compiler knows it is warp-uniform: without this, ptxas guarded the
+        // epilogue's shuffles and the row reductions against divergence, BRA.DIV)
+        last = __reduce_max_sync(0xffffffffu, last);
+        if (!last) return false;
+        if (t == 0) *count = 0;                 // every piece has counted: zero for the next launch
+        __threadfence();                        // the other pieces' partials, counted before ours
+        for (int u = wt.piece0; u < wt.piece0 + wt.parts; ++u) {
+            if (u == wt.piece) continue;
+            const float4* other = slot(u);
+            const float4 ml = __ldcg(other + (CH - 1) * 128);   // L2: written by other SMs
+            const float m_o[2] = {ml.x, ml.y}, l_o[2] = {ml.z, ml.w};
+            float f_me[2], f_o[2];              // rescale factors of our partial and of u's
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float m = fmaxf(m_run[r], m_o[r]);
+                f_me[r] = m_run[r] == -CF_INF ? 0.f : fast_exp2((m_run[r] - m) * sl2);
+                f_o[r] = m_o[r] == -CF_INF ? 0.f : fast_exp2((m_o[r] - m) * sl2);
+                l_run[r] = l_run[r] * f_me[r] + l_o[r] * f_o[r];
+                m_run[r] = m;
+            }
+#pragma unroll
+            for (int c = 0; c < NO / 4; ++c) {  // o_acc [4c, 4c + 1]: row row0, [4c + 2, 4c + 3]: row0 + 8
+                const float4 o = __ldcg(other + c * 128);
+                o_acc[4 * c] = o_acc[4 * c] * f_me[0] + o.x * f_o[0];
+                o_acc[4 * c + 1] = o_acc[4 * c + 1] * f_me[0] + o.y * f_o[0];
+                o_acc[4 * c + 2] = o_acc[4 * c + 2] * f_me[1] + o.z * f_o[1];
+                o_acc[4 * c + 3] = o_acc[4 * c + 3] * f_me[1] + o.w * f_o[1];
+            }
+        }
+        return true;
+    };
     // Our turn on the tensor cores (waits for the consumer before us to hand it on), and handing
     // it on to the next consumer once our GEMMs are issued; a lone consumer (NC = 1, several
     // blocks per SM) has no one to take turns with
@@ -826,7 +917,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             // ---- the tile's last key tile, the epilogue, then the next tile (its Q loads once
             //      every consumer is done with this one's)
             last_turn();
-            store_tile();
+            if (!SPLIT || wt.parts == 1 || merge_pieces()) store_tile();
             ++tile_i;
             if (!fetch_tile()) break;
             first_turn();

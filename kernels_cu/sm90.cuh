@@ -274,6 +274,14 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
 __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
 }
+// bar.sync that also ORs `pred` over the `threads` threads: each gets whether any had it set
+__device__ __forceinline__ bool named_bar_or(int id, int threads, bool pred) {
+    u32 any;
+    asm volatile("{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, %1, 0;\n\t"
+                 "bar.red.or.pred q, %2, %3, p;\n\tselp.u32 %0, 1, 0, q;\n\t}"
+                 : "=r"(any) : "r"((u32)pred), "r"(id), "r"(threads) : "memory");
+    return any != 0;
+}
 template <int R> __device__ __forceinline__ void regs_release() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(R));
 }

@@ -167,28 +167,31 @@ def naive_attention(q, k, v, do, dtype, scale, keep, bias=None, softcap=0.0, slo
             dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3), dbias)
 
 
-def launches_on_two_streams(dtype, launches, kernel, check):
-    """The Hopper forwards' work-tile counter is per stream and left zeroed by each launch:
-    ``launches`` problems [2, 700, 4, 64] of ``dtype`` (causal) alternate between two streams,
-    each launched three times with ``kernel`` (the name must start with fwd90_), then each is
-    compared with the portable kernel: ``check(out, ref, lse, ref_lse)`` asserts."""
+def launches_on_two_streams(dtype, launches, kernel, check, causal=True, s=700):
+    """The Hopper forwards' work-tile counter (and the split tail's counters) is per stream and
+    left zeroed by each launch: ``launches`` problems [2, s, 4, 64] of ``dtype`` (causal, or
+    not) alternate between two streams, each launched three times with ``kernel`` (the name
+    must start with fwd90_), then each is compared with the portable kernel: ``check(out, ref,
+    lse, ref_lse)`` asserts. Returns the kernels' names."""
     from cupyflash import _gpu
     from cupyflash._options import Options
-    opts = Options(scale=0.125, window_right=0)
+    opts = Options(scale=0.125, window_right=0 if causal else -1)
     streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
-    cases = []
+    cases, names = [], set()
     for i in range(launches):
         with streams[i % 2]:
-            q, k, v = (cp.random.standard_normal((2, 700, 4, 64), dtype=cp.float32).astype(dtype)
+            q, k, v = (cp.random.standard_normal((2, s, 4, 64), dtype=cp.float32).astype(dtype)
                        for _ in range(3))
             out = cp.full(q.shape, cp.nan, dtype)
-            lse = cp.full((2, 4, 700), cp.nan, cp.float32)
+            lse = cp.full((2, 4, s), cp.nan, cp.float32)
             for _ in range(3):
-                assert _gpu.forward(q, k, v, out, lse, opts, kernel=kernel).startswith("fwd90_")
+                names.add(_gpu.forward(q, k, v, out, lse, opts, kernel=kernel))
             cases.append((q, k, v, out, lse))
+    assert all(n.startswith("fwd90_") for n in names), names
     for st in streams:
         st.synchronize()
     for q, k, v, out, lse in cases:
         ref, ref_lse = cp.empty_like(out), cp.empty_like(lse)
         _gpu.forward(q, k, v, ref, ref_lse, opts, kernel="portable")
         check(out, ref, lse, ref_lse)
+    return names

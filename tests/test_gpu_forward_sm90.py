@@ -171,13 +171,77 @@ def test_forcing_sm90_on_an_uncovered_call_is_an_error():
                      Options(scale=0.1), kernel="sm90")
 
 
-def test_streams_and_repeated_launches():
-    """The work-tile counter is per stream and left zeroed by each launch: many launches on two
-    streams at once, each checked against the portable kernel."""
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "split"])
+def test_streams_and_repeated_launches(causal):
+    """The work-tile counter, and the split tail's counters, are per stream and left zeroed by
+    each launch: many launches on two streams at once, each checked against the portable kernel
+    (non-causal at s = 1100, 48 work tiles of 9 key tiles run as 96 pieces: the split tail's
+    workspace is per stream too)."""
     def check(out, ref, lse, ref_lse):
         assert float(cp.abs(out.astype(cp.float32) - ref.astype(cp.float32)).max()) < 1e-2
         assert float(cp.abs(lse - ref_lse).max()) < 1e-3
-    launches_on_two_streams(cp.float16, 8, "auto", check)
+    names = launches_on_two_streams(cp.float16, 8, "auto", check, causal=causal,
+                                    s=700 if causal else 1100)
+    assert all(n.endswith("_split") != causal for n in names), names
+
+
+# ---------------------------------------------------------------------------------------------
+# The split tail (SPLIT variants: _plan.sm90_split). The work tiles of the grid's last partial
+# wave run as pieces along the keys; each tile's last piece to finish merges the others'
+# partial O, m, l. Under kernel="sm90" the planner splits where its model gains (most cases
+# here); a forced SPLIT variant always splits (into at least two pieces per tile of two or more
+# key tiles; with a whole number of waves, the last full one), a forced plain one never.
+# ---------------------------------------------------------------------------------------------
+#: (b, s_q, s_k, h, h_k): one work tile over many key tiles (13-16 pieces; hd 128 on 176-key
+#: tiles); GQA with a ragged key tail (the last piece masks it); more than a wave of tiles (a tail of
+#: 24 tiles after two full waves at hd 128); one key tile (every piece a whole tile); single
+#: query rows; s_q > s_k
+SPLIT_CASES = {
+    "one_tile": (1, 100, 9000, 1, 1),
+    "gqa_ragged": (2, 333, 1777, 3, 1),
+    "past_a_wave": (3, 1024, 700, 12, 4),
+    "one_key_tile": (1, 257, 63, 2, 2),
+    "single_rows": (4, 1, 3001, 8, 2),
+    "sq_gt_sk": (1, 1500, 390, 4, 2),
+}
+
+
+def _plain(dtype, d, split, bn=None):
+    v = _plan.sm90_variant("f16_t" if dtype == "float16" else "bf16_t", d, False, False,
+                           split=split)
+    return v if bn is None else v._replace(bn=bn)
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_tail(rng, dtype, d, case):
+    b, s_q, s_k, h, h_k = SPLIT_CASES[case]
+    plan = _plan.plan_forward_sm90(dtype, b, s_q, s_k, h, h_k, d, d, scale=0.1)
+    assert sm90(rng, dtype, b, s_q, s_k, h, h_k, d) == plan.variant.name
+    for split in (True, False):
+        name = run_case(rng, dtype, b, s_q, s_k, h, h_k, d, kernel=_plain(dtype, d, split))
+        assert name.endswith("_split") == split, name
+
+
+@pytest.mark.parametrize("ramp", [6.0, 40.0])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_split_tail_rising_scores(rng, d, ramp):
+    """Pieces over later keys see larger scores (key j scaled by 1 + ramp·j / s_k): the merge
+    rescales each piece's partial by exp2((m_piece − m)·scale·log2 e), by more than 2^8 at
+    ramp 40."""
+    name = run_case(rng, "bfloat16", 1, 200, 3000, 2, 1, d, key_ramp=ramp,
+                    kernel=_plain("bfloat16", d, True))
+    assert name.endswith("_split"), name
+
+
+@pytest.mark.parametrize("layout,pad", [("bhsd", 0), ("padded", 8)])
+@pytest.mark.parametrize("bn", [128, 176])
+def test_split_tail_wide_tiles_and_views(rng, bn, layout, pad):
+    name = run_case(rng, "bfloat16", 2, 300, 2500, 4, 2, 128, layout=layout, pad=pad,
+                    kernel=_plain("bfloat16", 128, True, bn))
+    assert name == f"fwd90_bf16_d128_128x{bn}s2_split", name
+
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

@@ -72,14 +72,14 @@ def test_launch_writes_alibi_pointer_and_batch_stride(rng):
     assert [int(rec[n]) for n in ("q", "k", "v", "o", "lse")] == ptrs[:5]
 
 
-def _sm90_entry(monkeypatch, dtype="bfloat16"):
-    """A Hopper launch entry over stand-ins: the kernels record their Params bytes, and the TMA
-    encoder returns a descriptor that spells out its inputs."""
+def _sm90_entry(monkeypatch, dtype="bfloat16", s=300):
+    """A Hopper launch entry over stand-ins for [2, s, 4, 128] tensors: the kernels record their
+    Params bytes, and the TMA encoder returns a descriptor that spells out its inputs."""
     from cupyflash import _gpu, _modules, _tma
 
-    shape, strides = (2, 300, 4, 128), (153600, 512, 128, 1)
-    plan = _plan.plan_forward_sm90(dtype, 2, 300, 300, 4, 4, 128, 128, scale=0.1)
-    portable = _plan.plan_forward(dtype, 2, 300, 300, 4, 4, 128, 128, scale=0.1)
+    shape, strides = (2, s, 4, 128), (s * 512, 512, 128, 1)
+    plan = _plan.plan_forward_sm90(dtype, 2, s, s, 4, 4, 128, 128, scale=0.1)
+    portable = _plan.plan_forward(dtype, 2, s, s, 4, 4, 128, 128, scale=0.1)
     for p_ in (plan, portable):
         _gpu._write_strides(p_.params, [strides] * 4)
     seen = []
@@ -96,6 +96,9 @@ def _sm90_entry(monkeypatch, dtype="bfloat16"):
     monkeypatch.setattr(_modules, "get_function", lambda variant, dev, extra=(): kernel_of("portable"))
     monkeypatch.setattr(_gpu, "_current_stream", lambda: type("S", (), {"ptr": 77})())
     monkeypatch.setattr(_gpu, "_sched_counter", lambda dev, stream: 4096 + stream)
+    monkeypatch.setattr(_gpu, "_split_buffers", lambda dev, stream, ws, n: (8192 + ws, 12288 + n))
+    monkeypatch.setattr(_gpu, "_to_device", lambda a: type("D", (), {"data": type(
+        "P", (), {"ptr": 16384 + a.size})()})())
     itemsize = 4 if dtype == "float32" else 2
     maps = tuple(_plan.tma_tensor(shape, strides, itemsize, rows) for rows in (128, 128, 128))
     ent = _gpu._Sm90Launch(kernel_of("sm90"), plan, dtype, maps, portable, True, 0)
@@ -113,12 +116,33 @@ def test_sm90_launch_writes_descriptors_per_pointer_tuple(rng, monkeypatch):
         assert list(rec[field][:12]) == [ptr, *dims, *st, *box]
     assert rec["s_q"] == 300 and rec["num_m_blocks"] == 3      # the plan came through
     assert int(rec["sched"]) == 4096 + 77                      # this stream's tile counter
+    assert not plan.variant.split and int(rec["split_table"]) == 0   # tiles of three key tiles
     ent.launch(*ptrs)                                           # the same buffers: a cached record
     assert len(ent.records) == 1 and seen[-1][1].tobytes() == rec.tobytes()
     other = _pointers(rng, 5)
     ent.launch(*other)
     assert len(ent.records) == 2 and int(seen[-1][1]["q"]) == other[0]
     assert int(ent.records[(*ptrs, 77)][1][0]["q"]) == ptrs[0]   # earlier record untouched
+
+
+def test_sm90_launch_writes_the_split_tail(rng, monkeypatch):
+    """64 work tiles of 8 key tiles on 132 SMs: two pieces each. The record carries the work
+    items' table (uploaded once), this stream's workspace and counters, and is keyed by them."""
+    ent, plan, seen = _sm90_entry(monkeypatch, s=1024)
+    ptrs = _pointers(rng, 5)
+    ent.launch(*ptrs)
+    rec = seen[-1][1]
+    pieces = int(plan.params["split_pieces"])
+    assert plan.variant.split and pieces == 128 and len(plan.split) == pieces
+    assert rec["split_pieces"] == pieces and rec["split_first"] == 0
+    assert int(rec["split_table"]) == 16384 + 4 * pieces
+    assert int(rec["split_ws"]) == 8192 + _plan.sm90_split_ws_bytes(plan.variant, pieces)
+    assert int(rec["split_count"]) == 12288 + 64 * 2           # tiles x consumers
+    key = (*ptrs, 77, int(rec["split_ws"]), int(rec["split_count"]))
+    assert list(ent.records) == [key]
+    table = ent.split_table
+    ent.launch(*_pointers(rng, 5))
+    assert ent.split_table is table and len(ent.records) == 2
 
 
 @pytest.mark.parametrize("which,offset", [("q", 2), ("k", 8), ("v", 2), ("o", 2)])

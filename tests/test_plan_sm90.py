@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cupyflash import _plan
 
@@ -30,9 +32,13 @@ def test_variants_fit_and_are_distinct():
     vs = _plan.sm90_variants()
     # dtypes x head dims x window x softcap x varlen, plus hd 64's dense two-consumer
     # short-window variant, plus the bias variants (16-bit / float32 bias, hd 64 and 128), plus
-    # the wide-key-tile variants (hd 128, dense, no softcap, window or not)
+    # the wide-key-tile variants (hd 128, dense, no softcap, window or not), plus the SPLIT twin
+    # of each dense variant without window, softcap, varlen or bias (one per head dim, and the
+    # wide tiles)
     assert len(vs) == (2 * 3 * 2 * 2 * 2 + 2 + 2 * len(_plan.SM90_BIAS_HEAD_DIMS) * 2 * 2 * 2
-                       + 2 * len(_plan.SM90_TILES_WIDE) * 2)
+                       + 2 * len(_plan.SM90_TILES_WIDE) * 2
+                       + 2 * (len(_plan.SM90_HEAD_DIMS) + len(_plan.SM90_TILES_WIDE)))
+    assert all(not (v.window or v.softcap or v.varlen or v.bias) for v in vs if v.split)
     assert {v.d for v in vs if v.bias} == set(_plan.SM90_BIAS_HEAD_DIMS)
     assert all(v.nc == 2 and not v.varlen for v in vs if v.bias)
     assert len({v.name for v in vs}) == len(vs) == len({v.name_expression for v in vs})
@@ -105,7 +111,7 @@ def test_plan_fills_params_and_grid():
     # persistent grid: min(work tiles, SMs) blocks over 8 query tiles x 8 heads x 3 batches
     assert plan.grid == (132, 1, 1) and plan.block == (384, 1, 1) and plan.smem == v.smem_bytes
     small = _plan.plan_forward_sm90("bfloat16", 1, 200, 200, 2, 2, 64, 64, scale=0.1, num_sms=132)
-    assert small.grid == (4, 1, 1)
+    assert small.grid == (4, 1, 1) and not small.variant.split   # tiles of 2 key tiles: whole
     prm = plan.params
     assert prm["h_per_hk"] == 4 and prm["diag_offset"] == 777 - 1000
     assert prm["window_right"] == 0 and prm["window_left"] == 1000 + 777
@@ -374,7 +380,7 @@ def test_varlen_plan(d, window, softcap):
                                         softcap=20.0 if softcap else 0.0, num_sms=132)
     v, prm = pl.variant, pl.params
     assert v.varlen and v.window == window and v.softcap == softcap and v in _plan.sm90_variants()
-    assert v.nc == 2 and "_varlen" in v.name and v.name_expression.endswith(", true, 0>")
+    assert v.nc == 2 and "_varlen" in v.name and v.name_expression.endswith(", true, 0, false>")
     assert (int(prm["b"]), int(prm["s_q"]), int(prm["s_k"])) == (5, 3000, 2800)
     assert int(prm["num_m_blocks"]) == -(-1100 // v.bm) and int(prm["diag_offset"]) == 0
     assert int(prm["varlen_bottom_right"]) == 1 and int(prm["h_per_hk"]) == 4
@@ -577,3 +583,127 @@ def test_longest_first_tail_order(m, pairs, grid):
     assert head == list(range(len(head)))
     assert len(tail) >= min(2 * grid, m * pairs)
     assert [w % m for w in tail] == sorted(w % m for w in tail)
+
+
+# ---------------------------------------------------------------------------------------------
+# The split tail (sm90_split, SPLIT variants)
+# ---------------------------------------------------------------------------------------------
+def _check_table(table, work, grid, n):
+    """Invariants of a split table: the last (work − split_first) tiles, each covered by its
+    pieces once, in order, contiguously; column 3 = 64 · first piece + pieces of the tile."""
+    tail = int(table[-1, 0]) + 1
+    assert 1 <= tail <= min(work, grid)
+    assert list(np.unique(table[:, 0])) == list(range(tail))
+    assert (np.diff(table[:, 0]) >= 0).all()
+    for r in range(tail):
+        rows = np.flatnonzero(table[:, 0] == r)
+        pieces = table[rows]
+        starts, counts = pieces[:, 1], pieces[:, 2]
+        assert starts[0] == 0 and (counts >= 1).all()
+        assert list(starts[1:]) == list(np.cumsum(counts)[:-1]) and counts.sum() == n
+        assert (pieces[:, 3] == 64 * rows[0] + len(rows)).all()
+        assert len(rows) <= _plan.SM90_SPLIT_MAX_PARTS + 1 < 64
+    return tail
+
+
+@settings(max_examples=300, deadline=None)
+@given(work=st.integers(1, 5000), grid=st.integers(1, 300), n=st.integers(1, 600),
+       force=st.booleans())
+def test_split_table_covers_every_tail_tile_once(work, grid, n, force):
+    table = _plan.sm90_split(work, grid, n, force=force)
+    full, tail = divmod(work, grid)
+    if table is None:                      # only the model declines (a forced split never)
+        assert not force
+        return
+    got = _check_table(table, work, grid, n)
+    assert got == (tail if tail else grid)                     # forced: the last full wave
+    assert force or tail > 0
+
+
+@pytest.mark.parametrize("work,grid,n,parts", [
+    (2048, 132, 16, 0),         # FA shapes, hd 128, 2k: 15 waves + 68 tiles, 68 > 132 / 2
+    (1056, 132, 32, 0),         # a whole number of waves
+    (1, 132, 1, 0),             # one tile of one key tile: nothing to split
+    (128, 132, 128, 0),         # 128 tiles: one piece each
+    (8, 132, 8, 2),             # few tiles of eight key tiles: two pieces of four each
+    (64, 132, 4, 0),            # b 1, h 16, s 512: pieces of two key tiles ran slower
+    (64, 132, 16, 2),           # b 1, h 4, s 2k (hd 128): two pieces of 8 key tiles each
+    (176, 132, 32, 3),          # one wave and 44 tiles: three pieces each
+    (2000, 132, 4, 0),          # 20 tiles past 15 waves, but of four key tiles: under 5 %
+    (133, 132, 64, 16),         # one tile past a wave: 16 pieces (SM90_SPLIT_MAX_PARTS)
+    (133, 132, 20, 5),          # ... of 20 key tiles: five pieces of four
+])
+def test_split_model(work, grid, n, parts):
+    table = _plan.sm90_split(work, grid, n)
+    assert (0 if table is None else int(table[0, 3]) % 64) == parts
+    if table is not None:           # one round: at most one piece per block
+        assert len(table) == (work % grid) * parts <= grid
+
+
+def test_split_tail_model_choices():
+    """Where the planner splits on the H200 (132 SMs): never on FlashAttention's benchmark shapes
+    (hd 128: 2048 work tiles, a tail of 68 tiles: one piece per tile fits), nor on a whole number
+    of waves; where few tiles leave most SMs idle, yes."""
+    def split(b, s, h=16, d=128):
+        return _plan.plan_forward_sm90("bfloat16", b, s, s, h, h, d, d, scale=0.1).variant.split
+    assert not any(split(16384 // s, s) for s in (512, 1024, 2048, 4096, 8192, 16384))
+    assert not any(split(16384 // s, s, 2048 // d, d) for s in (512, 4096, 16384)
+                   for d in (64, 256))
+    assert not split(1, 4096, 33)             # 32 tiles x 33 heads = 1056 = 8 waves
+    assert split(1, 2048, 4) and split(1, 4096, 1) and split(1, 4096, 8, 64)
+
+
+@pytest.mark.parametrize("kw", [dict(window_right=0), dict(softcap=10.0), dict()],
+                         ids=["causal", "softcap", "plain"])
+def test_split_plan_params(kw):
+    """The planner's SPLIT plan: split_first = the whole tiles, split_pieces = the table's rows,
+    a grid over whole tiles + pieces; never with a band or softcap; a forced plain variant never
+    splits, a forced SPLIT one always (and refuses a band)."""
+    args = ("bfloat16", 2, 1000, 3000, 4, 2, 128, 128)
+    plan = _plan.plan_forward_sm90(*args, scale=0.1, **kw)
+    work = 8 * 4 * 2
+    if kw:
+        assert plan.split is None and not plan.variant.split
+        assert int(plan.params["split_first"]) == work
+        if "window_right" in kw:
+            with pytest.raises(ValueError, match="cannot compute"):
+                _plan.plan_forward_sm90(*args, scale=0.1, variant=_plan.sm90_variant(
+                    "bf16_t", 128, False, False, split=True), **kw)
+        return
+    assert plan.variant.split and plan.variant.name.endswith("_split")
+    first, pieces = int(plan.params["split_first"]), int(plan.params["split_pieces"])
+    assert first == 0 and len(plan.split) == pieces         # 64 tiles < 132 SMs: all split
+    _check_table(plan.split, work, 132, 24)
+    assert plan.grid == (min(132, pieces), 1, 1)
+    plain = _plan.plan_forward_sm90(*args, scale=0.1, variant=_plan.sm90_variant(
+        "bf16_t", 128, False, False))
+    assert plain.split is None and not plain.variant.split and plain.grid == (64, 1, 1)
+    forced = _plan.plan_forward_sm90("bfloat16", 1, 4096, 4096, 33, 33, 128, 128, scale=0.1,
+                                     variant=_plan.sm90_variant("bf16_t", 128, False, False,
+                                                                split=True))
+    first, pieces = int(forced.params["split_first"]), int(forced.params["split_pieces"])
+    assert forced.variant.split and first == 1056 - 132 and len(forced.split) == first + pieces
+    # the work items: whole tiles (w, 0, n, 1), then the pieces of tiles first .. 1055
+    assert (forced.split[:first] == np.c_[np.arange(first), np.zeros(first), np.full(first, 32),
+                                          np.ones(first)]).all()
+    tail = forced.split[first:].copy()
+    tail[:, 0] -= first
+    assert _check_table(tail, 1056, 132, 32) == 132
+    assert forced.grid == (132, 1, 1)
+    with pytest.raises(ValueError, match="split: dense calls"):
+        _plan.sm90_variant("bf16_t", 128, True, False, split=True)
+
+
+def test_work_items_table():
+    pieces = _plan.sm90_split(140, 132, 10)
+    items = _plan.sm90_work_items(132, pieces, 10)
+    assert len(pieces) == 8 * 2                 # 8 tiles past the wave, 2 pieces of 5 each
+    assert items.dtype == np.int32 and items.shape == (132 + len(pieces), 4)
+    assert list(items[131]) == [131, 0, 10, 1]
+    assert list(items[132]) == [132 + pieces[0, 0], *pieces[0, 1:]]
+    assert (items[132:, 3] == pieces[:, 3]).all()   # first piece counted from the first piece
+
+
+def test_split_workspace_bytes():
+    v = _plan.sm90_variant("bf16_t", 128, False, False, split=True)
+    assert _plan.sm90_split_ws_bytes(v, 10) == 10 * 2 * 128 * (64 + 4) * 4
