@@ -738,8 +738,9 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
     (``varlen``: see plan_forward_varlen_sm90, which calls this with the longest sequences as
     s_q, s_k). With ``variant`` None (the planner's choice), a dense call without a band,
     softcap or bias splits the grid's last partial wave along the keys where sm90_split's model
-    gains (SM90_SPLIT_AUTO): the SPLIT variant, Plan.split its pieces (work items = whole
-    tiles + pieces); a forced SPLIT variant always splits; any other forced variant never."""
+    gains (SM90_SPLIT_AUTO): the SPLIT variant, Plan.split its work items (the whole tiles, then
+    the pieces: sm90_work_items); a forced SPLIT variant always splits; any other forced
+    variant never."""
     if h % h_k:
         raise ValueError(f"heads {h} is not a multiple of heads_k {h_k}")
     if min(b, s_q, s_k, h, h_k, d, d_v) < 1:
@@ -763,9 +764,10 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
     table = None
     if getattr(variant, "split", False) or (auto and SM90_SPLIT_AUTO and isinstance(
             variant, Sm90Variant) and not (window or variant.softcap or variant.bias)):
-        # dense, no band: every work tile runs all ceil(s_k / bn) key tiles. The planner's
+        # dense, no band: every work tile runs all n = ceil(s_k / bn) key tiles. The planner's
         # variant splits where sm90_split's model gains; a forced SPLIT variant always does.
-        table = sm90_split(work, blocks, -(-s_k // variant.bn), force=variant.split)
+        n = -(-s_k // variant.bn)
+        table = sm90_split(work, blocks, n, force=variant.split)
         too_big = table is not None and (
             len(table) + work >= 2**31
             or sm90_split_ws_bytes(variant, len(table)) > SM90_SPLIT_MAX_WS)
@@ -778,7 +780,7 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
     if table is not None:
         first = work - (int(table[-1, 0]) + 1)
         prm["split_pieces"] = len(table)
-        table = sm90_work_items(first, table, -(-s_k // variant.bn))
+        table = sm90_work_items(first, table, n)
     prm["split_first"] = first
     grid = min(work if table is None else len(table), blocks)
     return Plan(variant, (grid, 1, 1), (variant.threads, 1, 1), variant.smem_bytes, prm, table)

@@ -26,8 +26,9 @@
 //
 // SPLIT (dense calls without a band, softcap or bias): the work tiles of the grid's last partial
 // wave, which would run on a fraction of the SMs while the rest idle, are drawn as pieces, each a
-// range of a tile's key tiles (the planner's table, _plan.sm90_split); a piece leaves its partial
-// O, m, l in a workspace and the tile's last piece to finish merges them and stores the tile.
+// range of a tile's key tiles (the planner's table: _plan.sm90_split, sm90_work_items); a piece
+// leaves its partial O, m, l in a workspace and the tile's last piece to finish merges them and
+// stores the tile.
 //
 // Shared memory holds 128-byte swizzled panels of 64 columns: a [rows, D] tile is D / 64 panels
 // of [rows, 64], each written by one TMA box and read by wgmma through a descriptor.
