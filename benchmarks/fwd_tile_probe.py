@@ -25,6 +25,8 @@ Probes (each a textual patch of fwd_sm90.cu; a patch whose anchor is gone stops 
   reads from L2 at hd >= 128; hd 64 is unchanged): whether the K / V traffic from L2 limits the
   key-tile loop, i.e. whether sharing each tile between two SMs (TMA multicast in a cluster of
   two) could pay. ``halfk`` / ``halfv``: the same for K tiles or V tiles alone.
+- ``nosoftmax`` / ``noexp``: the key-tile loop without its softmax (P = S as it is, alpha = 1),
+  and the softmax without its exp2s: how much of the step the softmax, and its exp2 unit, cost.
 - ``trace``: the same kernel, bit for bit, with SM clock stamps at the tile-boundary events of
   the first TRACE_TILES work tiles of every block (``cf_trace``); benchmarks/fwd_trace.py reads
   and summarises them. Not in the timed set by default (``--probes`` picks).
@@ -91,6 +93,25 @@ def _half_panels(which: str):
     )]
 
 
+#: ``nosoftmax``: the key-tile loop's softmax (masks, max, exp2, sum) is skipped, alpha = 1 and P
+#: is S packed as it is (a work tile's first key tile keeps its softmax): the products, loads,
+#: turns and O rescale alone, what the loop's structure allows with a softmax that cost nothing.
+#: ``noexp``: the softmax without its exp2s (P = s·scale·log2e − shift on the FMA pipe): what the
+#: exp2 unit costs. Both are compile-time changes (no branch in the loop).
+PROBES["nosoftmax"] = [(
+    "            online_softmax<NS, BN, WINDOW, false>(s_acc, m_run, l_run, alpha, p, wt, n0, row0, col_in_8, sl2);\n",
+    "            { alpha[0] = alpha[1] = 1.f; }   // probe: no softmax in the key-tile loop\n",
+)]
+PROBES["noexp"] = [(
+    "        s_acc[i] = fast_exp2(s_acc[i] * sl2 - shift[0]);\n"
+    "        s_acc[i + 1] = fast_exp2(s_acc[i + 1] * sl2 - shift[0]);\n"
+    "        s_acc[i + 2] = fast_exp2(s_acc[i + 2] * sl2 - shift[1]);\n"
+    "        s_acc[i + 3] = fast_exp2(s_acc[i + 3] * sl2 - shift[1]);\n",
+    "        s_acc[i] = s_acc[i] * sl2 - shift[0];   // probe: no exp2\n"
+    "        s_acc[i + 1] = s_acc[i + 1] * sl2 - shift[0];\n"
+    "        s_acc[i + 2] = s_acc[i + 2] * sl2 - shift[1];\n"
+    "        s_acc[i + 3] = s_acc[i + 3] * sl2 - shift[1];\n",
+)]
 PROBES["halfkv"] = _half_panels("true")
 PROBES["halfk"] = _half_panels("desc == &p.tma_k")
 PROBES["halfv"] = _half_panels("desc == &p.tma_v")
