@@ -5,7 +5,8 @@ checked against the portable kernel first. For choosing _plan.SM90_TILES; run on
     PYTHONPATH=. python benchmarks/sm90_tune.py [--seqlen 1024 4096 16384] [--rounds 5] [--peer cudnn]
 
 A candidate ``D:BN,STAGES,NC,s`` is the SPLIT variant (the grid's last partial wave split along
-the keys, always: _plan.sm90_split with force), timed in non-causal cells only.
+the keys, always: _plan.sm90_split with force), timed in non-causal cells only; ``...,m`` (after
+the s, if any) the MAXFREE variant (the max-free softmax: dense hd 128 × 128 keys), likewise.
 
 With --rounds N each cell times its candidates N times, interleaved (A B C A B C ...), and prints
 the median TFLOP/s with the lowest and highest in brackets: the card's clock drifts between
@@ -39,9 +40,9 @@ def main():
     ap.add_argument("--head-dim", nargs="+", type=int, default=sorted(CANDIDATES))
     ap.add_argument("--causal", nargs="+", default=["false", "true"], help="e.g. --causal true")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved timings per candidate")
-    ap.add_argument("--tiles", nargs="+", default=[], metavar="D:BN,STAGES,NC[,s]",
+    ap.add_argument("--tiles", nargs="+", default=[], metavar="D:BN,STAGES,NC[,s][,m]",
                     help="candidates instead of CANDIDATES, e.g. 64:96,2,2 128:128,2,2 "
-                         "128:128,2,2,s (s: the SPLIT variant)")
+                         "128:128,2,2,s (s: the SPLIT variant) 128:128,2,2,m (m: MAXFREE)")
     ap.add_argument("--batch", type=int, help="batch instead of the FA shapes' 16k / seqlen")
     ap.add_argument("--heads", type=int, help="heads instead of the FA shapes' 2048 / head dim")
     ap.add_argument("--peer", choices=["cudnn", "flash", "memeff"],
@@ -52,10 +53,11 @@ def main():
         candidates = {}
         for spec in args.tiles:
             d, tiles = spec.split(":")
-            bn, st, nc, *split = tiles.split(",")
-            if split not in ([], ["s"]):
-                raise SystemExit(f"--tiles {spec}: expected D:BN,STAGES,NC or D:BN,STAGES,NC,s")
-            candidates.setdefault(int(d), []).append((int(bn), int(st), int(nc), bool(split)))
+            bn, st, nc, *flags = tiles.split(",")
+            if flags not in ([], ["s"], ["m"], ["s", "m"]):
+                raise SystemExit(f"--tiles {spec}: expected D:BN,STAGES,NC[,s][,m]")
+            candidates.setdefault(int(d), []).append((int(bn), int(st), int(nc), "s" in flags,
+                                                      "m" in flags))
     causals = [c.lower() in ("1", "true", "yes") for c in args.causal]
     for d in (args.head_dim if not args.tiles else sorted(candidates)):
         for s in args.seqlen:
@@ -69,9 +71,10 @@ def main():
                 _gpu.forward(q, k, v, out, lse, opts, kernel="portable")
                 ref = out.astype(cp.float32)
                 variants = [_plan.Sm90Variant("bf16_t", d, bn, st, causal, False, nc,
-                                              split=bool(split and split[0]))
-                            for bn, st, nc, *split in candidates[d]
-                            if not (causal and split and split[0])]
+                                              split=bool(flags and flags[0]),
+                                              maxfree=bool(len(flags) > 1 and flags[1]))
+                            for bn, st, nc, *flags in candidates[d]
+                            if not (causal and any(flags))]
                 bad = {}
                 for var in variants:     # each candidate checked against the portable kernel
                     out.fill(0)
@@ -80,7 +83,7 @@ def main():
                     bad[var] = "" if err < 2e-2 else " BAD %.1e" % err
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 label = {var: f"{var.bm}x{var.bn}s{var.stages}" + ("split" if var.split else "")
-                         for var in variants}
+                         + ("maxfree" if var.maxfree else "") for var in variants}
                 calls = {label[var]:
                          (lambda var=var: _gpu.forward(q, k, v, out, lse, opts, kernel=var))
                          for var in variants}

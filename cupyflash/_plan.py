@@ -302,8 +302,8 @@ def _sizes_and_scalars(bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left, wind
 
 
 # ------------------------------------------------------------------------------------------
-# Hopper (sm_90a) forward: flash_fwd_sm90<E, D, BN, STAGES, NC, WINDOW, SOFTCAP, VARLEN, BIAS>
-# in
+# Hopper (sm_90a) forward: flash_fwd_sm90<E, D, BN, STAGES, NC, WINDOW, SOFTCAP, VARLEN, BIAS,
+# SPLIT, MAXFREE> in
 # kernels_cu/fwd_sm90.cu (TMA + wgmma, one producer and NC consumer warpgroups, BM = 64·NC,
 # one Q buffer).
 # Chosen on compute capability 9.0 wherever it covers the call (sm90_unsupported() is None);
@@ -332,10 +332,23 @@ SM90_SMEM_PER_SM = 228 * 1024
 #: SM90_WIDE_MIN_KEYS keys on average (sm90_keys): on the H200 (sm90_tune, session 16, 11
 #: interleaved rounds, 176 against 128) non-causal 4k -1.2 %, 6k / 8k / 16k +2.5 / +1.8 / +1.4 %;
 #: causal 4k / 6k -3.5 / -1.6 %, 8k +0.1 %, 12k / 16k +1.5 / +1.8 %: the mean keys per row, 6k
-#: on, separate them (docs/hopper.md, steps 8 and 33). Dense calls without softcap or bias only:
-#: those variants spill at 176.
+#: on, separate them (docs/hopper.md, steps 8 and 33). Calls without softcap or bias only:
+#: those variants spill at 176. Since session 18 causal / window calls only: dense calls
+#: without a band take the max-free softmax on 128-key tiles (SM90_MAXFREE_MIN_KEYS), 13-16 %
+#: faster than 176 at 8k / 16k.
 SM90_TILES_WIDE = {128: (176, 2, 2)}
 SM90_WIDE_MIN_KEYS = 6144
+#: The max-free softmax (MAXFREE: the key-tile loop's softmax against the running max of the
+#: tiles before, without the tile's own row max or O's rescale while no row rises more than
+#: 2^8 above it; docs/hopper.md step 36) for dense hd 128 calls without a band, softcap, varlen
+#: or bias, on 128-key tiles (its second P buffer leaves no registers at 176), where query rows
+#: see at least SM90_MAXFREE_MIN_KEYS keys. On the H200 (benchmarks/sm90_tune.py, bf16, FA
+#: shapes, interleaved rounds, session 18 calls 5-6), TFLOP/s of 128-key tiles without / with it
+#: and of 176-key tiles: 512 512.5 / 518.8, 1k 581.6 / 610.0, 2k 593.8 / 651.7 / 581.8, 4k
+#: 619.6 / 708.0 / 607.5, 6k 618.2 / 691.4 / 633.2, 8k 625.9 / 730.9 / 631.4, 16k 632.9 / 724.4 /
+#: 640.7. From 1k on (512's +1.2 % is inside the rounds' spread; the FA bench ran it without).
+SM90_MAXFREE_HEAD_DIMS = (128,)
+SM90_MAXFREE_MIN_KEYS = 1024
 #: Head dims of the BIAS variants (hd 256 spills with the bias loads).
 SM90_BIAS_HEAD_DIMS = (64, 128)
 #: Largest stride TMA takes (bytes, exclusive), and the alignment it needs of strides and bases.
@@ -358,6 +371,7 @@ class Sm90Variant(NamedTuple):
     varlen: bool = False
     bias: int = 0           # 0 none, 1 bias in the inputs' 16-bit type, 2 float32 bias
     split: bool = False     # the grid's last partial wave split along the keys (sm90_split)
+    maxfree: bool = False   # the key-tile loop's softmax without the tile's row max (MAXFREE)
 
     file = "fwd_sm90.cu"
     arch_options = ("-arch=sm_90a",)   # wgmma / setmaxnreg need the arch-specific target
@@ -385,13 +399,13 @@ class Sm90Variant(NamedTuple):
         b = cpp_bool
         return (f"flash_fwd_sm90<{self.elem}, {self.d}, {self.bn}, {self.stages}, {self.nc}, "
                 f"{b(self.window)}, {b(self.softcap)}, {b(self.varlen)}, {self.bias}, "
-                f"{b(self.split)}>")
+                f"{b(self.split)}, {b(self.maxfree)}>")
 
     @property
     def name(self) -> str:
         flags = ("_window" if self.window else "") + ("_softcap" if self.softcap else "") + (
             "_varlen" if self.varlen else "") + ("", "_bias", "_bias32")[self.bias] + (
-            "_split" if self.split else "")
+            "_split" if self.split else "") + ("_maxfree" if self.maxfree else "")
         return f"fwd90_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}s{self.stages}{flags}"
 
     @property
@@ -610,11 +624,13 @@ def sm90_variant(elem: str, d: int, window: bool, softcap: bool,
                  keys: Optional[float] = None, split: bool = False):
     """The planner's Hopper forward instantiation for these template flags, s_q queries (the
     longest sequence's, varlen) and ``keys`` keys per query row on average (sm90_keys)
-    (SM90_TILES; SM90_TILES_WIDE for dense calls without softcap or bias from
+    (SM90_TILES; SM90_TILES_WIDE for calls without softcap or bias from
     SM90_WIDE_MIN_KEYS keys on;
     SM90_TILES_FEW_ROWS for window calls of at most SM90_FEW_ROWS_SQ queries without softcap,
     varlen or bias; SM90_TILES_NC2 for softcap, varlen and bias); ``split``: its SPLIT twin
-    (dense calls without a band, softcap or bias: sm90_split). float32 tags: the
+    (dense calls without a band, softcap or bias: sm90_split). The max-free softmax (MAXFREE,
+    on 128-key tiles, whatever SM90_TILES_WIDE says) for dense calls without a band, softcap or
+    bias at SM90_MAXFREE_HEAD_DIMS from SM90_MAXFREE_MIN_KEYS keys on. float32 tags: the
     Sm90F32Variant (no softcap, varlen, bias there)."""
     if elem in F32_ELEMS:
         if softcap or varlen or bias:
@@ -623,7 +639,10 @@ def sm90_variant(elem: str, d: int, window: bool, softcap: bool,
     plain = not (softcap or varlen or bias)
     if split and (window or not plain):
         raise ValueError("split: dense calls without a window, softcap, varlen or bias only")
-    wide = d in SM90_TILES_WIDE and keys is not None and keys >= SM90_WIDE_MIN_KEYS and plain
+    maxfree = (d in SM90_MAXFREE_HEAD_DIMS and plain and not window
+               and keys is not None and keys >= SM90_MAXFREE_MIN_KEYS)
+    wide = (d in SM90_TILES_WIDE and keys is not None and keys >= SM90_WIDE_MIN_KEYS and plain
+            and not maxfree)
     few_rows = (d in SM90_TILES_FEW_ROWS and window and s_q is not None
                 and s_q <= SM90_FEW_ROWS_SQ and plain)
     if wide:
@@ -633,7 +652,7 @@ def sm90_variant(elem: str, d: int, window: bool, softcap: bool,
     else:
         tiles = SM90_TILES[d] if plain else SM90_TILES_NC2.get(d, SM90_TILES[d])
     bn, stages, nc = tiles
-    return Sm90Variant(elem, d, bn, stages, window, softcap, nc, varlen, bias, split)
+    return Sm90Variant(elem, d, bn, stages, window, softcap, nc, varlen, bias, split, maxfree)
 
 
 def sm90_variants():
@@ -644,7 +663,7 @@ def sm90_variants():
             for window in (False, True):
                 for cap in (False, True):
                     for s_q, keys in ((None, None), (1, None), (SM90_FEW_ROWS_SQ, None),
-                                      (None, SM90_WIDE_MIN_KEYS)):
+                                      (None, SM90_MAXFREE_MIN_KEYS), (None, SM90_WIDE_MIN_KEYS)):
                         for varlen, bias in ((False, 0), (True, 0), (False, 1), (False, 2)):
                             if bias and d not in SM90_BIAS_HEAD_DIMS:
                                 continue

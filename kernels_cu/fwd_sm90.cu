@@ -24,6 +24,11 @@
 //     of a work tile each consumer writes its O / l rows to its own o_smem and one of its
 //     threads issues a TMA store of them (where o_smem fits; else the lanes store O directly).
 //
+// MAXFREE (dense hd 128 calls without a band, softcap or bias): the key-tile loop's softmax
+// against the running max of the tiles before, without the tile's own row max and O's rescale
+// while every row stays within 2^8 of it (exact where one rises further: softmax_maxfree), its P
+// in a second buffer so that the loop alternates between two (unrolled by two key tiles).
+//
 // SPLIT (dense calls without a band, softcap or bias): the work tiles of the grid's last partial
 // wave, which would run on a fraction of the SMs while the rest idle, are drawn as pieces, each a
 // range of a tile's key tiles (the planner's table: _plan.sm90_split, sm90_work_items); a piece
@@ -218,14 +223,15 @@ __device__ __forceinline__ void exp_scores(float* s_acc, float* l_run, const flo
 // masks (only tiles that cross the ragged end or a band edge: key j kept when j < s_k and
 // diag(i) − left <= j <= diag(i) + right), running max m, P = exp2(s·sl2 − shift), denominator l,
 // and alpha [2], the factors that rescale O and l (l here, O by rescale_o). sl2: score -> base-2
-// exponent factor (scale·log2 e; 1 where the scores are in base-2 units already).
-template <int NS, int BN, bool WINDOW, bool FIRST = false>
+// exponent factor (scale·log2 e; 1 where the scores are in base-2 units already). MASKS = false:
+// the caller knows that the band and the ragged end mask no key of the tile (no mask code).
+template <int NS, int BN, bool WINDOW, bool FIRST = false, bool MASKS = true>
 __device__ __forceinline__ void online_softmax(float* s_acc, float* m_run, float* l_run, float* alpha,
                                                const Params& p, const WorkTile& wt, int n0, int row0,
                                                int col_in_8, float sl2) {
     // ---- masks
-    bool need_mask = n0 + BN > wt.s_k;
-    if (WINDOW)
+    bool need_mask = MASKS && n0 + BN > wt.s_k;
+    if (WINDOW && MASKS)
         need_mask |= n0 + BN - 1 > wt.m0 + wt.diag + p.window_right ||
                      n0 < wt.m_last + wt.diag - p.window_left;
     // FIRST (a work tile's first key tile, the diagonal one in causal order) and WINDOW: whether
@@ -428,9 +434,11 @@ __device__ __forceinline__ void stage_rows(u32 o_wg, const float* o_acc, const f
 // Q and first K / V tiles are there when the consumers finish the current tile.
 // BIAS: 0 none, 1 bias elements in E's storage, 2 float32 bias elements. SPLIT (dense calls
 // without a band, bias or softcap): the grid's last partial wave runs as pieces along the keys
-// (work_tile), merged by each tile's last piece to finish (merge_pieces).
+// (work_tile), merged by each tile's last piece to finish (merge_pieces). MAXFREE (dense calls
+// without a band, softcap or bias): the key-tile loop's softmax without the tile's row max
+// where the running max of the tiles before holds (softmax_maxfree).
 template <typename E, int D, int BN, int STAGES, int NC, bool WINDOW, bool SOFTCAP, bool VARLEN, int BIAS,
-          bool SPLIT>
+          bool SPLIT, bool MAXFREE>
 __global__ void __launch_bounds__(128 * (NC + 1), BlocksPerSm<D, BN, STAGES, NC, VARLEN>::VALUE)
 flash_fwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90;
@@ -441,6 +449,8 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     static_assert(D % PANEL_COLS == 0 && D <= 256 && BN % 16 == 0 && BN <= 256 && BM <= 256, "tile shape");
     static_assert(BIAS == 0 || !VARLEN, "bias: dense batches");
     static_assert(!SPLIT || (!WINDOW && !VARLEN && !SOFTCAP && BIAS == 0), "split: dense, no band");
+    static_assert(!MAXFREE || (!WINDOW && !VARLEN && !SOFTCAP && BIAS == 0 && D == 128),
+                  "max-free softmax: dense, no band, hd 128 (its second P buffer needs the registers)");
     constexpr int NS = BN / 2;       // S accumulator registers per lane: [64, BN] over 128 lanes
     constexpr int NO = D / 2;        // O accumulator registers per lane: [64, D]
     // Whether a work tile can have rows that see no key: with a causal / window band, or a packed
@@ -458,6 +468,16 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     // with 176-key tiles) and lost 1.6-5.5 % at hd 64, whose consumers are bound by instruction
     // issue, and 2-9 % at hd 256 (docs/hopper.md step 22): hd 128 only.
     constexpr bool SOFTMAX_BESIDE_PV = D == 128;
+    // MAXFREE: inside the key-tile loop, P = exp2(s·sl2 − shift) against the running max m of
+    // the tiles before, without the tile's own row max (its FMNMX and quad shuffles) and without
+    // O's rescale, as long as every lane's row sums of the tile stay at most MAXFREE_T (so every
+    // P <= MAXFREE_T: finite, and in range for float16); a warp where some row rose further
+    // takes the exact online softmax on S, kept intact for that (online_softmax, O rescaled).
+    // softmax(s) is the same for any shift, so only rounding differs. Key tiles after a work
+    // tile's first need no masks (no band; the ragged end is the first key tile, right to left);
+    // P of the next key tile needs its own registers beside the P that O += P V still reads
+    // (0 spills at hd 128 × 128 keys; the planner's SM90_MAXFREE_MIN_KEYS says where it runs).
+    constexpr float MAXFREE_T = 256.f;
 
     extern __shared__ unsigned char smem_raw[];
     // The planner (_plan.sm90_smem_bytes) sizes the launch: stop loudly if it disagrees with Layout
@@ -614,6 +634,10 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     float alpha[2];            // O rescale factors of the current key tile
     float s_acc[NS];           // S [64, BN] of the current key tile, then P in place
     u32 p_frag[NS / 2];        // P of the current key tile, 16-bit A fragments
+    // MAXFREE: a second P buffer. The softmax of key tile j + 1 writes its P while O += P V of
+    // tile j still reads the other, so the loop alternates between the two (unrolled by two: a
+    // copy from one to the other let ptxas coalesce them, and then serialize every wgmma, C7513)
+    u32 p_frag2[MAXFREE ? NS / 2 : 1];
     // A 16-bit bias without causal / window band or softcap (whose extra registers would then
     // spill): the next key tile's bias pairs of this lane's S columns (j, j + 1), loaded while
     // S runs. Measured on the H200 (bias (1, 16, s, s) bf16 hd 128): +5-9% over the L2 prefetch.
@@ -659,14 +683,14 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     };
     // ---- O += P V  [64, D] of the key tile in ring position kv: V read MN-major (LBO = bytes
     //      between 64-column panels), 16 keys = 16 rows of 128 bytes per k-step
-    auto issue_pv = [&](int kv) {
+    auto issue_pv = [&](int kv, const u32* pf) {
         const u64 v_tile = desc_add(v_desc, (kv % STAGES) * L::KV_TILE);
         mbar_wait(v_full + 8 * (kv % STAGES), (kv / STAGES) & 1);
         fence_regs<NO>(o_acc);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_rs<E, D>(o_acc, p_frag + 4 * kk, desc_add(v_tile, kk * 2048));
+            wgmma_rs<E, D>(o_acc, pf + 4 * kk, desc_add(v_tile, kk * 2048));
         wgmma_commit();
     };
     // S of ring position kv has completed: release its K stage, and the Q tile when it was the
@@ -677,9 +701,9 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         if (last_s && t == 0) mbar_arrive(q_empty);
     };
     // O += P V of ring position kv has completed: release its V stage
-    auto pv_done = [&](int kv) {
+    auto pv_done = [&](int kv, u32* pf) {
         fence_regs<NO>(o_acc);
-        fence_regs<NS / 2>(p_frag);      // P stayed untouched while the product read it
+        fence_regs<NS / 2>(pf);          // P stayed untouched while the product read it
         if (t == 0) mbar_arrive(v_empty + 8 * (kv % STAGES));
     };
 
@@ -767,6 +791,37 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         rescale_o<NO>(o_acc, alpha);
 #pragma unroll
         for (int i = 0; i < NS; i += 2) p_frag[i / 2] = pack2<E>(s_acc[i], s_acc[i + 1]);
+    };
+    // MAXFREE: the softmax of key tile n0 inside the loop into pf, without the tile's row max
+    // (P = exp2(s·sl2 − shift of the running max), l += the tile's sums, O not rescaled) where
+    // every lane's row sums lt of the warp stay at most MAXFREE_T; otherwise (a row rose more
+    // than log2 MAXFREE_T above m, P overflowed, or NaN) the exact online softmax of the intact
+    // S. Returns whether O must be rescaled by alpha (warp-uniform).
+    auto softmax_maxfree = [&](int n0, u32* pf) -> bool {
+        const int row0 = wt.m0 + cw * WG_ROWS + row_in_wg;
+        float shift[2], lt[2] = {0.f, 0.f};
+#pragma unroll
+        for (int r = 0; r < 2; ++r) shift[r] = m_run[r] == -CF_INF ? 0.f : m_run[r] * sl2;
+#pragma unroll
+        for (int i = 0; i < NS; i += 4) {       // P = exp2(s·sl2 − shift), row sums lt
+            const float p0 = fast_exp2(s_acc[i] * sl2 - shift[0]), p1 = fast_exp2(s_acc[i + 1] * sl2 - shift[0]);
+            const float p2 = fast_exp2(s_acc[i + 2] * sl2 - shift[1]), p3 = fast_exp2(s_acc[i + 3] * sl2 - shift[1]);
+            lt[0] += p0 + p1;
+            lt[1] += p2 + p3;
+            pf[i / 2] = pack2<E>(p0, p1);
+            pf[i / 2 + 1] = pack2<E>(p2, p3);
+        }
+        if (__all_sync(0xffffffffu, lt[0] <= MAXFREE_T && lt[1] <= MAXFREE_T)) {
+            l_run[0] += lt[0];
+            l_run[1] += lt[1];
+            return false;
+        }
+        // ---- some row of the warp rose: running max m, alpha, P and l of the tile, exactly
+        // (no masks: MAXFREE runs no band, and only a work tile's first key tile has the ragged end)
+        online_softmax<NS, BN, false, false, false>(s_acc, m_run, l_run, alpha, p, wt, n0, row0, col_in_8, sl2);
+#pragma unroll
+        for (int i = 0; i < NS; i += 2) pf[i / 2] = pack2<E>(s_acc[i], s_acc[i + 1]);
+        return true;
     };
     // The first key tile of work tile wt, whose S has completed: fresh O, m, l, then its softmax
     auto start_tile = [&]() {
@@ -867,7 +922,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     // A turn with the last O += P V of the current tile alone
     auto last_turn = [&]() {
         take_turn();
-        issue_pv(kv_it);
+        issue_pv(kv_it, p_frag);
         pass_turn();
         // O_SMEM: the previous tile's TMA store has read o_smem before store_tile overwrites it;
         // waited for here, where the warps wait for the product anyway (+0.4 % at s <= 2k: call 3
@@ -877,7 +932,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             named_bar_sync(WG_BAR + cw, 128);     // (thread 0's wait holds the warpgroup)
         }
         wgmma_wait<0>();
-        pv_done(kv_it);
+        pv_done(kv_it, p_frag);
         ++kv_it;
     };
 
@@ -897,10 +952,13 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             //      cores. (Waits are unconditional and the last O += P V is peeled off: ptxas
             //      then keeps the products asynchronous.)
             const int last = wt.n_tiles - 1;
-            for (int it = 0; it < last; ++it, ++kv_it) {
+            int it = 0;
+            // (MAXFREE: one exact step when the loop's count is odd, then pairs of max-free steps
+            // from p_frag to p_frag2 and back, so that the last P is in p_frag)
+            for (; it < (MAXFREE ? last % 2 : last); ++it, ++kv_it) {
                 take_turn();
                 issue_s(kv_it + 1);
-                issue_pv(kv_it);
+                issue_pv(kv_it, p_frag);
                 pass_turn();
                 if constexpr (BIAS != 0) fetch_bias(key0(it + 1));
                 wgmma_wait<1>();                         // S done (O += P V may still run)
@@ -912,8 +970,31 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                 if constexpr (SOFTMAX_BESIDE_PV)
                     mbar_wait(v_full + 8 * ((kv_it + 1) % STAGES), ((kv_it + 1) / STAGES) & 1);
                 wgmma_wait<0>();                         // O += P V done
-                pv_done(kv_it);
+                pv_done(kv_it, p_frag);
                 pack_p();
+            }
+            if constexpr (MAXFREE) {
+                // One max-free step: O += P V of key tile it from pf, the softmax of it + 1 into pn
+                auto step = [&](int it, u32* pf, u32* pn) {
+                    take_turn();
+                    issue_s(kv_it + 1);
+                    issue_pv(kv_it, pf);
+                    pass_turn();
+                    wgmma_wait<1>();                     // S done (O += P V may still run)
+                    s_done(kv_it + 1, it + 1 == last);
+                    const bool rescale = softmax_maxfree(key0(it + 1), pn);
+                    // V of key tile it + 1 landed, as SOFTMAX_BESIDE_PV: the wait's loop ends a
+                    // basic block, which keeps the O += P V wait below after the softmax
+                    mbar_wait(v_full + 8 * ((kv_it + 1) % STAGES), ((kv_it + 1) / STAGES) & 1);
+                    wgmma_wait<0>();                     // O += P V done
+                    pv_done(kv_it, pf);
+                    if (rescale) rescale_o<NO>(o_acc, alpha);   // only where some row's m moved
+                    ++kv_it;
+                };
+                for (; it < last; it += 2) {
+                    step(it, p_frag, p_frag2);
+                    step(it + 1, p_frag2, p_frag);
+                }
             }
             // ---- the tile's last key tile, the epilogue, then the next tile (its Q loads once
             //      every consumer is done with this one's)

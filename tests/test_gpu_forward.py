@@ -51,12 +51,15 @@ def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False,
              allow_tf32=False, kernel="portable", out_tol=None, key_ramp=0.0):
     """One forward call against the float64 reference; returns the variant name. ``out_tol``
     (float32 only) replaces the norm-wise out bound of 1e-5 (the long-sum tests: 2e-5).
-    ``key_ramp``: key j scaled by 1 + key_ramp·j / s_k (scores that grow along the keys)."""
+    ``key_ramp``: key j scaled by 1 + key_ramp·j / s_k (scores that grow along the keys); a
+    negative ramp scales key j by 1 + |key_ramp|·(s_k − 1 − j) / s_k (scores that grow towards key
+    0: the Hopper kernels walk the keys right to left, so their running max rises tile by tile)."""
     d_v = d if d_v is None else d_v
     dtype = DTYPES[dtype_name]
     qn = rng.standard_normal((b, s_q, h, d), dtype=np.float32).astype(dtype)
     kn = rng.standard_normal((b, s_k, h_k, d), dtype=np.float32)
-    kn = (kn * (1 + key_ramp * np.arange(s_k, dtype=np.float32) / s_k)[:, None, None]).astype(dtype)
+    j = np.arange(s_k, dtype=np.float32) if key_ramp >= 0 else s_k - 1 - np.arange(s_k, dtype=np.float32)
+    kn = (kn * (1 + abs(key_ramp) * j / s_k)[:, None, None]).astype(dtype)
     vn = rng.standard_normal((b, s_k, h_k, d_v), dtype=np.float32).astype(dtype)
     q = alloc(qn.shape, dtype, layout, pad)
     k = alloc(kn.shape, dtype, layout, pad)

@@ -97,14 +97,18 @@ def test_long_sequence(rng):
     sm90(rng, "float16", 1, 1500, 3001, 2, 2, 64, causal=True)
 
 
-@pytest.mark.parametrize("ramp", [6.0, 40.0])
+@pytest.mark.parametrize("ramp", [6.0, 40.0, -6.0, -40.0],
+                         ids=["up6", "up40", "down6", "down40"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rising_scores(rng, dtype, causal, ramp):
-    """Scores that grow along the keys (key j scaled by 1 + ramp·j / s_k): the running max m keeps
-    rising from key tile to key tile, by a little (ramp 6) or by more than 2^8 (ramp 40), so O
-    and l are rescaled mid-row by large factors; random inputs alone move m mostly in the first
-    key tile. (A kernel that skips O's rescale fails every case: session 6, call 2.)"""
+    """Scores that grow along the keys (key j scaled by 1 + ramp·j / s_k; a negative ramp: towards
+    key 0, the order in which the kernel walks the key tiles, right to left): the running max m
+    keeps rising from key tile to key tile, by a little (6) or by more than 2^8 (40), so O and l
+    are rescaled mid-row by large factors; random inputs alone move m mostly in the first key
+    tile. The max-free softmax (MAXFREE, hd 128 × 128 keys) takes its exact path there, and with
+    40 the max-free P overflows first. (A kernel that skips O's rescale fails every case:
+    session 6, call 2.)"""
     sm90(rng, dtype, 1, 300, 1500, 2, 1, 64, causal=causal, key_ramp=ramp)
     sm90(rng, dtype, 1, 257, 2048, 2, 2, 128, causal=causal, key_ramp=ramp)
 
@@ -242,6 +246,50 @@ def test_split_tail_wide_tiles_and_views(rng, bn, layout, pad):
                     kernel=_plain("bfloat16", 128, True, bn))
     assert name == f"fwd90_bf16_d128_128x{bn}s2_split", name
 
+
+
+#: The max-free softmax (MAXFREE: the loop's softmax against the running max of the tiles
+#: before, exact where a row rises more than 2^8 above it; hd 128 × 128 keys), forced on awkward
+#: shapes (the planner takes it from SM90_MAXFREE_MIN_KEYS keys a row on): one key, ragged key
+#: tails (the first key tile, right to left, is the one with masks and keeps the exact
+#: softmax), s_q != s_k both ways, GQA, both dtypes, a bhsd view; the split tail's pieces.
+MAXFREE_WHOLE = [(1, 1), (1, 239), (113, 203), (257, 63), (640, 2048), (1023, 1024)]
+MAXFREE_SPLIT = [(640, 2048), (300, 2500)]
+
+
+@pytest.mark.parametrize("s_q,s_k,split", [(*c, False) for c in MAXFREE_WHOLE] + [(*c, True) for c in MAXFREE_SPLIT],
+                         ids=[f"{a}x{b}" for a, b in MAXFREE_WHOLE] + [f"{a}x{b}-split" for a, b in MAXFREE_SPLIT])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_maxfree(rng, dtype, s_q, s_k, split):
+    var = _plain(dtype, 128, split)._replace(maxfree=True)
+    name = run_case(rng, dtype, 2, s_q, s_k, 4, 2, 128, kernel=var, layout="bhsd" if s_q == 113 else "bshd")
+    assert name == var.name, name
+
+
+@pytest.mark.parametrize("ramp", [-6.0, -40.0, 6.0], ids=["down6", "down40", "up6"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_maxfree_rising_scores(rng, dtype, ramp):
+    """Scores that rise in the kernel's key order (key 0 last: ramp < 0) take the exact path
+    mid-row: by a few 2^8 steps (6), or so steeply that the max-free P overflows first (40)."""
+    var = _plain(dtype, 128, False)._replace(maxfree=True)
+    name = run_case(rng, dtype, 1, 257, 3000, 2, 1, 128, key_ramp=ramp, kernel=var)
+    assert name == var.name, name
+
+
+def test_maxfree_is_planned():
+    """kernel="auto" takes MAXFREE for dense hd 128 calls (on 128-key tiles) from
+    SM90_MAXFREE_MIN_KEYS keys a row (the split twin too, which these two-tile calls take), and
+    not otherwise."""
+    from cupyflash import _gpu
+    lo = _plan.SM90_MAXFREE_MIN_KEYS
+    for s_k, causal, maxfree in [(lo, False, True), (4096, False, True), (lo - 1, False, False),
+                                 (4096, True, False), (8192, False, True)]:
+        q = cp.random.standard_normal((1, 128, 2, 128)).astype(np.float16)
+        k, v = (cp.random.standard_normal((1, s_k, 2, 128)).astype(np.float16) for _ in range(2))
+        out, lse = cp.empty_like(q), cp.empty((1, 2, 128), cp.float32)
+        name = _gpu.forward(q, k, v, out, lse, Options(scale=1 / math.sqrt(128),
+                                                       window_right=0 if causal else -1))
+        assert name.startswith("fwd90_f16_d128_128x") and ("_maxfree" in name) == maxfree, (s_k, causal, name)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

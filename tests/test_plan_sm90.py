@@ -32,12 +32,16 @@ def test_variants_fit_and_are_distinct():
     vs = _plan.sm90_variants()
     # dtypes x head dims x window x softcap x varlen, plus hd 64's dense two-consumer
     # short-window variant, plus the bias variants (16-bit / float32 bias, hd 64 and 128), plus
-    # the wide-key-tile variants (hd 128, dense, no softcap, window or not), plus the SPLIT twin
-    # of each dense variant without window, softcap, varlen or bias (one per head dim, and the
-    # wide tiles)
+    # the wide-key-tile variants (hd 128, causal / window, no softcap), plus the SPLIT twin of
+    # each dense variant without window, softcap, varlen or bias (one per head dim), plus the
+    # max-free softmax's dense variant and its SPLIT twin (hd 128, which long dense rows take
+    # instead of the wide tiles)
     assert len(vs) == (2 * 3 * 2 * 2 * 2 + 2 + 2 * len(_plan.SM90_BIAS_HEAD_DIMS) * 2 * 2 * 2
-                       + 2 * len(_plan.SM90_TILES_WIDE) * 2
-                       + 2 * (len(_plan.SM90_HEAD_DIMS) + len(_plan.SM90_TILES_WIDE)))
+                       + 2 * len(_plan.SM90_TILES_WIDE)
+                       + 2 * len(_plan.SM90_HEAD_DIMS)
+                       + 2 * len(_plan.SM90_MAXFREE_HEAD_DIMS) * 2)
+    assert all(not (v.window or v.softcap or v.varlen or v.bias) and v.bn == 128
+               for v in vs if v.maxfree)
     assert all(not (v.window or v.softcap or v.varlen or v.bias) for v in vs if v.split)
     assert {v.d for v in vs if v.bias} == set(_plan.SM90_BIAS_HEAD_DIMS)
     assert all(v.nc == 2 and not v.varlen for v in vs if v.bias)
@@ -327,7 +331,7 @@ def test_blocks_per_sm_mirror_the_kernel():
 
 
 @pytest.mark.parametrize("s_k,kw,bn", [
-    (8192, {}, 176), (6144, {}, 176), (4096, {}, 128), (16384, dict(window_right=0), 176),
+    (8192, {}, 128), (6144, {}, 128), (4096, {}, 128), (16384, dict(window_right=0), 176),
     (12288, dict(window_right=0), 176), (8192, dict(window_right=0), 128), (2048, {}, 128),
     (1024, dict(window_right=0), 128), (8192, dict(softcap=30.0), 128),
     (8192, dict(window_left=1000, window_right=1000), 128),
@@ -337,12 +341,15 @@ def test_blocks_per_sm_mirror_the_kernel():
         "narrow_window", "wide_window", "window_5000"])
 def test_hd128_key_tile_width(s_k, kw, bn):
     """hd 128: key tiles of 176 where query rows see at least SM90_WIDE_MIN_KEYS keys on
-    average (dense, no softcap, no bias), 128 otherwise."""
+    average in a causal / window band (no softcap, no bias), 128 otherwise: dense calls without
+    a band take the max-free softmax on 128-key tiles instead (SM90_MAXFREE_MIN_KEYS)."""
     pl = _plan.plan_forward_sm90("bfloat16", 1, s_k, s_k, 16, 16, 128, 128, scale=0.088, **kw)
     v = pl.variant
     assert v.bn == bn and v.bm == 128 and v in _plan.sm90_variants() and pl.smem == v.smem_bytes
     keys = _plan.sm90_keys(s_k, s_k, kw.get("window_left", -1), kw.get("window_right", -1))
-    assert (keys >= _plan.SM90_WIDE_MIN_KEYS) == (bn == 176) or "softcap" in kw
+    band = "window_right" in kw or "window_left" in kw
+    assert (keys >= _plan.SM90_WIDE_MIN_KEYS and band) == (bn == 176) or "softcap" in kw
+    assert v.maxfree == (not band and "softcap" not in kw and keys >= _plan.SM90_MAXFREE_MIN_KEYS)
 
 
 @pytest.mark.parametrize("bottom_right", [True, False], ids=["bottom_right", "top_left"])
@@ -369,6 +376,29 @@ def test_wide_key_tiles_only_at_hd128_dense():
         _plan.sm90_variant("bf16_t", 64, False, False)
     assert _plan.sm90_variant("bf16_t", 256, False, False, keys=many).bn == 80
 
+@pytest.mark.parametrize("d,s_k,kw,maxfree", [
+    (128, 1024, {}, True), (128, 4096, {}, True), (128, 1023, {}, False), (128, 512, {}, False),
+    (128, 16384, {}, True), (128, 4096, dict(window_right=0), False),
+    (128, 4096, dict(window_left=3000, window_right=3000), False),
+    (128, 4096, dict(softcap=30.0), False), (64, 4096, {}, False), (256, 4096, {}, False),
+], ids=["1k", "4k", "1023", "512", "16k", "causal", "window", "softcap", "hd64", "hd256"])
+def test_maxfree_choice(d, s_k, kw, maxfree):
+    """The max-free softmax (MAXFREE) where its measured gain is: dense hd 128 calls without a
+    band or softcap whose rows see at least SM90_MAXFREE_MIN_KEYS keys, on 128-key tiles (long
+    rows too, which took 176-key tiles before); its variants are compiled (sm90_variants) and
+    named."""
+    pl = _plan.plan_forward_sm90("bfloat16", 1, 512, s_k, 16, 16, d, d, scale=0.088, **kw)
+    v = pl.variant
+    assert v.maxfree == maxfree and v in _plan.sm90_variants()
+    assert ("_maxfree" in v.name) == maxfree and v.name_expression.endswith(
+        f"{'true' if maxfree else 'false'}>")
+    if maxfree:
+        assert v.bn == 128 and not (v.window or v.softcap or v.varlen or v.bias)
+    many = 4 * _plan.SM90_MAXFREE_MIN_KEYS
+    assert not _plan.sm90_variant("bf16_t", 128, False, False, bias=1, keys=many).maxfree
+    assert not _plan.sm90_variant("bf16_t", 128, False, False, varlen=True, keys=many).maxfree
+
+
 @pytest.mark.parametrize("window,softcap", [(False, False), (True, False), (False, True)],
                          ids=["plain", "causal", "softcap"])
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -380,7 +410,7 @@ def test_varlen_plan(d, window, softcap):
                                         softcap=20.0 if softcap else 0.0, num_sms=132)
     v, prm = pl.variant, pl.params
     assert v.varlen and v.window == window and v.softcap == softcap and v in _plan.sm90_variants()
-    assert v.nc == 2 and "_varlen" in v.name and v.name_expression.endswith(", true, 0, false>")
+    assert v.nc == 2 and "_varlen" in v.name and v.name_expression.endswith(", true, 0, false, false>")
     assert (int(prm["b"]), int(prm["s_q"]), int(prm["s_k"])) == (5, 3000, 2800)
     assert int(prm["num_m_blocks"]) == -(-1100 // v.bm) and int(prm["diag_offset"]) == 0
     assert int(prm["varlen_bottom_right"]) == 1 and int(prm["h_per_hk"]) == 4
@@ -670,7 +700,8 @@ def test_split_plan_params(kw):
                 _plan.plan_forward_sm90(*args, scale=0.1, variant=_plan.sm90_variant(
                     "bf16_t", 128, False, False, split=True), **kw)
         return
-    assert plan.variant.split and plan.variant.name.endswith("_split")
+    # (3000 keys a row: the max-free softmax's split twin)
+    assert plan.variant.split and plan.variant.name.endswith("_split_maxfree")
     first, pieces = int(plan.params["split_first"]), int(plan.params["split_pieces"])
     assert first == 0 and len(plan.split) == pieces         # 64 tiles < 132 SMs: all split
     _check_table(plan.split, work, 132, 24)
