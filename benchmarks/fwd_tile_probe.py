@@ -167,10 +167,10 @@ PROBES["trace"] = [
     ("        wgmma_wait<0>();\n        s_done(kv_it, wt.n_tiles == 1);\n        start_tile();\n",
      f"        wgmma_wait<0>();\n        {_stamp('1 + cw', 3)}\n        s_done(kv_it, wt.n_tiles == 1);\n"
      f"        start_tile();\n        {_stamp('1 + cw', 4)}\n"),
-    ("        take_turn();\n        issue_pv(kv_it);\n",
-     f"        take_turn();\n        {_stamp('1 + cw', 5)}\n        issue_pv(kv_it);\n"),
-    ("        wgmma_wait<0>();\n        pv_done(kv_it);\n        ++kv_it;\n",
-     f"        wgmma_wait<0>();\n        {_stamp('1 + cw', 6)}\n        pv_done(kv_it);\n        ++kv_it;\n"),
+    ("        take_turn();\n        issue_pv(kv_it, p_frag);\n",
+     f"        take_turn();\n        {_stamp('1 + cw', 5)}\n        issue_pv(kv_it, p_frag);\n"),
+    ("        wgmma_wait<0>();\n        pv_done(kv_it, p_frag);\n        ++kv_it;\n",
+     f"        wgmma_wait<0>();\n        {_stamp('1 + cw', 6)}\n        pv_done(kv_it, p_frag);\n        ++kv_it;\n"),
     ("            if (!SPLIT || wt.parts == 1 || merge_pieces()) store_tile();\n",
      f"            if (!SPLIT || wt.parts == 1 || merge_pieces()) store_tile();\n            {_stamp('1 + cw', 7)}\n"),
 ]
@@ -180,8 +180,8 @@ TRACE_EVENTS_EPILOGUE = ["last PV done", "finish_rows (1 / l, lse)", "o_smem add
                          "back in the loop"]
 PROBES["epitrace"] = [
     *PROBES["trace"][:3],   # the stamp definitions and the producer's clock calibration
-    ("        wgmma_wait<0>();\n        pv_done(kv_it);\n        ++kv_it;\n",
-     f"        wgmma_wait<0>();\n        {_stamp('1 + cw', 0)}\n        pv_done(kv_it);\n        ++kv_it;\n"),
+    ("        wgmma_wait<0>();\n        pv_done(kv_it, p_frag);\n        ++kv_it;\n",
+     f"        wgmma_wait<0>();\n        {_stamp('1 + cw', 0)}\n        pv_done(kv_it, p_frag);\n        ++kv_it;\n"),
     ("            finish_rows<VARLEN>(p, wt, m_run, l_run, sl2, row0, t % 4 == 0, inv_l);\n",
      "            finish_rows<VARLEN>(p, wt, m_run, l_run, sl2, row0, t % 4 == 0, inv_l);\n"
      f"            {_stamp('1 + cw', 1)}\n"),

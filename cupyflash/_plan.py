@@ -339,8 +339,8 @@ SM90_SMEM_PER_SM = 228 * 1024
 SM90_TILES_WIDE = {128: (176, 2, 2)}
 SM90_WIDE_MIN_KEYS = 6144
 #: The max-free softmax (MAXFREE: the key-tile loop's softmax against the running max of the
-#: tiles before, without the tile's own row max or O's rescale while no row rises more than
-#: 2^8 above it; docs/hopper.md step 36) for dense hd 128 calls without a band, softcap, varlen
+#: tiles before, without the tile's own row max or O's rescale while each lane's row sums of the
+#: tile stay at most 256, i.e. no P above 256; docs/hopper.md step 36) for dense hd 128 calls without a band, softcap, varlen
 #: or bias, on 128-key tiles (its second P buffer leaves no registers at 176), where query rows
 #: see at least SM90_MAXFREE_MIN_KEYS keys. On the H200 (benchmarks/sm90_tune.py, bf16, FA
 #: shapes, interleaved rounds, session 18 calls 5-6), TFLOP/s of 128-key tiles without / with it

@@ -26,7 +26,7 @@
 //
 // MAXFREE (dense hd 128 calls without a band, softcap or bias): the key-tile loop's softmax
 // against the running max of the tiles before, without the tile's own row max and O's rescale
-// while every row stays within 2^8 of it (exact where one rises further: softmax_maxfree), its P
+// while no P exceeds 256 (exact where a row rises further: softmax_maxfree), its P
 // in a second buffer so that the loop alternates between two (unrolled by two key tiles).
 //
 // SPLIT (dense calls without a band, softcap or bias): the work tiles of the grid's last partial
@@ -952,48 +952,39 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             //      cores. (Waits are unconditional and the last O += P V is peeled off: ptxas
             //      then keeps the products asynchronous.)
             const int last = wt.n_tiles - 1;
-            int it = 0;
-            // (MAXFREE: one exact step when the loop's count is odd, then pairs of max-free steps
-            // from p_frag to p_frag2 and back, so that the last P is in p_frag)
-            for (; it < (MAXFREE ? last % 2 : last); ++it, ++kv_it) {
+            // One key-tile step: in our turn S of key tile it + 1, then O += P V of key tile it
+            // from pf; the softmax of S(it + 1) into s_acc and then P into p_frag (pack_p), or
+            // (maxfree, a literal at each call) max-free into pn
+            auto step = [&](int it, u32* pf, u32* pn, bool maxfree) {
                 take_turn();
                 issue_s(kv_it + 1);
-                issue_pv(kv_it, p_frag);
+                issue_pv(kv_it, pf);
                 pass_turn();
                 if constexpr (BIAS != 0) fetch_bias(key0(it + 1));
                 wgmma_wait<1>();                         // S done (O += P V may still run)
                 s_done(kv_it + 1, it + 1 == last);
-                softmax_scores(key0(it + 1), false);
+                bool rescale = true;                     // (max-free: whether O is rescaled)
+                if (MAXFREE && maxfree) rescale = softmax_maxfree(key0(it + 1), pn);
+                else softmax_scores(key0(it + 1), false);
                 // SOFTMAX_BESIDE_PV: V of key tile it + 1 landed (the next turn's O += P V reads
                 // it), waited for here because the wait's loop ends a basic block, which keeps the
                 // O += P V wait below after the softmax
                 if constexpr (SOFTMAX_BESIDE_PV)
                     mbar_wait(v_full + 8 * ((kv_it + 1) % STAGES), ((kv_it + 1) / STAGES) & 1);
                 wgmma_wait<0>();                         // O += P V done
-                pv_done(kv_it, p_frag);
-                pack_p();
-            }
+                pv_done(kv_it, pf);
+                if (!(MAXFREE && maxfree)) pack_p();
+                else if (rescale) rescale_o<NO>(o_acc, alpha);   // only where some row's m moved
+                ++kv_it;
+            };
+            // (MAXFREE: one exact step when the loop's count is odd, then pairs of max-free steps
+            // from p_frag to p_frag2 and back, so that the last P is in p_frag)
+            int it = 0;
+            for (; it < (MAXFREE ? last % 2 : last); ++it) step(it, p_frag, p_frag, false);
             if constexpr (MAXFREE) {
-                // One max-free step: O += P V of key tile it from pf, the softmax of it + 1 into pn
-                auto step = [&](int it, u32* pf, u32* pn) {
-                    take_turn();
-                    issue_s(kv_it + 1);
-                    issue_pv(kv_it, pf);
-                    pass_turn();
-                    wgmma_wait<1>();                     // S done (O += P V may still run)
-                    s_done(kv_it + 1, it + 1 == last);
-                    const bool rescale = softmax_maxfree(key0(it + 1), pn);
-                    // V of key tile it + 1 landed, as SOFTMAX_BESIDE_PV: the wait's loop ends a
-                    // basic block, which keeps the O += P V wait below after the softmax
-                    mbar_wait(v_full + 8 * ((kv_it + 1) % STAGES), ((kv_it + 1) / STAGES) & 1);
-                    wgmma_wait<0>();                     // O += P V done
-                    pv_done(kv_it, pf);
-                    if (rescale) rescale_o<NO>(o_acc, alpha);   // only where some row's m moved
-                    ++kv_it;
-                };
                 for (; it < last; it += 2) {
-                    step(it, p_frag, p_frag2);
-                    step(it + 1, p_frag2, p_frag);
+                    step(it, p_frag, p_frag2, true);
+                    step(it + 1, p_frag2, p_frag, true);
                 }
             }
             // ---- the tile's last key tile, the epilogue, then the next tile (its Q loads once

@@ -249,20 +249,22 @@ def test_split_tail_wide_tiles_and_views(rng, bn, layout, pad):
 
 
 #: The max-free softmax (MAXFREE: the loop's softmax against the running max of the tiles
-#: before, exact where a row rises more than 2^8 above it; hd 128 × 128 keys), forced on awkward
-#: shapes (the planner takes it from SM90_MAXFREE_MIN_KEYS keys a row on): one key, ragged key
+#: before, exact where a lane's row sum of P over a tile exceeds 256; hd 128 × 128 keys), forced
+#: on awkward shapes (the planner takes it from SM90_MAXFREE_MIN_KEYS keys a row): one key, ragged key
 #: tails (the first key tile, right to left, is the one with masks and keeps the exact
 #: softmax), s_q != s_k both ways, GQA, both dtypes, a bhsd view; the split tail's pieces.
 MAXFREE_WHOLE = [(1, 1), (1, 239), (113, 203), (257, 63), (640, 2048), (1023, 1024)]
 MAXFREE_SPLIT = [(640, 2048), (300, 2500)]
+MAXFREE_CASES = [(*c, False) for c in MAXFREE_WHOLE] + [(*c, True) for c in MAXFREE_SPLIT]
 
 
-@pytest.mark.parametrize("s_q,s_k,split", [(*c, False) for c in MAXFREE_WHOLE] + [(*c, True) for c in MAXFREE_SPLIT],
-                         ids=[f"{a}x{b}" for a, b in MAXFREE_WHOLE] + [f"{a}x{b}-split" for a, b in MAXFREE_SPLIT])
+@pytest.mark.parametrize("s_q,s_k,split", MAXFREE_CASES,
+                         ids=[f"{a}x{b}" + ("-split" if sp else "") for a, b, sp in MAXFREE_CASES])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_maxfree(rng, dtype, s_q, s_k, split):
     var = _plain(dtype, 128, split)._replace(maxfree=True)
-    name = run_case(rng, dtype, 2, s_q, s_k, 4, 2, 128, kernel=var, layout="bhsd" if s_q == 113 else "bshd")
+    layout = "bhsd" if s_q == 113 else "bshd"
+    name = run_case(rng, dtype, 2, s_q, s_k, 4, 2, 128, kernel=var, layout=layout)
     assert name == var.name, name
 
 
@@ -270,7 +272,8 @@ def test_maxfree(rng, dtype, s_q, s_k, split):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_maxfree_rising_scores(rng, dtype, ramp):
     """Scores that rise in the kernel's key order (key 0 last: ramp < 0) take the exact path
-    mid-row: by a few 2^8 steps (6), or so steeply that the max-free P overflows first (40)."""
+    mid-row: each time the stale max falls 2^8 behind (6: about 1.3 in base 2 per key tile), or
+    at once, after the max-free P overflowed (40); rising against it (6), never."""
     var = _plain(dtype, 128, False)._replace(maxfree=True)
     name = run_case(rng, dtype, 1, 257, 3000, 2, 1, 128, key_ramp=ramp, kernel=var)
     assert name == var.name, name
@@ -289,7 +292,8 @@ def test_maxfree_is_planned():
         out, lse = cp.empty_like(q), cp.empty((1, 2, 128), cp.float32)
         name = _gpu.forward(q, k, v, out, lse, Options(scale=1 / math.sqrt(128),
                                                        window_right=0 if causal else -1))
-        assert name.startswith("fwd90_f16_d128_128x") and ("_maxfree" in name) == maxfree, (s_k, causal, name)
+        assert name.startswith("fwd90_f16_d128_128x"), name
+        assert ("_maxfree" in name) == maxfree, (s_k, causal, name)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
