@@ -26,8 +26,8 @@
 //
 // MAXFREE (dense hd 128 calls without a band, softcap or bias): the key-tile loop's softmax
 // against the running max of the tiles before, without the tile's own row max and O's rescale
-// while no P exceeds 256 (exact where a row rises further: softmax_maxfree), its P
-// in a second buffer so that the loop alternates between two (unrolled by two key tiles).
+// while no P exceeds 256 (exact where a row rises further: softmax_maxfree), its P in a second
+// buffer so that the loop alternates between two (unrolled by two key tiles).
 //
 // SPLIT (dense calls without a band, softcap or bias): the work tiles of the grid's last partial
 // wave, which would run on a fraction of the SMs while the rest idle, are drawn as pieces, each a
@@ -794,9 +794,10 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     };
     // MAXFREE: the softmax of key tile n0 inside the loop into pf, without the tile's row max
     // (P = exp2(s·sl2 − shift of the running max), l += the tile's sums, O not rescaled) where
-    // every lane's row sums lt of the warp stay at most MAXFREE_T; otherwise (a row rose more
-    // than log2 MAXFREE_T above m, P overflowed, or NaN) the exact online softmax of the intact
-    // S. Returns whether O must be rescaled by alpha (warp-uniform).
+    // every lane's row sums lt of the warp stay at most MAXFREE_T; otherwise (some lt above it,
+    // always so when a score rose more than log2 MAXFREE_T above m; P overflowed; or NaN) the
+    // exact online softmax of the intact S. Returns whether O must be rescaled by alpha
+    // (warp-uniform).
     auto softmax_maxfree = [&](int n0, u32* pf) -> bool {
         const int row0 = wt.m0 + cw * WG_ROWS + row_in_wg;
         float shift[2], lt[2] = {0.f, 0.f};
@@ -804,8 +805,10 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         for (int r = 0; r < 2; ++r) shift[r] = m_run[r] == -CF_INF ? 0.f : m_run[r] * sl2;
 #pragma unroll
         for (int i = 0; i < NS; i += 4) {       // P = exp2(s·sl2 − shift), row sums lt
-            const float p0 = fast_exp2(s_acc[i] * sl2 - shift[0]), p1 = fast_exp2(s_acc[i + 1] * sl2 - shift[0]);
-            const float p2 = fast_exp2(s_acc[i + 2] * sl2 - shift[1]), p3 = fast_exp2(s_acc[i + 3] * sl2 - shift[1]);
+            const float p0 = fast_exp2(s_acc[i] * sl2 - shift[0]);       // row row0
+            const float p1 = fast_exp2(s_acc[i + 1] * sl2 - shift[0]);
+            const float p2 = fast_exp2(s_acc[i + 2] * sl2 - shift[1]);   // row row0 + 8
+            const float p3 = fast_exp2(s_acc[i + 3] * sl2 - shift[1]);
             lt[0] += p0 + p1;
             lt[1] += p2 + p3;
             pf[i / 2] = pack2<E>(p0, p1);
@@ -818,7 +821,8 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         }
         // ---- some row of the warp rose: running max m, alpha, P and l of the tile, exactly
         // (no masks: MAXFREE runs no band, and only a work tile's first key tile has the ragged end)
-        online_softmax<NS, BN, false, false, false>(s_acc, m_run, l_run, alpha, p, wt, n0, row0, col_in_8, sl2);
+        online_softmax<NS, BN, false, false, false>(s_acc, m_run, l_run, alpha, p, wt, n0, row0,
+                                                    col_in_8, sl2);
 #pragma unroll
         for (int i = 0; i < NS; i += 2) pf[i / 2] = pack2<E>(s_acc[i], s_acc[i + 1]);
         return true;
