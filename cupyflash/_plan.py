@@ -344,10 +344,10 @@ SM90_WIDE_MIN_KEYS = 6144
 #: without a band, softcap, varlen or bias, on 128-key tiles (its second P buffer leaves no
 #: registers at 176), where query rows see at least SM90_MAXFREE_MIN_KEYS keys. On the H200
 #: (benchmarks/sm90_tune.py, bf16, FA shapes, interleaved rounds, session 18 calls 5-6), TFLOP/s
-#: of 128-key tiles without / with it
-#: and of 176-key tiles: 512 512.5 / 518.8, 1k 581.6 / 610.0, 2k 593.8 / 651.7 / 581.8, 4k
-#: 619.6 / 708.0 / 607.5, 6k 618.2 / 691.4 / 633.2, 8k 625.9 / 730.9 / 631.4, 16k 632.9 / 724.4 /
-#: 640.7. From 1k on (512's +1.2 % is inside the rounds' spread; the FA bench ran it without).
+#: of 128-key tiles without / with it and of 176-key tiles: 512 512.5 / 518.8, 1k 581.6 / 610.0,
+#: 2k 593.8 / 651.7 / 581.8, 4k 619.6 / 708.0 / 607.5, 6k 618.2 / 691.4 / 633.2, 8k 625.9 /
+#: 730.9 / 631.4, 16k 632.9 / 724.4 / 640.7. From 1k on (512's +1.2 % is inside the rounds'
+#: spread; the FA bench ran it without).
 SM90_MAXFREE_HEAD_DIMS = (128,)
 SM90_MAXFREE_MIN_KEYS = 1024
 #: Head dims of the BIAS variants (hd 256 spills with the bias loads).
