@@ -399,6 +399,18 @@ def test_maxfree_choice(d, s_k, kw, maxfree):
     assert not _plan.sm90_variant("bf16_t", 128, False, False, varlen=True, keys=many).maxfree
 
 
+@pytest.mark.parametrize("kw", [dict(window_right=0), dict(window_left=100), dict(softcap=30.0)],
+                         ids=["causal", "window", "softcap"])
+def test_forced_maxfree_refuses_what_it_cannot_compute(kw):
+    """A forced MAXFREE variant (dense, no band or softcap) on a causal, windowed or softcapped
+    call: a ValueError naming the kernel, before any launch."""
+    v = _plan.sm90_variant("bf16_t", 128, False, False, keys=4096)
+    assert v.maxfree
+    with pytest.raises(ValueError, match=f"kernel {v.name} cannot compute"):
+        _plan.plan_forward_sm90("bfloat16", 1, 4096, 4096, 2, 2, 128, 128, scale=0.1, variant=v,
+                                **kw)
+
+
 @pytest.mark.parametrize("window,softcap", [(False, False), (True, False), (False, True)],
                          ids=["plain", "causal", "softcap"])
 @pytest.mark.parametrize("d", [64, 128, 256])
