@@ -39,19 +39,16 @@ wgmma_roof(const uint4* __restrict__ fill, long long* clocks, float* sink, int i
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
     const u32 q = smem + wg * Q_BYTES, k = smem + NC * Q_BYTES, v = k + K_BYTES;
     const u64 q_desc = smem_desc(q, 16, 1024), k_desc = smem_desc(k, 16, 1024);
-    const u64 v_desc = smem_desc(v, 128 * 128, 1024);   // MN-major: LBO = bytes between the 64-column panels
+    const u64 v_desc = smem_desc(v, 128 * 128, 1024);   // MN-major: LBO = bytes between panels
     float s_acc[N / 2];                 // S [64, N] of this warpgroup, fp32
     float o_acc[MODE == 1 || MODE == 2 ? 64 : 1];   // O [64, 128]
-    // P [64, 128] as 16-bit A fragments (random bits); with three warpgroups (168 registers a
-    // thread) half of them, each used for two k-steps (MODE 2 still spills there: not timed)
-    constexpr int NP = NC == 3 ? 16 : 32;
-    u32 p_frag[NP];
+    u32 p_frag[32];                     // P [64, 128] as 16-bit A fragments (random bits)
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) s_acc[i] = 0.f;
 #pragma unroll
     for (int i = 0; i < (int)(sizeof(o_acc) / 4); ++i) o_acc[i] = 0.f;
 #pragma unroll
-    for (int i = 0; i < NP; ++i) p_frag[i] = fill[(t * 32 + i) % (BYTES / 16)].x & 0x3f7f3f7fu;   // in [0, 1)
+    for (int i = 0; i < 32; ++i) p_frag[i] = fill[(t * 32 + i) % (BYTES / 16)].x & 0x3f7f3f7fu;   // in [0, 1)
 
     const long long t0 = clock64();
     for (int it = 0; it < iters; ++it) {
@@ -71,7 +68,7 @@ wgmma_roof(const uint4* __restrict__ fill, long long* clocks, float* sink, int i
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < 8; ++kk)
-                wgmma_rs<bf16_t, 128>(o_acc, p_frag + (4 * kk) % NP, desc_add(v_desc, kk * 2048));
+                wgmma_rs<bf16_t, 128>(o_acc, p_frag + 4 * kk, desc_add(v_desc, kk * 2048));
             wgmma_commit();
         }
         wgmma_wait<MODE == 2 ? 2 : 1>();   // at most two groups (MODE 2: two steps' S and PV) in flight

@@ -28,8 +28,8 @@ from cupyflash import _bench, _modules  # noqa: E402
 CASES = [(0, 2, "S = Q K^T, SS m64n128k16"), (1, 2, "O += P V, RS m64n128k16"),
          (2, 2, "S then O += P V (the forward's turn)"), (3, 2, "SS m64n256k16 (GEMM shape)"),
          (0, 3, "S = Q K^T, SS m64n128k16")]
-# (MODE 2 with three warpgroups does not fit 168 registers a thread: ptxas spills and waits
-# after every product, so it is not timed)
+# (modes 1 and 2 with three warpgroups do not fit 168 registers a thread: ptxas spilled and
+# waited after every product, so they are not timed)
 
 
 def main(argv=None) -> int:
