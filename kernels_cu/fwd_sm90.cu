@@ -508,7 +508,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
 
     if (threadIdx.x == 0) {
         mbar_init(q_full, 1);                  // the producer's expect_tx arrival (+ bytes)
-        mbar_init(q_empty, NC);                // one arrival per consumer warpgroup
+        mbar_init(q_empty, 4 * NC);            // one arrival per consumer warp
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_full + 8 * s, 1);
             mbar_init(k_full2 + 8 * s, 1);
@@ -654,8 +654,8 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             wt = work_tile<WINDOW, VARLEN, BM, BN, BIAS != 0, SPLIT, true>(p, w);
             if (sees_keys(wt)) return true;
             store_empty_rows<E, D, VARLEN>(p, wt, wt.m0 + cw * WG_ROWS, t);
-            named_bar_sync(WG_BAR + cw, 128);   // the whole warpgroup has read the tile index
-            if (t == 0) mbar_arrive(q_empty);
+            __syncwarp();                       // every lane of the warp has read the tile index
+            if (t % 32 == 0) mbar_arrive(q_empty);
         }
     };
     auto key0 = [&](int it) { return (wt.t_first + wt.n_tiles - 1 - it) * BN; };   // right to left
@@ -693,12 +693,16 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             wgmma_rs<E, D>(o_acc, pf + 4 * kk, desc_add(v_tile, kk * 2048));
         wgmma_commit();
     };
-    // S of ring position kv has completed: release its K stage, and the Q tile when it was the
-    // work tile's last S
+    // S of ring position kv has completed: release its K stage, and, when it was the work tile's
+    // last S, the Q tile and the tile index (one arrival per warp, after all its lanes' reads of
+    // the index: the producer overwrites it once q_empty completes)
     auto s_done = [&](int kv, bool last_s) {
         fence_regs<NS>(s_acc);
         if (t == 0) mbar_arrive(k_empty + 8 * (kv % STAGES));
-        if (last_s && t == 0) mbar_arrive(q_empty);
+        if (last_s) {
+            __syncwarp();
+            if (t % 32 == 0) mbar_arrive(q_empty);
+        }
     };
     // O += P V of ring position kv has completed: release its V stage
     auto pv_done = [&](int kv, u32* pf) {

@@ -148,7 +148,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     if (threadIdx.x == 0) {
         mbar_init(q_raw, 1);                   // the TMA thread's expect_tx arrival (+ bytes)
         mbar_init(q_full, 1);                  // the converters' leader
-        mbar_init(q_empty, NC + QREG);         // one arrival per consumer warpgroup (+ converters)
+        mbar_init(q_empty, 4 * NC + QREG);     // one arrival per consumer warp (+ the converters)
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_raw + 8 * s, 1);
             mbar_init(v_rawb + 8 * s, 1);
@@ -394,8 +394,8 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                 return true;
             }
             store_empty_rows<E, D, false>(p, wt, wt.m0 + cw * WG_ROWS, t);
-            named_bar_sync(WG_BAR + cw, 128);   // the whole warpgroup has read the tile index
-            if (t == 0) mbar_arrive(q_empty);
+            __syncwarp();                       // every lane of the warp has read the tile index
+            if (t % 32 == 0) mbar_arrive(q_empty);
         }
     };
     auto key0 = [&](int it) { return (wt.t_first + wt.n_tiles - 1 - it) * BN; };   // right to left
@@ -470,13 +470,17 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             for (int i = 0; i < NPV; ++i) o_acc[part * NPV + i] += pv_acc[i];   // rounded to nearest
         }
     };
-    // S of ring position kv has completed: release its K stage, and the Q tile when it was the
-    // work tile's last S
+    // S of ring position kv has completed: release its K stage, and, when it was the work tile's
+    // last S, the Q tile and the tile index (one arrival per warp, after all its lanes' reads of
+    // them: the producer overwrites both once q_empty completes)
     auto s_done = [&](int kv, bool last_s) {
         fence_regs<NS>(s_acc);
         if constexpr (QREG && SPLIT) fence_regs<D / 2>(qs_frag);   // read by S until here
         if (t == 0) mbar_arrive(k_empty + 8 * (kv % STAGES));
-        if (last_s && t == 0) mbar_arrive(q_empty);
+        if (last_s) {
+            __syncwarp();
+            if (t % 32 == 0) mbar_arrive(q_empty);
+        }
     };
     // O += P V of ring position kv, part 0 issued (the last wgmma group): with PV_PARTS = 2 wait
     // for it, add it and issue part 1 (the same P, the next D / 2 rows of Vᵀ) into the same
