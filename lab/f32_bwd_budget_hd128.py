@@ -1,6 +1,6 @@
 # Question: Which hd 128 float32 backward candidate fits shared memory and registers, at what traffic? (arithmetic)
 """Shared-memory / register / traffic arithmetic of the hd 128 float32 backward candidates
-(docs/f32-backward-design.md, section 14). Pure arithmetic, no GPU; never run against a kernel.
+(docs/f32-backward-design.md, "Design T (hd 128)"). Pure arithmetic, no GPU; never run against a kernel.
 
     python lab/f32_bwd_budget_hd128.py
 

@@ -1,6 +1,6 @@
 # Question: Does the heaviest consumer of the hd 128 float32 backward design fit its registers? (compile only, ptxas -v)
 """Compile-only probe (NVRTC, sm_90a, ptxas -v) of design T's heaviest consumer at hd 128
-(docs/f32-backward-design.md, section 14): consumer 1's step with its held dKᵀ_1 / dVᵀ_1
+(docs/f32-backward-design.md, "Design T (hd 128)"): consumer 1's step with its held dKᵀ_1 / dVᵀ_1
 (64 registers), dPᵀ = V dOᵀ with A split on the fly from raw V (16 k-steps, batches of 4 k-steps,
 two batches in flight), dSᵀ from a Pᵀ read-back stored in two layouts, dVᵀ_1 / dKᵀ_1 through a
 zeroed step accumulator, dQᵀ_1 with Kᵀ_1 split on the fly, red.add. Addresses and descriptors are

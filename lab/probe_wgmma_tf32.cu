@@ -2,7 +2,7 @@
 // cupyflash: microbenchmark of TF32 wgmma rates on sm_90a (lab/probe_wgmma_tf32.py), the two
 // assumptions behind docs/f32-backward-design.md's budget: an m64nNk8 TF32 product takes N / 2
 // clocks, and a shared-memory operand streams at most 128 bytes per clock per SM. Not part of
-// the package's kernels. NOT YET RUN.
+// the package's kernels.
 //
 // WGS warpgroups per block (one block per SM) each issue `iters` groups of 8 k-steps of
 // m64nNk8 TF32 products into one accumulator: MODE 0 both operands from shared memory (A [64, 32]

@@ -3,7 +3,7 @@
 shared-memory operands (SS) or A from registers (RS), one or two warpgroups per SM. The float32
 backward's budget (docs/f32-backward-design.md, lab/f32_bwd_budget.py) assumes N / 2 clocks per
 product and 128 B / clock of shared-memory operand traffic (SS m64n32k8: 192 B / clock needed,
-so 24 clocks instead of 16 if the assumption holds). NOT YET RUN.
+so 24 clocks instead of 16 if the assumption holds).
 
     python lab/probe_wgmma_tf32.py
 """
