@@ -18,9 +18,9 @@ Probes (each a textual patch of fwd_sm90.cu; a patch whose anchor is gone stops 
 - ``qonce``: the producer loads Q for a block's first work tile only (later tiles reuse it):
   what waiting for the next Q costs.
 - ``pad``: the same kernel, bit for bit, plus code that never runs: the empty turns that
-  session 11's idle-consumer candidate added to fetch_tile, behind a condition that is false at
-  run time. That candidate ran 2–10 % slower even where it never took them (docs/hopper.md step
-  19); this says whether the code's presence alone does that (layout, instruction fetch,
+  the idle-consumer candidate added to fetch_tile, behind a condition that is false at
+  run time. That candidate ran 2–10 % slower even where it never took them (docs/hopper.md,
+  "Tuning notes"); this says whether the code's presence alone does that (layout, instruction fetch,
   register allocation) before any such A/B difference is read as the candidate's effect.
 - ``halfkv``: every K and V tile loads only its first 64-column panel (half the bytes the ring
   reads from L2 at hd >= 128; hd 64 is unchanged): whether the K / V traffic from L2 limits the

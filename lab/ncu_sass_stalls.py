@@ -12,7 +12,7 @@ warp): in a persistent kernel that separates the key-tile loop (k iterations per
 from the once-per-tile code (the tile boundary) and the producer, without reading addresses.
 
 Samples are per warp: the producer's and the consumers' warps alike. On the H200 this found the
-forward's hoisted P·V wait and its descriptor arithmetic (docs/hopper.md steps 22–23).
+forward's hoisted P·V wait and its descriptor arithmetic (docs/hopper.md, "Forward design").
 """
 from __future__ import annotations
 

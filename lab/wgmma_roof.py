@@ -2,7 +2,7 @@
 """The tensor-core roof of the Hopper forward's products on this card, beside cuBLAS (through
 CuPy's matmul), on random bf16 data (lab/wgmma_roof.cu): what the hd 128 forward's key-tile
 step could reach if it did nothing but its products, with NC warpgroups per SM and no softmax,
-loads or turns. docs/hopper.md step 35 reads it against the forward and cuDNN.
+loads or turns. docs/hopper.md ("Where the time goes") reads it against the forward and cuDNN.
 
     python lab/wgmma_roof.py [--iters 4000] [--rep 10]
 
