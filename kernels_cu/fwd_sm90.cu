@@ -649,13 +649,14 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     auto fetch_tile = [&]() -> bool {
         for (;; ++tile_i) {
             mbar_wait(q_full, tile_i & 1);
-            const int w = *tile_smem;
+            // lane 0 reads the index for its warp, and is the lane that releases it (q_empty): the
+            // read and the release in one thread's program order, which racecheck can follow
+            const int w = __shfl_sync(0xffffffffu, t % 32 == 0 ? *tile_smem : 0, 0);
             if (w < 0) return false;
             wt = work_tile<WINDOW, VARLEN, BM, BN, BIAS != 0, SPLIT, true>(p, w);
             if (sees_keys(wt)) return true;
             store_empty_rows<E, D, VARLEN>(p, wt, wt.m0 + cw * WG_ROWS, t);
-            __syncwarp();                       // every lane of the warp has read the tile index
-            if (t % 32 == 0) mbar_arrive(q_empty);
+            if (t % 32 == 0) mbar_arrive(q_empty);   // the lane that read the index
         }
     };
     auto key0 = [&](int it) { return (wt.t_first + wt.n_tiles - 1 - it) * BN; };   // right to left
@@ -694,15 +695,12 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         wgmma_commit();
     };
     // S of ring position kv has completed: release its K stage, and, when it was the work tile's
-    // last S, the Q tile and the tile index (one arrival per warp, after all its lanes' reads of
-    // the index: the producer overwrites it once q_empty completes)
+    // last S, the Q tile and the tile index (one arrival per warp, by the lane that read the
+    // index: the producer overwrites it once q_empty completes)
     auto s_done = [&](int kv, bool last_s) {
         fence_regs<NS>(s_acc);
         if (t == 0) mbar_arrive(k_empty + 8 * (kv % STAGES));
-        if (last_s) {
-            __syncwarp();
-            if (t % 32 == 0) mbar_arrive(q_empty);
-        }
+        if (last_s && t % 32 == 0) mbar_arrive(q_empty);
     };
     // O += P V of ring position kv has completed: release its V stage
     auto pv_done = [&](int kv, u32* pf) {

@@ -148,7 +148,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     if (threadIdx.x == 0) {
         mbar_init(q_raw, 1);                   // the TMA thread's expect_tx arrival (+ bytes)
         mbar_init(q_full, 1);                  // the converters' leader
-        mbar_init(q_empty, 4 * NC + QREG);     // one arrival per consumer warp (+ the converters)
+        mbar_init(q_empty, 128 * NC + CONV_THREADS);   // one arrival per consumer and converter thread
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_raw + 8 * s, 1);
             mbar_init(v_rawb + 8 * s, 1);
@@ -290,16 +290,16 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             int kv_it = 0;
             for (int tile_i = 0;; ++tile_i) {
                 mbar_wait(q_raw, tile_i & 1);                 // Q landed, tile index published
+                // each converter reads the index and releases it itself (q_empty: the producer
+                // waits for the consumers' arrivals too, which come after this tile's Q
+                // conversion); once per work tile, and fewer registers than a warp broadcast
                 const int w = *tile_smem;
-                // every converter has read the index before the leader lets it be replaced
-                named_bar_sync(CONV_BAR, CONV_THREADS);
+                mbar_arrive(q_empty);
+                named_bar_sync(CONV_BAR, CONV_THREADS);       // the converters start the tile together
                 if (w < 0) {                                  // no work left: tell the consumers
                     if (!QREG && cu == 0) mbar_arrive(q_full);
                     break;
                 }
-                // QREG: the consumers read Q and the index after q_raw themselves; the converters'
-                // arrival on q_empty says they are done with the index
-                if (QREG && cu == 0) mbar_arrive(q_empty);
                 const WorkTile wt = work_tile<WINDOW, false, BM, BN>(p, w);
                 if (wt.n_tiles == 0) {                        // nothing loaded: pass the index on
                     if (!QREG && cu == 0) mbar_arrive(q_full);
@@ -386,7 +386,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     auto fetch_tile = [&]() -> bool {
         for (;; ++tile_i) {
             mbar_wait(QREG ? q_raw : q_full, tile_i & 1);
-            const int w = *tile_smem;
+            const int w = *tile_smem;   // released by this thread's own arrival on q_empty
             if (w < 0) return false;
             wt = work_tile<WINDOW, false, BM, BN>(p, w);
             if (wt.n_tiles > 0) {
@@ -394,8 +394,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                 return true;
             }
             store_empty_rows<E, D, false>(p, wt, wt.m0 + cw * WG_ROWS, t);
-            __syncwarp();                       // every lane of the warp has read the tile index
-            if (t % 32 == 0) mbar_arrive(q_empty);
+            mbar_arrive(q_empty);
         }
     };
     auto key0 = [&](int it) { return (wt.t_first + wt.n_tiles - 1 - it) * BN; };   // right to left
@@ -471,16 +470,14 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
         }
     };
     // S of ring position kv has completed: release its K stage, and, when it was the work tile's
-    // last S, the Q tile and the tile index (one arrival per warp, after all its lanes' reads of
-    // them: the producer overwrites both once q_empty completes)
+    // last S, the Q tile and the tile index (every consumer thread arrives after its own reads:
+    // the producer overwrites them once q_empty completes; once per work tile, and a warp
+    // broadcast of the index cost the hd 128 variant 4 bytes of spill)
     auto s_done = [&](int kv, bool last_s) {
         fence_regs<NS>(s_acc);
         if constexpr (QREG && SPLIT) fence_regs<D / 2>(qs_frag);   // read by S until here
         if (t == 0) mbar_arrive(k_empty + 8 * (kv % STAGES));
-        if (last_s) {
-            __syncwarp();
-            if (t % 32 == 0) mbar_arrive(q_empty);
-        }
+        if (last_s) mbar_arrive(q_empty);
     };
     // O += P V of ring position kv, part 0 issued (the last wgmma group): with PV_PARTS = 2 wait
     // for it, add it and issue part 1 (the same P, the next D / 2 rows of Vᵀ) into the same
