@@ -257,8 +257,10 @@ def _backward_rank(setup: _Setup, dout, q, k, v, out, lse, deterministic):
         if t < w - 1:
             n = setup.sk[(r - t - 1) % w]
             kv_handle = yield Shift((k_cur, v_cur), [((b, n, hk, d), k.dtype), ((b, n, hk, dv), v.dtype)])
-        dk_part = xp.zeros((b, k_cur.shape[1], hk, d), f)
-        dv_part = xp.zeros((b, k_cur.shape[1], hk, dv), f)
+        dk_part = dv_part = None
+        if setup.plan[t] or acc_handle is None:
+            dk_part = xp.zeros((b, k_cur.shape[1], hk, d), f)
+            dv_part = xp.zeros((b, k_cur.shape[1], hk, dv), f)
         for blk in setup.plan[t]:
             rows, cols = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
             gq, gk, gv = attention_backward(
@@ -271,8 +273,9 @@ def _backward_rank(setup: _Setup, dout, q, k, v, out, lse, deterministic):
             dk_acc, dv_acc = dk_part, dv_part
         else:
             dk_acc, dv_acc = acc_handle.wait()
-            dk_acc += dk_part
-            dv_acc += dv_part
+            if dk_part is not None:  # (a step without calls passes the accumulators on)
+                dk_acc += dk_part
+                dv_acc += dv_part
         if w > 1:
             n = setup.sk[(r - t - 1) % w]
             acc_handle = yield Shift((dk_acc, dv_acc), [((b, n, hk, d), f), ((b, n, hk, dv), f)])

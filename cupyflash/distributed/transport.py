@@ -97,6 +97,7 @@ def _to_device(x, device):
         cp.cuda.Device(src).synchronize()
     with cp.cuda.Device(device):
         y = cp.empty(x.shape, x.dtype)
+        cp.cuda.Device(device).synchronize()  # y's memory may still be read by queued work
         if x.nbytes:
             y.data.copy_from_device(x.data, x.nbytes)
     return y
