@@ -15,6 +15,7 @@ their K/V shard, one step behind it, and arrive home after a full circle.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import numpy as np
@@ -90,6 +91,13 @@ def _lengths(name, given, local, rank, world):
     return lens
 
 
+@functools.lru_cache(maxsize=256)
+def _plan(rank, sq, sk, scheme, lo, hi):
+    """The calls of every ring step of ``rank`` (a pure function of the lengths and the mask)."""
+    shift = sum(sk) - sum(sq)  # bottom-right alignment of the whole sequences
+    return plan_rank(rank, segments(sq, scheme, shift), segments(sk, scheme), lo, hi)
+
+
 class _Setup:
     """Everything a rank's generator needs besides the arrays."""
 
@@ -101,9 +109,7 @@ class _Setup:
         self.sq = _lengths("seqlens_q", seqlens_q, lq, rank, world)
         self.sk = _lengths("seqlens_k", seqlens_k, lk, rank, world)
         lo, hi = band(causal, window)
-        shift = sum(self.sk) - sum(self.sq)  # bottom-right alignment of the whole sequences
-        self.plan = plan_rank(rank, segments(self.sq, scheme, shift), segments(self.sk, scheme),
-                              lo, hi)
+        self.plan = _plan(rank, tuple(self.sq), tuple(self.sk), scheme, lo, hi)
         self.options = {"scale": scale, "softcap": softcap}
 
     def single(self, lq, lk) -> bool:

@@ -248,9 +248,9 @@ class NcclTransport(Transport):
         nccl.groupStart()
         try:
             for s, r in zip(send, recv):
-                dtype, count = nccl_type(s.dtype, s.nbytes)
+                dtype, count = nccl_type(s.dtype, s.nbytes, nccl)
                 self.comm.send(s.data.ptr, count, dtype, nxt, self.stream.ptr)
-                dtype, count = nccl_type(r.dtype, r.nbytes)
+                dtype, count = nccl_type(r.dtype, r.nbytes, nccl)
                 self.comm.recv(r.data.ptr, count, dtype, prv, self.stream.ptr)
         finally:
             nccl.groupEnd()

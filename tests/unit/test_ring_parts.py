@@ -3,7 +3,6 @@ planner (against dense masks), the in-process transport, the NCCL helpers (with 
 binding), the launcher, and importing without CuPy."""
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
