@@ -120,13 +120,20 @@ class _Setup:
         return (b.q0, b.q1, b.k0, b.k1) == (0, lq, 0, lk)
 
 
+def _is_nccl_comm(comm):
+    return all(hasattr(comm, m) for m in ("rank_id", "size", "send", "recv"))
+
+
 def _transport(comm):
     if isinstance(comm, (Transport, InProcessTransport)):
         return comm
-    if all(hasattr(comm, m) for m in ("rank_id", "size", "send", "recv")):
+    if isinstance(comm, (list, tuple)) and comm and all(_is_nccl_comm(c) for c in comm):
+        return _nccl_group_transport(comm)
+    if _is_nccl_comm(comm):
         return _nccl_transport(comm)
     raise TypeError(f"comm: got {type(comm).__name__}; accepted: a cupy.cuda.nccl.NcclCommunicator, "
-                    "a cupyflash.distributed transport (NcclTransport, InProcessTransport)")
+                    "a list of them (every rank, driven by this process), or a "
+                    "cupyflash.distributed transport (NcclTransport, InProcessTransport)")
 
 
 _NCCL_TRANSPORTS = {}
@@ -138,6 +145,16 @@ def _nccl_transport(comm):
     if entry is None or entry[0] is not comm:
         entry = (comm, NcclTransport(comm))
         _NCCL_TRANSPORTS[id(comm)] = entry
+    return entry[1]
+
+
+def _nccl_group_transport(comms):
+    """One InProcessTransport over NCCL per list of communicators (keyed by their ids)."""
+    key = tuple(id(c) for c in comms)
+    entry = _NCCL_TRANSPORTS.get(key)
+    if entry is None or any(a is not b for a, b in zip(entry[0], comms)):
+        entry = (tuple(comms), InProcessTransport(comms=comms))
+        _NCCL_TRANSPORTS[key] = entry
     return entry[1]
 
 

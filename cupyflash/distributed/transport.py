@@ -104,22 +104,61 @@ def _to_device(x, device):
 
 
 class InProcessTransport:
-    """``world`` simulated ranks in this process: the ring functions take lists (one array per
-    rank) and return lists.
+    """``world`` ranks in this process, run in lock-step: the ring functions take lists (one
+    array per rank) and return lists.
 
-    ``copy=True`` hands each rank copies of what it receives (a check that no rank writes into
-    a buffer after sending it; the algorithms never do)."""
+    Without ``comms`` the ranks are simulated and an exchange hands each rank the previous
+    rank's arrays (copied between devices when the ranks' arrays live on different GPUs).
+    ``copy=True`` hands each rank copies of what it receives (a check that no rank writes into a
+    buffer after sending it; the algorithms never do).
+
+    With ``comms`` (all ranks' ``cupy.cuda.nccl.NcclCommunicator``, rank order, e.g. from
+    ``NcclCommunicator.initAll(devices)``: one process driving several GPUs) the exchange is
+    NCCL's: every rank's send / recv inside one group, each on its rank's own stream, as
+    :class:`NcclTransport` does for one rank. Passing such a list as ``comm`` to the ring
+    functions makes this transport."""
 
     is_simulated = True
 
-    def __init__(self, world: int, copy: bool = False):
+    def __init__(self, world: int = None, copy: bool = False, comms=None):
+        self.nccl = None
+        if comms is not None:
+            comms = list(comms)
+            by_rank = sorted(comms, key=lambda c: int(c.rank_id()))
+            if [int(c.rank_id()) for c in by_rank] != list(range(int(comms[0].size()))):
+                raise ValueError("comms: got ranks "
+                                 f"{[int(c.rank_id()) for c in comms]} of a world of "
+                                 f"{int(comms[0].size())}; accepted: one communicator per rank "
+                                 "of the world (all ranks in this process)")
+            self.nccl = [NcclTransport(c) for c in by_rank]
+            world = len(by_rank) if world is None else world
+            if world != len(by_rank):
+                raise ValueError(f"world: got {world}; the communicators say {len(by_rank)}")
         if isinstance(world, bool) or not isinstance(world, (int, np.integer)) or world < 1:
             raise ValueError(f"world: got {world!r}; accepted: an int >= 1")
         self.world = int(world)
         self.copy = bool(copy)
 
     def __repr__(self):
-        return f"InProcessTransport(world={self.world})"
+        return f"InProcessTransport(world={self.world}{', nccl' if self.nccl else ''})"
+
+    def _nccl_exchange(self, reqs):
+        """Every rank's shift as one NCCL group; handles per rank."""
+        cp = _cupy()
+        nccl = cp.cuda.nccl
+        posted = []
+        nccl.groupStart()
+        try:
+            for t, req in zip(self.nccl, reqs):
+                with cp.cuda.Device(t.device):
+                    posted.append(t.post(req.arrays, req.recv_like, nccl))
+        finally:
+            nccl.groupEnd()
+        handles = []
+        for t, (send, recv) in zip(self.nccl, posted):
+            with cp.cuda.Device(t.device):
+                handles.append(_NcclHandle(recv, t.stream.record(), send))
+        return handles
 
     def shift(self, per_rank: Sequence[Sequence], devices=None) -> List[tuple]:
         """One exchange of all ranks: ``per_rank[r]`` (a tuple of arrays) goes to rank r + 1;
@@ -143,6 +182,8 @@ class InProcessTransport:
         w = self.world
         if len(gens) != w:
             raise ValueError(f"got {len(gens)} ranks; this transport has world {w}")
+        if self.nccl is not None:
+            devices = [t.device for t in self.nccl]
         devices = list(devices) if devices is not None else [None] * w
         results = [None] * w
         done = [False] * w
@@ -164,6 +205,11 @@ class InProcessTransport:
             if any(done):
                 raise RuntimeError("ranks disagree on the number of exchanges "
                                    f"(finished: {[r for r in range(w) if done[r]]})")
+            if self.nccl is not None:
+                sends = self._nccl_exchange(reqs)
+                for r in range(w):
+                    advance(r)
+                continue
             got = self.shift([reqs[r].arrays for r in range(w)], devices)
             for r in range(w):
                 want = reqs[r].recv_like
@@ -226,32 +272,45 @@ class NcclTransport(Transport):
         self.comm = comm
         self.rank = int(comm.rank_id())
         self.world = int(comm.size())
-        self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
+        self.device = int(comm.device_id()) if hasattr(comm, "device_id") else None
+        if stream is None:
+            with _device_ctx(self.device):
+                stream = cp.cuda.Stream(non_blocking=True)
+        self.stream = stream
 
     def __repr__(self):
         return f"NcclTransport(rank={self.rank}, world={self.world})"
 
-    def start_shift(self, arrays, recv_like):
+    def post(self, arrays, recv_like, nccl):
+        """Inside an NCCL group, on the current device: order the transport's stream after the
+        current one, post the sends to rank + 1 and the receives from rank - 1. Returns (send
+        buffers, receive buffers)."""
         from .nccl import nccl_type
 
         cp = _cupy()
-        nccl = cp.cuda.nccl
         send = [cp.ascontiguousarray(a) for a in arrays]
         recv = [cp.empty(shape, dtype) for shape, dtype in recv_like]
-        if self.world == 1:  # the ring of one: what is sent comes back
-            for s, r in zip(send, recv):
-                r[...] = s
-            return _NcclHandle(recv, None, None)
         ready = cp.cuda.get_current_stream().record()
         self.stream.wait_event(ready)
         nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        for s, r in zip(send, recv):
+            dtype, count = nccl_type(s.dtype, s.nbytes, nccl)
+            self.comm.send(s.data.ptr, count, dtype, nxt, self.stream.ptr)
+            dtype, count = nccl_type(r.dtype, r.nbytes, nccl)
+            self.comm.recv(r.data.ptr, count, dtype, prv, self.stream.ptr)
+        return send, recv
+
+    def start_shift(self, arrays, recv_like):
+        cp = _cupy()
+        if self.world == 1:  # the ring of one: what is sent comes back
+            recv = [cp.empty(shape, dtype) for shape, dtype in recv_like]
+            for a, r in zip(arrays, recv):
+                r[...] = a
+            return _NcclHandle(recv, None, None)
+        nccl = cp.cuda.nccl
         nccl.groupStart()
         try:
-            for s, r in zip(send, recv):
-                dtype, count = nccl_type(s.dtype, s.nbytes, nccl)
-                self.comm.send(s.data.ptr, count, dtype, nxt, self.stream.ptr)
-                dtype, count = nccl_type(r.dtype, r.nbytes, nccl)
-                self.comm.recv(r.data.ptr, count, dtype, prv, self.stream.ptr)
+            send, recv = self.post(arrays, recv_like, nccl)
         finally:
             nccl.groupEnd()
         return _NcclHandle(recv, self.stream.record(), send)

@@ -86,6 +86,9 @@ class _Comm:
     def rank_id(self):
         return self.rank
 
+    def device_id(self):
+        return self.rank
+
     def size(self):
         return self.world
 
@@ -102,6 +105,21 @@ class _Comm:
         self._op("recv", ptr, count, dtype, peer, stream)
 
 
+class _Device:
+    current = None
+
+    def __init__(self, i):
+        self.i = i
+
+    def __enter__(self):
+        self.prev, _Device.current = _Device.current, self.i
+        return self
+
+    def __exit__(self, *exc):
+        _Device.current = self.prev
+        return False
+
+
 @pytest.fixture
 def fabric(monkeypatch):
     fab = _Fabric()
@@ -109,9 +127,10 @@ def fabric(monkeypatch):
         ascontiguousarray=lambda a: np.ascontiguousarray(a).view(_Arr),
         empty=lambda shape, dtype: np.empty(shape, dtype).view(_Arr),
         cuda=types.SimpleNamespace(Stream=_Stream, get_current_stream=lambda: _Stream(),
-                                   nccl=fab.nccl()))
+                                   nccl=fab.nccl(), Device=_Device))
     monkeypatch.setattr(tr_mod, "_cupy", lambda: fake)
     monkeypatch.setattr(ring_mod, "_NCCL_TRANSPORTS", {})
+    monkeypatch.setattr(tr_mod, "_device_ctx", _Device)
     return fab
 
 
@@ -173,3 +192,23 @@ def test_bfloat16_travels_as_bfloat16(fabric):
     got = _spmd(2, lambda r: ring_mod._transport(comms[r]).shift([x[r]]))
     assert [float(g[0][0]) for g in got] == [1.0, 0.0]
     assert got[0][0].dtype == np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_process_driving_every_rank(rng, fabric, world):
+    """A list of communicators (one process, several GPUs): lock-step ranks, every exchange one
+    NCCL group over all ranks, each rank's generator advanced under its device."""
+    scheme, causal, length = "zigzag", True, 4 * world
+    q, k, v, do = (rng.standard_normal((1, length, 2, 8)) for _ in range(4))
+    comms = [_Comm(fabric, r, world) for r in range(world)][::-1]  # any order
+    parts = [[shard(x, r, world, scheme=scheme) for r in range(world)] for x in (q, k, v, do)]
+    outs, lses = ring_attention(*parts[:3], comms, causal=causal, scheme=scheme, return_lse=True)
+    grads = ring_attention_backward(parts[3], *parts[:3], outs, lses, comms, causal=causal,
+                                    scheme=scheme)
+    out, lse = cf.attention(q, k, v, causal=causal, return_lse=True)
+    want = (out,) + tuple(cf.attention_backward(do, q, k, v, out, lse, causal=causal))
+    got = [unshard(outs, scheme=scheme)] + [unshard([g[i] for g in grads], scheme=scheme)
+                                           for i in range(3)]
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert np.abs(g - w).max() <= 1e-10, name
+    assert all(peer == (r + 1) % world for r, kind, peer in fabric.log if kind == "send")
