@@ -81,7 +81,7 @@ class Case:
         return err
 
 
-def _ring_in_process(case, world, scheme, devices=None, deterministic=False):
+def _ring_in_process(case, world, scheme, devices=None, deterministic=False, comm=None):
     devices = devices or [None] * world
 
     def put(x, r):
@@ -92,7 +92,7 @@ def _ring_in_process(case, world, scheme, devices=None, deterministic=False):
             return cp.asarray(part)
 
     qs, ks, vs, dos = ([put(x, r) for r in range(world)] for x in (case.q, case.k, case.v, case.do))
-    t = InProcessTransport(world)
+    t = InProcessTransport(world) if comm is None else comm
     outs, lses = ring_attention(qs, ks, vs, t, return_lse=True, scheme=scheme, **case.opts)
     grads = ring_attention_backward(dos, qs, ks, vs, outs, lses, t, scheme=scheme,
                                     deterministic=deterministic, **case.opts)
@@ -214,3 +214,16 @@ def test_nccl_two_processes(rng, tmp_path, scheme, causal):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert done.stdout.count(" err ") == 10, done.stdout
+
+
+@two_gpus
+@pytest.mark.skipif(not _nccl_usable(), reason="needs NCCL (pip install nvidia-nccl-cu12)")
+def test_nccl_one_process_two_gpus(rng):
+    """A list of communicators from NcclCommunicator.initAll: one process drives both GPUs."""
+    from cupy.cuda import nccl
+
+    comms = nccl.NcclCommunicator.initAll([0, 1])
+    case = Case(int(rng.integers(2**31)), "bfloat16", s=512, causal=True)
+    got = _ring_in_process(case, 2, "zigzag", devices=[0, 1], comm=comms)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        case.check(name, got[name])
