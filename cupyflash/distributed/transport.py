@@ -205,21 +205,19 @@ class InProcessTransport:
             if any(done):
                 raise RuntimeError("ranks disagree on the number of exchanges "
                                    f"(finished: {[r for r in range(w) if done[r]]})")
-            if self.nccl is not None:
-                sends = self._nccl_exchange(reqs)
-                for r in range(w):
-                    advance(r)
-                continue
-            got = self.shift([reqs[r].arrays for r in range(w)], devices)
             for r in range(w):
                 want = reqs[r].recv_like
-                have = [(tuple(a.shape), np.dtype(a.dtype)) for a in got[r]]
+                have = [(tuple(a.shape), np.dtype(a.dtype)) for a in reqs[(r - 1) % w].arrays]
                 if list(want) != have:
                     raise ValueError(
                         f"rank {r} expected to receive {[(s, str(d)) for s, d in want]} from rank "
                         f"{(r - 1) % w} but got {[(s, str(d)) for s, d in have]}: the ranks' shard "
                         "lengths (seqlens_q / seqlens_k) or shapes disagree")
-                sends[r] = _Done(got[r])
+            if self.nccl is not None:
+                sends = self._nccl_exchange(reqs)
+            else:
+                got = self.shift([reqs[r].arrays for r in range(w)], devices)
+                sends = [_Done(g) for g in got]
             for r in range(w):
                 advance(r)
         return results
