@@ -13,8 +13,11 @@ Rows:
 - ring w1: ``ring_attention`` with ``InProcessTransport(1)`` on the same arrays (target: within
   3 % of plain);
 - nccl w2: two processes (``python -m cupyflash.distributed.run --nproc 2``), each holding half
-  the sequence (target: >= 1.85x plain's throughput), with each rank's device-memory high water
-  during the call (CuPy pool, after freeing cached blocks) in units of its K+V shard bytes.
+  the sequence (target: >= 1.85x plain's throughput). Memory, in units of a rank's K+V shard
+  bytes, the larger rank's: K/V buffers held at once (its own shard plus the high water of the
+  received ones, counted in a memory pool of their own; target <= 3), the received float32
+  dK/dV accumulators likewise, and the whole device-memory high water of the call (CuPy pool,
+  after freeing cached blocks: out, accumulators and the kernels' workspace included).
 
 The two-rank part runs when two GPUs and NCCL are present (``--ranks-only`` is the per-rank
 entry the launcher starts; not for direct use).
@@ -122,11 +125,21 @@ def single_gpu(a):
 def rank_main(a):
     """One rank of the NCCL run (started by the launcher): writes DIR/rank{r}.json."""
     import cupy as cp
-    from cupyflash.distributed import (init_process_group, ring_attention,
+    from cupyflash.distributed import (NcclTransport, init_process_group, ring_attention,
                                        ring_attention_backward, shard_lengths)
 
     comm, rank, world = init_process_group()
     pool = cp.get_default_memory_pool()
+    # received buffers come from their own pools, one for the K/V dtype, one for the float32
+    # dK/dV accumulators: a pool's total_bytes() is then the high water of what was held at once
+    recv_pools = {}
+
+    def recv_alloc(shape, dtype):
+        p = recv_pools.setdefault(np.dtype(dtype).name, cp.cuda.MemoryPool())
+        with cp.cuda.using_allocator(p.malloc):
+            return cp.empty(shape, dtype)
+
+    comm = NcclTransport(comm, recv_alloc=recv_alloc)
     rows = []
     for s, causal in _cases(a):
         scheme = "zigzag" if causal else "contiguous"
@@ -150,10 +163,17 @@ def rank_main(a):
                 continue
             cp.cuda.Device().synchronize()
             pool.free_all_blocks()
+            recv_pools.clear()
             base = pool.used_bytes()
             fn()
             cp.cuda.Device().synchronize()
-            row[f"{what}_peak_extra_kv_shards"] = (pool.total_bytes() - base) / kv_bytes
+            held = pool.total_bytes() - base + sum(p.total_bytes() for p in recv_pools.values())
+            row[f"{what}_peak_extra_kv_shards"] = held / kv_bytes
+            kv_recv = recv_pools.get(k.dtype.name)
+            f32_recv = recv_pools.get("float32")
+            # K/V shards held at once: this rank's own plus the received ones in use or arriving
+            row[f"{what}_kv_buffers_shards"] = 1 + (kv_recv.total_bytes() if kv_recv else 0) / kv_bytes
+            row[f"{what}_recv_f32_shards"] = (f32_recv.total_bytes() if f32_recv else 0) / kv_bytes
         row["kv_shard_bytes"] = kv_bytes
         rows.append(row)
         q = k = v = do = out = lse = None  # free before the next case
@@ -184,7 +204,9 @@ def nccl_two_ranks(a):
         for key in ("fwd_ms", "bwd_ms"):
             if key in cases[0]:
                 row[key] = max(c[key] for c in cases)
-        for key in ("fwd_peak_extra_kv_shards", "bwd_peak_extra_kv_shards"):
+        for key in ("fwd_peak_extra_kv_shards", "bwd_peak_extra_kv_shards",
+                    "fwd_kv_buffers_shards", "bwd_kv_buffers_shards",
+                    "fwd_recv_f32_shards", "bwd_recv_f32_shards"):
             if key in cases[0]:
                 row[key] = max(c[key] for c in cases)
         rows.append(row)
@@ -213,7 +235,8 @@ def table(a, one, two):
     print(f"\nbf16, hd {d}, {h} heads, batch {b}; TFLOP/s (ms); ratio = plain time / other time")
     head = "| seqlen | causal | pass | plain 1 GPU | ring w1 | w1 / plain |"
     if two:
-        head += " nccl w2 (2 GPUs) | speed-up vs 1 GPU | peak extra / KV shard |"
+        head += (" nccl w2 (2 GPUs) | speed-up vs 1 GPU | K/V buffers (shards) |"
+                 " received f32 dK/dV (shards) | pool high water / K+V shard |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     two_by = {(r["seqlen"], r["causal"]): r for r in (two or [])}
@@ -231,6 +254,7 @@ def table(a, one, two):
             if two is not None and t is not None and f"{p}_ms" in t:
                 tm = t[f"{p}_ms"]
                 line += (f" {tf(s, c, tm, bw):.0f} ({tm:.1f}) | {pm / tm:.2f}x | "
+                         f"{t[f'{p}_kv_buffers_shards']:.2f} | {t[f'{p}_recv_f32_shards']:.2f} | "
                          f"{t[f'{p}_peak_extra_kv_shards']:.2f} |")
             print(line)
 

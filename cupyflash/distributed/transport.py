@@ -263,11 +263,13 @@ class NcclTransport(Transport):
     rank - 1 for every array inside one ``groupStart`` / ``groupEnd``, and records a completion
     event; ``wait()`` makes the current stream wait for that event. bfloat16 travels as
     ``NCCL_BFLOAT16`` where the NCCL binding has it, otherwise as raw bytes (send / receive need
-    no arithmetic, so the bytes are the values)."""
+    no arithmetic, so the bytes are the values). ``recv_alloc(shape, dtype)`` allocates the
+    receive buffers (default ``cupy.empty``; the benchmark counts them with it)."""
 
-    def __init__(self, comm, stream=None):
+    def __init__(self, comm, stream=None, recv_alloc=None):
         cp = _cupy()
         self.comm = comm
+        self.recv_alloc = recv_alloc  # (shape, dtype) -> array; None: cupy.empty
         self.rank = int(comm.rank_id())
         self.world = int(comm.size())
         self.device = int(comm.device_id()) if hasattr(comm, "device_id") else None
@@ -287,7 +289,8 @@ class NcclTransport(Transport):
 
         cp = _cupy()
         send = [cp.ascontiguousarray(a) for a in arrays]
-        recv = [cp.empty(shape, dtype) for shape, dtype in recv_like]
+        alloc = self.recv_alloc or cp.empty
+        recv = [alloc(shape, dtype) for shape, dtype in recv_like]
         ready = cp.cuda.get_current_stream().record()
         self.stream.wait_event(ready)
         nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
