@@ -68,7 +68,8 @@ constexpr int DQ_WARP = 2;           // producer warp adding dq_smem into the ac
 constexpr int PANEL_COLS = 64;       // 64 16-bit columns = one 128-byte swizzle row
 constexpr int NBUF = 2;              // Q / dO ring depth
 constexpr int TILE_RING = 2;         // work-tile indices in flight (tile_smem ring)
-// Arrivals that free a tile_smem slot: each consumer warp (4 + 4) and the ROWS_WARP
+// Warps that read each tile_smem index (each of their lanes frees the slot): the consumer
+// warps (4 + 4) and the ROWS_WARP
 constexpr int TILE_READERS = 2 * 4 + 1;
 static_assert(TILE_RING + 2 <= 4, "tile_smem and seq_smem share 16 bytes");
 
@@ -264,13 +265,13 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
         }
         for (int s = 0; s < NBUF; ++s) {
             mbar_init(qdo_full + 8 * s, 1 + 32);  // TMA thread (+ bytes) and the 32 lanes of ROWS_WARP
-            mbar_init(qdo_empty + 8 * s, 2);     // one arrival per consumer warpgroup
+            mbar_init(qdo_empty + 8 * s, 256);   // one arrival per consumer thread (each after its own reads)
         }
         mbar_init(dq_full, DQ_THREADS);          // every thread that stored a part of the dQ tile
         mbar_init(dq_empty, 1);                  // the DQ_WARP lane that issued the bulk reduce
         for (int s = 0; s < TILE_RING; ++s) {
             mbar_init(tile_full + 8 * s, 1);     // the scheduling thread
-            mbar_init(tile_empty + 8 * s, TILE_READERS);
+            mbar_init(tile_empty + 8 * s, 32 * TILE_READERS);   // every lane of each reading warp
         }
         mbar_fence_init();
     }
@@ -356,7 +357,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             // past s_q and rows that saw no key in the forward (lse = -inf) get +inf: P is then 0
             int q_it = 0;
             for (int tile_i = 0;; ++tile_i) {
-                const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING, lane == 0);
+                const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING);
                 if (w < 0) break;
                 const WorkTile wt = work_tile<WINDOW, VARLEN, BIAS>(p, w);
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
@@ -436,18 +437,21 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     };
     int q_it = 0, kv_it = 0;          // Q/dO steps and K/V tiles consumed so far (ring positions)
     for (int tile_i = 0;; ++tile_i) {
-        const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING, t % 32 == 0);
+        const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING);
         if (w < 0) break;
         const WorkTile wt = work_tile<WINDOW, VARLEN, BIAS>(p, w);
         const int n0 = wt.n0;
         const int key0 = n0 + cw * 64 + row_in_wg;         // this lane's keys: key0, key0 + 8
         // VARLEN's mask values, kept in shared memory (hd 128 has no registers to spare): nk =
-        // s_k − n0 (keys of the tile in the sequence) and nrel = n0 − diag. Every consumer thread
-        // writes the same values; only tiles with steps read them, and a thread writes the next
-        // tile's after passing the DS_BAR of this tile's last step, so after every read of these.
+        // s_k − n0 (keys of the tile in the sequence) and nrel = n0 − diag. Only tiles with steps
+        // read them; one thread writes them after the DS_BAR of the last tile's last step (every
+        // read of the old values is before it), and the DS_BAR after the write publishes them.
         if (VARLEN && wt.steps > 0) {
-            seq_smem[0] = wt.s_k - n0;
-            seq_smem[1] = n0 - wt.diag;
+            if (cw == 0 && t == 0) {
+                seq_smem[0] = wt.s_k - n0;
+                seq_smem[1] = n0 - wt.diag;
+            }
+            named_bar_sync(DS_BAR, 256);
         }
         const int kb = kv_it % KVBUF;
         const u32 k_tile = k_smem + kb * L::KV_TILE, v_tile = v_smem + kb * L::KV_TILE;   // [BN, D]
@@ -654,7 +658,10 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             wgmma_wait<0>();                      // dV, dK done: p_frag, ds_frag free
             fence_regs<NKV>(dv_acc);
             fence_regs<NKV>(dk_acc);
-            if (t == 0) mbar_arrive(qdo_empty + 8 * s);   // Q, dO, lse, D of stage s no longer needed here
+            // Q, dO, lse, D of stage s no longer needed here. Every thread arrives after its own
+            // reads of lse / D: ROWS_WARP overwrites them once qdo_empty completes, and racecheck
+            // orders a write after a read only through the reading thread's own arrival
+            mbar_arrive(qdo_empty + 8 * s);
 
             // ---- dbias (+)= dSᵀ transposed to [query, key] (after dV, dK: registers)
             if constexpr (BIAS != 0) {

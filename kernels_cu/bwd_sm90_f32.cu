@@ -367,7 +367,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
     if (threadIdx.x == 0) {
         for (int s = 0; s < TILE_RING; ++s) {
             mbar_init(tile_full + 8 * s, 1);             // the scheduling thread
-            mbar_init(tile_empty + 8 * s, TILE_READERS);
+            mbar_init(tile_empty + 8 * s, 32 * TILE_READERS);   // every lane of each reading warp
         }
         mbar_init(kv_raw, 1);                            // TMA thread's expect_tx arrival (+ bytes)
         mbar_init(kv_full, 1);                           // converter leader
@@ -495,7 +495,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             };
             int kv_it = 0, q_it = 0;
             for (int tile_i = 0;; ++tile_i) {
-                const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING, cu % 32 == 0);
+                const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING);
                 if (w < 0) break;
                 const WorkTile wt = work_tile<D, WINDOW>(p, w);
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
@@ -663,7 +663,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
         float dkt_acc[NT], dvt_acc[NT];   // dKᵀ_h, dVᵀ_h [DH columns (relabelled), BN keys], fp32
         int q_it = 0, kv_it = 0;          // steps and K/V tiles consumed so far (barrier phases)
         for (int tile_i = 0;; ++tile_i) {
-            const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING, t % 32 == 0);
+            const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING);
             if (w < 0) break;
             const WorkTile wt = work_tile<D, WINDOW>(p, w);
             const int n0 = wt.n0;
@@ -865,7 +865,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
 
         int q_it = 0, kv_it = 0;          // steps and K/V tiles consumed so far (barrier phases)
         for (int tile_i = 0;; ++tile_i) {
-            const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING, t % 32 == 0);
+            const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING);
             if (w < 0) break;
             const WorkTile wt = work_tile<D, WINDOW>(p, w);
             const int n0 = wt.n0;

@@ -181,7 +181,7 @@ flash_bwd_dbias_sm90(const __grid_constant__ Params p) {
         }
         for (int s = 0; s < TILE_RING; ++s) {
             mbar_init(tile_full + 8 * s, 1);     // the scheduling thread
-            mbar_init(tile_empty + 8 * s, CONSUMER_WARPS);
+            mbar_init(tile_empty + 8 * s, 32 * CONSUMER_WARPS);   // every consumer lane
         }
         mbar_fence_init();
     }
@@ -261,7 +261,7 @@ flash_bwd_dbias_sm90(const __grid_constant__ Params p) {
 
     int half_it = 0, bias_it = 0;     // ring positions consumed so far (as the producer's)
     for (int tile_i = 0;; ++tile_i) {
-        const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING, lane == 0);
+        const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING);
         if (w < 0) break;
         const DbiasTile wt = dbias_tile<WINDOW>(p, w);
         const int row0 = wt.m0 + cw * 64 + row_in_wg;     // this lane's rows: row0, row0 + 8

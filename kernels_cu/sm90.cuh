@@ -216,15 +216,15 @@ struct TransposeItem {
 
 // Work tile tile_i of a persistent backward block, from the ring of `ring` indices the
 // scheduling thread publishes (tile_smem [ring]; mbarriers tile_full / tile_empty [ring], 8 bytes
-// apart; tile_empty counts one arrival per reading warp): lane 0 of the calling warp (`lane0`)
-// reads the index, hands it to the other lanes, and frees the slot (the read and the release in
-// one thread's program order, which racecheck can follow). -1: no work left.
+// apart; tile_empty counts one arrival per reading thread): every lane of the calling warp reads
+// the index and frees the slot itself (each read and its release in one thread's program order,
+// which racecheck can follow; once per work tile). -1: no work left.
 __device__ __forceinline__ int take_tile(volatile int* tile_smem, u32 tile_full, u32 tile_empty,
-                                         int tile_i, int ring, bool lane0) {
+                                         int tile_i, int ring) {
     const int ts = tile_i % ring;
     mbar_wait(tile_full + 8 * ts, (tile_i / ring) & 1);
-    const int w = __shfl_sync(0xffffffffu, lane0 ? tile_smem[ts] : 0, 0);
-    if (lane0) mbar_arrive(tile_empty + 8 * ts);
+    const int w = tile_smem[ts];
+    mbar_arrive(tile_empty + 8 * ts);
     return w;
 }
 
