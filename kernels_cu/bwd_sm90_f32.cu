@@ -377,7 +377,9 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             mbar_init(raw_empty + 8 * s, 1);             // converter leader (T: r_full, TMA thread + bytes)
         }
         mbar_init(nat_full, 1);                          // converter leader
-        mbar_init(nat_empty, CONSUMER_WARPS);            // one arrival per consumer warp (rows read)
+        // T: one arrival per consumer thread (each after its own reads of the rows); otherwise
+        // one per consumer warp (per thread, ptxas spilled 112 B in the hd 64 variant)
+        mbar_init(nat_empty, Shape<D>::T ? 32 * CONSUMER_WARPS : CONSUMER_WARPS);
         mbar_init(t_full, Shape<D>::T ? CONSUMER_WARPS : 1);   // converter leader (T: r_empty, per consumer warp)
         mbar_init(t_empty, 2);                           // one arrival per consumer
         mbar_fence_init();
@@ -517,6 +519,9 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                         mbar_wait(raw_full, q_it & 1);
                         split_run(smem + L::QB, smem + L::QB, smem + L::QS, BM * D / 4, 0);
                         split_run(smem + L::DOB, smem + L::DOB, smem + L::DOS, BM * D / 4, 0);
+                        // the rows of two steps back in this buffer are read (their readers arrived
+                        // on nat_empty a step later; the TMA thread's wait already saw it)
+                        if (q_it > 0) mbar_wait(nat_empty, (q_it - 1) & 1);
                         if (cu < BM) {
                             float* rows_step = rows_smem + (q_it & 1) * 2 * BM;   // [2][BM]
                             rows_step[cu] = lse_row == -CF_INF ? CF_INF : lse_row * CF_LOG2E;
@@ -685,9 +690,10 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 float x_acc[NS];
                 if (cw == 0) t_first_product<D, false, L>(x_acc, smem + L::KR, smem + L::QB, smem + L::QS, a_off);
                 else t_first_product<D, true, L>(x_acc, smem + L::VR, smem + L::DOB, smem + L::DOS, a_off);
-                __syncwarp();
-                // this warp's Sᵀ / dPᵀ done: the parts may take the next step (TMA, converters)
-                if (t % 32 == 0) mbar_arrive(nat_empty);
+                // this thread's Sᵀ / dPᵀ done, and its reads of the rows of two steps back: the parts
+                // may take the next step (TMA, converters). Each thread arrives for its own reads
+                // (racecheck orders a later write only after the reader's own arrival)
+                mbar_arrive(nat_empty);
 
                 // accumulator register i: key row_in_wg + 8·((i % 4) >= 2), query (i / 4)·8 + col_in_8 + i % 2;
                 // its place in the [BN keys][BM query slots] tiles Pᵀ, dSᵀ (one 128-byte swizzled panel)
