@@ -1,4 +1,5 @@
-"""Kernel sources -> compiled CuPy functions, cached per device architecture and variant.
+"""Kernel sources -> compiled CuPy functions: the one compile path and the one (locked) cache of
+compiled kernels, for every variant class (variants.KernelVariant).
 
 Sources live in ``kernels_cu/``: inside the package (``cupyflash/kernels_cu``, where a wheel puts
 them) or, for a source tree / editable install, next to the package. Compilation is lazy and per
@@ -7,7 +8,7 @@ options but not on ``-I`` headers, so a hash of every file in kernels_cu/ goes i
 ``-DCUPYFLASH_SRC_HASH=...``: an edited header never runs stale code.
 
 ``program(variants)`` gives (source, options, name expressions) and is shared with the NVRTC
-compile harness (tests/test_compile.py), which compiles every planner variant without a GPU.
+compile harness (tests/compile/), which compiles the planners' variants without a GPU.
 """
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 
-_here = Path(__file__).resolve().parent
+from .params import PARAMS_NBYTES
+
+
+_here = Path(__file__).resolve().parents[1]   # the cupyflash package
 
 
 @lru_cache(maxsize=None)
@@ -47,48 +51,55 @@ def _source(name: str) -> str:
 
 def base_options() -> tuple:
     """NVRTC options shared by CuPy's RawModule and the compile harness (no -arch)."""
-    from ._plan import PARAMS_NBYTES  # the kernels check sizeof(Params) against it
-
     return ("-std=c++17", f"-I{kernels_dir()}", f"-DCUPYFLASH_SRC_HASH=0x{source_hash()}ULL",
-            f"-DCUPYFLASH_PARAMS_NBYTES={PARAMS_NBYTES}")
+            f"-DCUPYFLASH_PARAMS_NBYTES={PARAMS_NBYTES}")  # checked against sizeof(Params)
 
 
-def program(variants, file: str = None, extra_options=()):
-    """(source text, options, name expressions) compiling ``variants`` (of one kind: a list of
-    _plan.Variant, or of _plan.Sm90Variant, whose ``file`` and ``arch_options`` say which source
-    and target they need: -arch=sm_90a goes before the -arch CuPy appends, as in the device
-    spike that ran wgmma through CuPy's RawModule, see ../shared/hopper-notes.md)."""
+def program(variants, extra_options=()):
+    """(source text, options, name expressions) compiling ``variants`` (of one class: their
+    ``file`` and ``arch_options`` say which source and target they need; -arch=sm_90a goes before
+    the -arch CuPy appends) and, after them, their helper kernels (``helper_expressions``, each
+    once). ``extra_options`` (e.g. "-DQK_UNROLL=1") are for tuning experiments only."""
     first = variants[0]
-    file = file or getattr(first, "file", "fwd.cu")
-    opts = base_options() + tuple(getattr(first, "arch_options", ())) + tuple(extra_options)
-    return _source(file), opts, [v.name_expression for v in variants]
+    opts = base_options() + tuple(first.arch_options) + tuple(extra_options)
+    helpers = []
+    for v in variants:
+        for n in v.helper_expressions:
+            if n not in helpers:
+                helpers.append(n)
+    return _source(first.file), opts, [v.name_expression for v in variants] + helpers
 
 
 _lock = threading.Lock()
-_functions = {}   # (device id, variant) -> cupy RawKernel with its smem attribute set
+_functions = {}   # (device id, variant, extra options) -> (main, *helpers) RawKernels
+
+
+def get_functions(variant, device_id: int, extra_options=()):
+    """(main, *helpers in ``helper_expressions`` order) compiled kernels of ``variant`` on device
+    ``device_id`` (lazy: compiled on first use, then kept; the main kernel's dynamic shared
+    memory limit raised to ``variant.smem_bytes`` where that exceeds 48 KB)."""
+    extra_options = tuple(extra_options)
+    key = (device_id, variant, extra_options)
+    fns = _functions.get(key)
+    if fns is not None:
+        return fns
+    with _lock:
+        fns = _functions.get(key)
+        if fns is None:
+            import cupy
+            src, opts, names = program([variant], extra_options)
+            mod = cupy.RawModule(code=src, options=opts, name_expressions=names)
+            main = mod.get_function(variant.name_expression)
+            if variant.smem_bytes > 48 * 1024:
+                main.max_dynamic_shared_size_bytes = variant.smem_bytes
+            fns = _functions[key] = (main,) + tuple(mod.get_function(n)
+                                                    for n in variant.helper_expressions)
+    return fns
 
 
 def get_function(variant, device_id: int, extra_options=()):
-    """The compiled flash_fwd instantiation for ``variant`` on device ``device_id`` (lazy).
-
-    ``extra_options`` (e.g. "-DQK_UNROLL=1") are for tuning experiments only.
-    """
-    extra_options = tuple(extra_options)
-    key = (device_id, variant, extra_options)
-    fn = _functions.get(key)
-    if fn is not None:
-        return fn
-    with _lock:
-        fn = _functions.get(key)
-        if fn is None:
-            import cupy
-            src, opts, names = program([variant], extra_options=extra_options)
-            mod = cupy.RawModule(code=src, options=opts, name_expressions=names)
-            fn = mod.get_function(names[0])
-            if variant.smem_bytes > 48 * 1024:
-                fn.max_dynamic_shared_size_bytes = variant.smem_bytes
-            _functions[key] = fn
-    return fn
+    """The main kernel of ``variant`` on device ``device_id`` (get_functions(...)[0])."""
+    return get_functions(variant, device_id, extra_options)[0]
 
 
 def clear_memory_cache():
@@ -97,27 +108,23 @@ def clear_memory_cache():
         _functions.clear()
 
 
-def _compile_one(job):
-    program_fn, variant = job
+def _compile_one(variant):
     import cupy
-    src, opts, names = program_fn([variant])
+    src, opts, names = program([variant])
     cupy.RawModule(code=src, options=opts, name_expressions=names).compile()
     return variant
 
 
-def precompile(variants, workers: int = 8, program_fn=None):
-    """Fill CuPy's disk cache for ``variants`` using ``workers`` processes (spawned).
-
-    ``program_fn(variants) -> (source, options, names)`` builds each variant's program: the
-    forward's ``program`` by default, ``_gpu_bwd.program`` for the backward.
-    """
+def precompile(variants, workers: int = 8):
+    """Fill CuPy's disk cache for ``variants`` (any classes; the programs get_functions builds)
+    using ``workers`` processes (spawned)."""
     import concurrent.futures as cf
     import multiprocessing as mp
-    jobs = [(program_fn or program, v) for v in variants]
+    variants = list(variants)
     if workers <= 1:
-        return [_compile_one(j) for j in jobs]
+        return [_compile_one(v) for v in variants]
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        return list(ex.map(_compile_one, jobs))
+        return list(ex.map(_compile_one, variants))
 
 
 def nvrtc_compile(parts, arch: str, filename: str, extra_options=()):
@@ -125,7 +132,7 @@ def nvrtc_compile(parts, arch: str, filename: str, extra_options=()):
     GPU needed); returns (NVRTC's log, {lowered name: name expression}, the cubin).
 
     Raises RuntimeError with NVRTC's log on a compile error. Used by the compile harness and the
-    SASS test (tests/test_sass_sm90.py)."""
+    SASS test (tests/compile/test_sass_sm90.py)."""
     from cupy_backends.cuda.libs import nvrtc
 
     src, opts, names = parts
@@ -166,12 +173,12 @@ def nvrtc_report(parts, arch: str, filename: str) -> dict:
 
 
 def _report_job(job):
-    arch, program_fn, variants, filename = job
-    return arch, nvrtc_report(program_fn(variants), arch, filename)
+    arch, variants, filename = job
+    return arch, nvrtc_report(program(variants), arch, filename)
 
 
 def nvrtc_reports(jobs, workers=None) -> dict:
-    """Run ``nvrtc_report`` for ``jobs`` = [(arch, program_fn, variants, filename), ...] in spawned
+    """Run ``nvrtc_report`` for ``jobs`` = [(arch, variants of one class, filename), ...] in spawned
     processes; returns {arch: {name expression: (registers, spill bytes)}} (the compile harness)."""
     import concurrent.futures as cf
     import multiprocessing as mp

@@ -1,304 +1,18 @@
-"""Forward planner: problem description -> kernel variant, tiles, grid, Params. Pure Python.
-
-Nothing here touches a GPU: the launcher (_gpu.py) passes in the device's shared-memory limit,
-so every decision can be tested on a machine without CUDA (tests/test_plan.py).
-
-The kernel is ``flash_fwd<E, D, BM, BN, NW, WINDOW, SCORE_MOD>`` in kernels_cu/fwd.cu:
-
-* E: element tag: ``f16_t``, ``bf16_t``, ``f32x3_t`` (float32 at float32 accuracy, 3xTF32
-  split products) or ``tf32_t`` (float32 on plain TF32, when ``allow_tf32``).
-* D: head-dim bucket covering both d (Q/K) and d_v (V), one of HEAD_DIM_BUCKETS.
-* BM, BN, NW: query tile rows, key tile rows, warps; fixed per (E, D, shared-memory class).
-* WINDOW: causal or sliding window (tiles outside skipped, boundary tiles masked).
-* SCORE_MOD: softcap and/or ALiBi, or a scale <= 0 (scores moved to base-2 units before the max).
-
-``all_variants(smem_optin)`` lists every instantiation the planner can select on a device with
-that shared-memory limit; the compile harness compiles exactly that list.
+"""Hopper forward planner (pure Python): the variants of flash_fwd_sm90 (kernels_cu/fwd_sm90.cu,
+16-bit) and flash_fwd_sm90_f32 (kernels_cu/fwd_sm90_f32.cu, float32), why a call is not covered
+(``sm90_unsupported``), tile choice, the split tail, and the persistent grid's plan.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
-#: Head-dim buckets (multiples of 32: the padded shared-memory rows read conflict-free for each).
-HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
-MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
-
-#: Element tags by (dtype name, allow_tf32).
-ELEMS = ("f16_t", "bf16_t", "f32x3_t", "tf32_t")
-_ELEM_SIZE = {"f16_t": 2, "bf16_t": 2, "f32x3_t": 4, "tf32_t": 4}
-
-#: Opt-in shared memory per block at or above which the "big" tile table is used (sm_80, sm_87,
-#: sm_90, sm_100: 163-227 KB); below it (sm_86, sm_89, sm_120: 99 KB) the "small" one.
-BIG_SMEM = 160 * 1024
-
-# (BM, BN, NW) per element size and bucket, for each shared-memory class.
-# 16-bit: 128-row query tiles; up to D=128 each of 4 warps owns two 16-row slabs (MT=2) so each
-# K / V fragment read from shared memory feeds two products (MT=1 is bound by shared-memory
-# bandwidth: measured 238 vs 284 TFLOP/s at hd128, docs/kernels.md); larger D uses 8 warps with
-# one slab each (registers). float32: one slab per warp, narrower key tiles as D grows (the O
-# accumulator is D/2 registers per lane).
-_TILES = {
-    ("big", 2): {32: (128, 128, 4), 64: (128, 128, 4), 96: (128, 64, 4), 128: (128, 64, 4),
-                 160: (128, 64, 8), 192: (128, 64, 8), 224: (128, 32, 8), 256: (128, 32, 8)},
-    ("small", 2): {32: (128, 128, 4), 64: (128, 128, 4), 96: (128, 64, 4), 128: (128, 64, 4),
-                   160: (128, 32, 8), 192: (128, 32, 8), 224: (64, 32, 4), 256: (64, 32, 4)},
-    ("big", 4): {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 32, 4), 128: (64, 32, 4),
-                 160: (64, 16, 4), 192: (64, 16, 4), 224: (64, 16, 4), 256: (64, 16, 4)},
-    ("small", 4): {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 32, 4), 128: (64, 32, 4),
-                   160: (64, 16, 4), 192: (64, 16, 4), 224: (64, 16, 4), 256: (64, 16, 4)},
-}
-
-
-#: GENERAL template bits of flash_fwd (common.cuh): varlen alone runs on the plain tiles; a bias
-#: or mask takes GEN_VARLEN | GEN_BIAS_MASK on the ``general`` tiles.
-GEN_VARLEN, GEN_BIAS_MASK = 1, 2
-GEN_ALL = GEN_VARLEN | GEN_BIAS_MASK
-
-
-
-def cpp_bool(x) -> str:
-    """A C++ template argument for a flag: "true" / "false" (name expressions)."""
-    return "true" if x else "false"
-
-
-class Variant(NamedTuple):
-    """One template instantiation of flash_fwd."""
-
-    elem: str
-    d: int
-    bm: int
-    bn: int
-    nw: int
-    window: bool
-    score_mod: bool
-    stages: int = 1      # K buffers (KSTAGES)
-    general: int = 0     # GENERAL bits: GEN_VARLEN (1), GEN_BIAS_MASK (2); window, score_mod set
-
-    @property
-    def name_expression(self) -> str:
-        b = cpp_bool
-        gen = f", {int(self.general)}" if self.general else ""   # the template's default is 0
-        return (f"flash_fwd<{self.elem}, {self.d}, {self.bm}, {self.bn}, {self.nw}, "
-                f"{self.stages}, {b(self.window)}, {b(self.score_mod)}{gen}>")
-
-    @property
-    def name(self) -> str:
-        """Short human-readable name, returned by _gpu.forward."""
-        if self.general:
-            flags = "_gen" if self.general & GEN_BIAS_MASK else "_varlen"
-        else:
-            flags = ("_window" if self.window else "") + ("_mod" if self.score_mod else "")
-        st = "s2" if self.stages == 2 else ""
-        return f"fwd_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}w{self.nw}{st}{flags}"
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.nw
-
-    @property
-    def smem_bytes(self) -> int:
-        return smem_bytes(self.elem, self.d, self.bm, self.bn, self.stages)
-
-
-def smem_bytes(elem: str, d: int, bm: int, bn: int, stages: int = 1) -> int:
-    """Dynamic shared memory of flash_fwd: Q [BM, D+pad], K [stages, BN, D+pad], V [BN, D+pad'].
-
-    Mirrors Pitch<E, D> in fwd.cu: 16-bit rows padded by 8 elements, float32 Q/K rows by 8 and
-    V rows by 4 floats.
-    """
-    es = _ELEM_SIZE[elem]
-    pqk = d + 8
-    pv = d + 8 if es == 2 else d + 4
-    return (bm * pqk + stages * bn * pqk + bn * pv) * es
-
-
-def smem_class(smem_optin: int) -> str:
-    return "big" if smem_optin >= BIG_SMEM else "small"
-
-
-def head_dim_bucket(d: int, d_v: int) -> int:
-    need = max(d, d_v)
-    for bkt in HEAD_DIM_BUCKETS:
-        if need <= bkt:
-            return bkt
-    raise NotImplementedError(
-        f"head_dim {d} / head_dim_v {d_v}: the GPU forward kernel covers head dims up to "
-        f"{MAX_HEAD_DIM}")
-
-
-def elem_tag(dtype_name: str, allow_tf32: bool) -> str:
-    if dtype_name == "float16":
-        return "f16_t"
-    if dtype_name == "bfloat16":
-        return "bf16_t"
-    if dtype_name == "float32":
-        return "tf32_t" if allow_tf32 else "f32x3_t"
-    raise NotImplementedError(
-        f"dtype {dtype_name}: the GPU forward kernel takes float16, bfloat16 or float32")
-
-
-def tiles(elem: str, d_bucket: int, smem_optin: int,
-          general: int = 0) -> Tuple[int, int, int, int]:
-    """(BM, BN, warps, K stages): 16-bit types take two K buffers wherever they fit.
-
-    ``general`` with GEN_BIAS_MASK (bias / mask): where the plain tile gives each warp two 16-row slabs
-    (MT = 2, 255 registers), the GENERAL kernel takes twice the warps with one slab each: its bias
-    and mask reads need registers, and MT = 2 spills 0.5-0.9 KB there (ptxas, docs/kernels.md).
-    """
-    bm, bn, nw = _TILES[(smem_class(smem_optin), _ELEM_SIZE[elem])][d_bucket]
-    if general & GEN_BIAS_MASK and bm // (16 * nw) == 2:
-        nw *= 2
-    # float32 keeps one K buffer: occupancy matters more there (measured 26.5 vs 21.6 TFLOP/s)
-    stages = 2 if _ELEM_SIZE[elem] == 2 and smem_bytes(elem, d_bucket, bm, bn, 2) <= smem_optin else 1
-    return bm, bn, nw, stages
-
-
-#: Dynamic shared memory per block on compute capability 9.0 (opt-in; H100 / H200), sm90::SMEM_MAX
-#: in fwd_sm90.cu; the default device limit of the planners (precompile, CPU tests)
-SM90_SMEM_MAX = 227 * 1024
-
-
-def all_variants(smem_optin: int = SM90_SMEM_MAX):
-    """Every Variant the planner can select on a device with this shared-memory limit."""
-    out = []
-    for elem in ELEMS:
-        for dbk in HEAD_DIM_BUCKETS:
-            bm, bn, nw, st = tiles(elem, dbk, smem_optin)
-            for window in (False, True):
-                for mod in (False, True):
-                    out.append(Variant(elem, dbk, bm, bn, nw, window, mod, st))
-            out.append(Variant(elem, dbk, bm, bn, nw, True, True, st, GEN_VARLEN))
-            bm, bn, nw, st = tiles(elem, dbk, smem_optin, general=GEN_ALL)
-            out.append(Variant(elem, dbk, bm, bn, nw, True, True, st, GEN_ALL))
-    return out
-
-
-# ------------------------------------------------------------------------------------------
-# Params: mirror of `struct Params` in kernels_cu/common.cuh (same order, same C types).
-# ------------------------------------------------------------------------------------------
-PARAMS_FIELDS = (
-    [(n, np.uint64) for n in ("q", "k", "v", "o", "lse", "alibi")]
-    + [(f"{t}_stride_{a}", np.int64) for t in "qkvo" for a in "bsh"]
-    + [("alibi_stride_b", np.int64)]
-    + [(n, np.int32) for n in ("b", "h", "h_k", "h_per_hk", "s_q", "s_k", "d", "d_v",
-                               "window_left", "window_right", "diag_offset", "vec_ok",
-                               "num_m_blocks", "flags")]
-    + [(n, np.float32) for n in ("scale_log2", "softcap_pre", "softcap_post", "pad0")]
-    # bias / mask / varlen (GENERAL instantiations only; null pointer = feature off)
-    + [(n, np.uint64) for n in ("bias", "mask", "cu_seqlens_q", "cu_seqlens_k", "dbias_accum",
-                                "dbias")]
-    + [(f"{t}_stride_{a}", np.int64) for t in ("bias", "mask", "dbias") for a in "bhqk"]
-    + [("dbias_slab", np.int64)]
-    + [(n, np.int32) for n in ("bias_f32", "dbias_mode", "varlen_bottom_right", "bias_pair")]
-    # backward only (kernels_cu/bwd.cu, planned in _gpu_bwd.py)
-    + [(n, np.uint64) for n in ("dout", "dq", "dk", "dv", "dsum", "dq_accum")]
-    + [(f"{t}_stride_{a}", np.int64) for t in ("do", "dq", "dk", "dv") for a in "bsh"]
-    + [("dq_accum_slab", np.int64)]
-    + [(n, np.int32) for n in ("num_n_blocks", "bn", "deterministic", "dq_slabs")]
-    + [("scale", np.float32)]
-    # Hopper forward only (kernels_cu/fwd_sm90.cu); then the TMA descriptors, see below
-    + [("sched", np.uint64)]
-    # Hopper forward SPLIT variants: the grid's last partial wave split along the keys
-    + [(n, np.uint64) for n in ("split_table", "split_ws", "split_count")]
-    + [(n, np.int32) for n in ("split_first", "split_pieces")]
-)
-#: Hopper kernels only: 128-byte TMA descriptors (struct TmaDesc, 64-byte aligned).
-PARAMS_TMA_FIELDS = ("tma_q", "tma_k", "tma_v", "tma_do", "tma_bias", "tma_o")
-TMA_DESC_BYTES = 128
-
-
-def _params_dtype() -> np.dtype:
-    """C layout of Params: natural alignment for PARAMS_FIELDS, then the TmaDesc members at the
-    next 64-byte boundary; the struct's size is a multiple of its 64-byte alignment."""
-    head = np.dtype(PARAMS_FIELDS, align=True)
-    names = list(head.names)
-    formats = [head.fields[n][0] for n in names]
-    offsets = [head.fields[n][1] for n in names]
-    off = -(-head.itemsize // 64) * 64
-    for n in PARAMS_TMA_FIELDS:
-        names.append(n)
-        formats.append((np.uint64, TMA_DESC_BYTES // 8))
-        offsets.append(off)
-        off += TMA_DESC_BYTES
-    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": off})
-
-
-#: The structured dtype passed by value as the kernel's one argument (C alignment rules).
-PARAMS_DTYPE = _params_dtype()
-PARAMS_NBYTES = PARAMS_DTYPE.itemsize   # checked against sizeof(Params) when kernels compile
-
-LOG2E = 1.4426950408889634
-
-
-class Plan(NamedTuple):
-    variant: Variant
-    grid: Tuple[int, int, int]
-    block: Tuple[int, int, int]
-    smem: int
-    params: np.ndarray   # 0-d PARAMS_DTYPE array: sizes and scalars filled, pointers/strides not
-    #: Hopper forward SPLIT variants: the work items (sm90_work_items), else None
-    split: Optional[np.ndarray] = None
-
-
-def plan_forward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, d: int,
-                 d_v: int, *, scale: float, window_left: int = -1, window_right: int = -1,
-                 bottom_right: bool = True, softcap: float = 0.0, has_alibi: bool = False,
-                 allow_tf32: bool = False, smem_optin: int = SM90_SMEM_MAX,
-                 variant: Optional[Variant] = None, has_bias: bool = False,
-                 has_mask: bool = False, varlen: bool = False) -> Plan:
-    """Choose the kernel variant and launch shape; fill the size/scalar fields of Params.
-
-    A bias, a mask or varlen selects the GENERAL variant (bias / mask pointers and strides are the
-    launcher's to fill, like the other pointers).
-    """
-    if h % h_k:
-        raise ValueError(f"heads {h} is not a multiple of heads_k {h_k}")
-    if min(b, s_q, s_k, h, h_k, d, d_v) < 1:
-        raise ValueError("empty problem: the launcher handles zero sizes before planning")
-    elem = elem_tag(dtype_name, allow_tf32)
-    dbk = head_dim_bucket(d, d_v)
-    general = GEN_ALL if has_bias or has_mask else (GEN_VARLEN if varlen else 0)
-    window = window_left >= 0 or window_right >= 0 or general
-    score_mod = softcap > 0 or has_alibi or not scale > 0 or general
-    if variant is None:
-        bm, bn, nw, st = tiles(elem, dbk, smem_optin, general)
-        variant = Variant(elem, dbk, bm, bn, nw, window, score_mod, st, general)
-    else:   # forced variant (benchmarks, tests): must still be able to compute this problem
-        if (variant.elem != elem or variant.d < max(d, d_v) or (window and not variant.window)
-                or (score_mod and not variant.score_mod)
-                or (variant.general & general) != general):
-            raise ValueError(f"kernel {variant.name} cannot compute this problem")
-    if variant.smem_bytes > smem_optin:
-        raise NotImplementedError(
-            f"{variant.name} needs {variant.smem_bytes} bytes of shared memory; the device "
-            f"allows {smem_optin}")
-    prm, grid = _sizes_and_scalars(variant.bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left,
-                                   window_right, bottom_right, softcap)
-    return Plan(variant, grid, (variant.threads, 1, 1), variant.smem_bytes, prm)
-
-
-def _sizes_and_scalars(bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left, window_right,
-                       bottom_right, softcap):
-    """A Params record with the sizes / scalars of one problem filled, and the grid
-    (ceil(s_q / bm), h, b) of a forward kernel with bm query rows per block."""
-    num_m = -(-s_q // bm)
-    unbounded = s_q + s_k
-    prm = np.zeros((), PARAMS_DTYPE)
-    prm["b"], prm["h"], prm["h_k"], prm["h_per_hk"] = b, h, h_k, h // h_k
-    prm["s_q"], prm["s_k"], prm["d"], prm["d_v"] = s_q, s_k, d, d_v
-    prm["window_left"] = window_left if window_left >= 0 else unbounded
-    prm["window_right"] = window_right if window_right >= 0 else unbounded
-    prm["diag_offset"] = s_k - s_q if bottom_right else 0
-    prm["num_m_blocks"] = num_m
-    prm["scale_log2"] = scale * LOG2E
-    if softcap > 0:
-        prm["softcap_pre"] = scale / softcap
-        prm["softcap_post"] = softcap * LOG2E
-    if num_m > 2**31 - 1 or h > 65535 or b > 65535:
-        raise NotImplementedError(f"grid ({num_m}, {h}, {b}) exceeds CUDA's grid limits")
-    return prm, (num_m, h, b)
+from .params import sizes_and_scalars, varlen_params
+from .plan_fwd import Plan
+from .tuning import TUNING
+from .variants import SM90_SMEM_MAX, KernelVariant, cpp_bool, elem_tag, sm90_common_unsupported
 
 
 # ------------------------------------------------------------------------------------------
@@ -310,14 +24,20 @@ def _sizes_and_scalars(bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left, wind
 # everything else runs the portable kernel above.
 # ------------------------------------------------------------------------------------------
 SM90_HEAD_DIMS = (64, 128, 256)
+
+
 #: (BN, STAGES, NC) per head dim: K/V tiles of BN keys in a ring of STAGES buffers, NC consumer
 #: warpgroups of 64 query rows (work tiles of BM = 64·NC rows). benchmarks/sm90_tune.py measured these
 #: (docs/hopper.md): three consumers win at hd 64 except for causal / window calls of up to
 #: 2k queries (SM90_TILES_FEW_ROWS below).
 SM90_TILES = {64: (128, 2, 3), 128: (128, 2, 2), 256: (80, 2, 2)}
+
+
 #: hd 64 with two consumers: softcap, varlen and bias (the tanh, the per-sequence tile state or
 #: the bias fragment needs registers that three consumers' 160 lack: ptxas spills).
 SM90_TILES_NC2 = {64: (128, 2, 2)}
+
+
 #: hd 64 causal / window calls of at most SM90_FEW_ROWS_SQ queries without softcap, varlen or
 #: bias: one consumer, 64-key tiles and three blocks per SM (Sm90Variant.blocks_per_sm), so
 #: the many short work tiles' boundaries (the lone first S, the masked softmax, the epilogue)
@@ -325,9 +45,14 @@ SM90_TILES_NC2 = {64: (128, 2, 2)}
 #: causal 512 / 1k / 2k 268 / 311 / 351 TFLOP/s against two consumers' 218 / 290 / 335 and
 #: three's 187 / 251 / 340; at 4k three consumers lead (400 against 374).
 SM90_TILES_FEW_ROWS = {64: (64, 2, 1)}
+
 SM90_FEW_ROWS_SQ = 2048
+
+
 #: shared memory of one SM (228 KB on the H100 / H200; each resident block reserves 1 KB of it)
 SM90_SMEM_PER_SM = 228 * 1024
+
+
 #: hd 128 with key tiles of 176 (FlashAttention-3's width) where query rows see at least
 #: SM90_WIDE_MIN_KEYS keys on average (sm90_keys): on the H200 (sm90_tune, session 16, 11
 #: interleaved rounds, 176 against 128) non-causal 4k -1.2 %, 6k / 8k / 16k +2.5 / +1.8 / +1.4 %;
@@ -337,7 +62,10 @@ SM90_SMEM_PER_SM = 228 * 1024
 #: without a band take the max-free softmax on 128-key tiles (SM90_MAXFREE_MIN_KEYS), 13-16 %
 #: faster than 176 at 8k / 16k.
 SM90_TILES_WIDE = {128: (176, 2, 2)}
+
 SM90_WIDE_MIN_KEYS = 6144
+
+
 #: The max-free softmax (MAXFREE: the key-tile loop's softmax against the running max of the
 #: tiles before, without the tile's own row max or O's rescale while each lane's row sums of the
 #: tile stay at most 256, i.e. no P above 256; docs/hopper.md step 36) for dense hd 128 calls
@@ -349,17 +77,20 @@ SM90_WIDE_MIN_KEYS = 6144
 #: 730.9 / 631.4, 16k 632.9 / 724.4 / 640.7. From 1k on (512's +1.2 % is inside the rounds'
 #: spread; the FA bench ran it without).
 SM90_MAXFREE_HEAD_DIMS = (128,)
+
 SM90_MAXFREE_MIN_KEYS = 1024
+
+
 #: Head dims of the BIAS variants (hd 256 spills with the bias loads).
 SM90_BIAS_HEAD_DIMS = (64, 128)
-#: Largest stride TMA takes (bytes, exclusive), and the alignment it needs of strides and bases.
-TMA_MAX_STRIDE = 1 << 40
-TMA_ALIGN = 16
+
+
 #: rows of the Hopper forward's out box: one consumer warpgroup's O rows (sm90::WG_ROWS)
 SM90_O_BOX_ROWS = 64
 
 
-class Sm90Variant(NamedTuple):
+@dataclass(frozen=True)
+class Sm90Variant(KernelVariant):
     """One template instantiation of flash_fwd_sm90."""
 
     elem: str
@@ -395,12 +126,13 @@ class Sm90Variant(NamedTuple):
             n -= 1
         return n
 
-    @property
-    def name_expression(self) -> str:
+    template = "flash_fwd_sm90"
+
+    def template_args(self) -> tuple:
         b = cpp_bool
-        return (f"flash_fwd_sm90<{self.elem}, {self.d}, {self.bn}, {self.stages}, {self.nc}, "
-                f"{b(self.window)}, {b(self.softcap)}, {b(self.varlen)}, {self.bias}, "
-                f"{b(self.split)}, {b(self.maxfree)}>")
+        return (self.elem, str(self.d), str(self.bn), str(self.stages), str(self.nc),
+                b(self.window), b(self.softcap), b(self.varlen), str(self.bias), b(self.split),
+                b(self.maxfree))
 
     @property
     def name(self) -> str:
@@ -417,7 +149,6 @@ class Sm90Variant(NamedTuple):
     def o_smem(self) -> bool:
         """The epilogue stages O in shared memory for a TMA store (needs the tma_o map)."""
         return sm90_o_smem(self.d, self.bn, self.stages, self.nc, self.varlen)
-
 
 
 def _sm90_ring_bytes(d: int, bn: int, stages: int, nc: int) -> int:
@@ -445,6 +176,8 @@ def sm90_smem_bytes(d: int, bn: int, stages: int, nc: int = 2, varlen: bool = Fa
 # kernels_cu/fwd_sm90_f32.cu (3xTF32 on wgmma; E = f32x3_t, or tf32_t with allow_tf32).
 # ------------------------------------------------------------------------------------------
 SM90_F32_HEAD_DIMS = (64, 128)
+
+
 #: (BN, STAGES, NC, QREG) per head dim, chosen by the shared-memory budget (measured on the H200:
 #: 73-97 TFLOP/s; the alternatives below not timed yet): a
 #: stage holds K big / small, Vᵀ big / small and the raw V tile (5·BN·d floats); Q big takes
@@ -454,15 +187,12 @@ SM90_F32_HEAD_DIMS = (64, 128)
 #: benchmarks/bench_f32.py --variant): without QREG hd 64 128 x 64 x 2 (225 KB), hd 128 64 x 32 x 2
 #: (one consumer, 225 KB) or 64 x 64 x 1.
 SM90_F32_TILES = {64: (64, 2, 2, True), 128: (32, 2, 2, True)}
-#: kernel="auto" runs float32 on the Hopper kernel (fwd_sm90_f32.cu) when this is True. Set after
-#: the H200 run: 52 of its 53 GPU tests passed (the 53rd, s_k = 4096, is the float32 error growth
-#: both kernels share: docs/hopper.md, "Float32 forward"), its errors equal the portable kernel's
-#: at s_k = 256 .. 16k, and it ran 73-97 TFLOP/s against the portable kernel's 20-29.
-SM90_FLOAT32_AUTO = True
+
 F32_ELEMS = ("f32x3_t", "tf32_t")
 
 
-class Sm90F32Variant(NamedTuple):
+@dataclass(frozen=True)
+class Sm90F32Variant(KernelVariant):
     """One template instantiation of flash_fwd_sm90_f32 (float32, 3xTF32 or TF32)."""
 
     elem: str               # f32x3_t (float32 accuracy) or tf32_t (allow_tf32: one product)
@@ -481,11 +211,12 @@ class Sm90F32Variant(NamedTuple):
     bm = Sm90Variant.bm             # 64 query rows per consumer warpgroup
     threads = Sm90Variant.threads   # a producer warpgroup + nc consumers
 
-    @property
-    def name_expression(self) -> str:
+    template = "flash_fwd_sm90_f32"
+
+    def template_args(self) -> tuple:
         b = cpp_bool
-        return (f"flash_fwd_sm90_f32<{self.elem}, {self.d}, {self.bn}, {self.stages}, "
-                f"{self.nc}, {b(self.window)}, {b(self.qreg)}>")
+        return (self.elem, str(self.d), str(self.bn), str(self.stages), str(self.nc),
+                b(self.window), b(self.qreg))
 
     @property
     def name(self) -> str:
@@ -539,19 +270,25 @@ def sm90_keys(s_q: int, s_k: int, window_left: int, window_right: int,
 #: its key tiles (the first S, the last P·V alone, the epilogue: ~0.9 step at hd 128 on the H200,
 #: docs/hopper.md step 14) and, per partial, the merge of a split tile (write, read, rescale).
 SM90_SPLIT_BOUNDARY = 1.0
+
 SM90_SPLIT_MERGE = 0.25
+
+
 #: split only when the model gains at least this fraction of the call's time
 SM90_SPLIT_MIN_GAIN = 0.05
+
+
 #: at most this many pieces per work tile (the last to finish reads all the others' partials)
 SM90_SPLIT_MAX_PARTS = 16
+
+
 #: at least this many key tiles per piece (H200, hd 128, b 1, h 16, s 512: two pieces of two
 #: key tiles ran 0.92x the whole tiles; docs/hopper.md step 34)
 SM90_SPLIT_MIN_KEYS = 4
+
+
 #: the partials' workspace, at most (bytes)
 SM90_SPLIT_MAX_WS = 64 << 20
-#: the planner's variant (kernel="auto") splits where sm90_split's model gains (False: never;
-#: benchmarks switch it to time both)
-SM90_SPLIT_AUTO = True
 
 
 def sm90_split(work: int, grid: int, n: int, *, force: bool = False) -> Optional[np.ndarray]:
@@ -671,56 +408,9 @@ def sm90_variants():
                             v = sm90_variant(elem, d, window, cap, s_q, varlen, bias, keys)
                             found[v.name] = v
                             if not (window or cap or varlen or bias):
-                                v = v._replace(split=True)
+                                v = v.replace(split=True)
                                 found[v.name] = v
     return list(found.values())
-
-
-def tma_strides_ok(shape, strides, itemsize: int) -> bool:
-    """True when TMA can address a bshd tensor of ``shape`` with these element ``strides``:
-    a contiguous last dimension, other strides positive 16-byte multiples below 2**40 (a
-    dimension of size 1 has no stride that matters)."""
-    if strides[3] != 1 and shape[3] > 1:
-        return False
-    for n, st in zip(shape[:3], strides[:3]):
-        nbytes = st * itemsize
-        if n > 1 and not (0 < nbytes < TMA_MAX_STRIDE and nbytes % TMA_ALIGN == 0):
-            return False
-    return True
-
-
-def tma_tensor(shape, strides, itemsize: int, box_rows: int):
-    """(dims, byte strides, box) of the rank-4 tensor map over a bshd tensor: dims innermost
-    first (d, s, h, b); the box is 128 bytes of columns (the swizzle width: 64 16-bit or 32
-    float32 columns) x box_rows rows of one head of one batch. Strides of size-1 dimensions
-    (never stepped over) are replaced by a valid stand-in."""
-    b, s, h, d = shape
-    sb, ss, sh = (st * itemsize for st in strides[:3])
-    stand_in = -(-d * itemsize // TMA_ALIGN) * TMA_ALIGN
-    dims = (d, s, h, b)
-    byte_strides = tuple(st if n > 1 else stand_in for n, st in ((s, ss), (h, sh), (b, sb)))
-    return dims, byte_strides, (128 // itemsize, box_rows, 1, 1)
-
-
-def sm90_common_unsupported(dtype_name: str, d: int, d_v: int, head_dims, *, cc: int,
-                            smem_need: int, smem_optin: int, tensors=(),
-                            dtypes=("float16", "bfloat16")) -> Optional[str]:
-    """The checks every Hopper kernel (forward, backward) makes: compute capability 9.0,
-    a dtype in ``dtypes``, d = d_v in ``head_dims``, shared memory, strides TMA accepts for each
-    (shape, element strides) in ``tensors``. None when they pass, else the reason."""
-    if cc != 90:
-        return f"compute capability {cc / 10:.1f} (the Hopper kernel needs 9.0)"
-    if dtype_name not in dtypes:
-        return f"dtype {dtype_name} (the Hopper kernel takes {' / '.join(dtypes)})"
-    if d != d_v or d not in head_dims:
-        return f"head dims {d} / {d_v} (the Hopper kernel takes d = d_v in {tuple(head_dims)})"
-    if smem_need > smem_optin:
-        return f"shared memory {smem_optin} bytes"
-    itemsize = 4 if dtype_name == "float32" else 2
-    for shape, strides in tensors:
-        if not tma_strides_ok(shape, strides, itemsize):
-            return f"strides {tuple(strides)} of a {tuple(shape)} tensor (TMA needs 16-byte multiples)"
-    return None
 
 
 def sm90_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: float,
@@ -758,7 +448,7 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
     (``varlen``: see plan_forward_varlen_sm90, which calls this with the longest sequences as
     s_q, s_k). With ``variant`` None (the planner's choice), a dense call without a band,
     softcap or bias splits the grid's last partial wave along the keys where sm90_split's model
-    gains (SM90_SPLIT_AUTO): the SPLIT variant, Plan.split its work items (the whole tiles, then
+    gains (TUNING.sm90_split_auto): the SPLIT variant, Plan.split its work items (the whole tiles, then
     the pieces: sm90_work_items); a forced SPLIT variant always splits; any other forced
     variant never."""
     if h % h_k:
@@ -775,14 +465,14 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
     elif variant.elem != elem or variant.d != d or d_v != d or (window and not variant.window) \
             or (softcap > 0) != variant.softcap or variant.varlen != varlen:
         raise ValueError(f"kernel {variant.name} cannot compute this problem")
-    prm, (num_m, _, _) = _sizes_and_scalars(variant.bm, b, s_q, s_k, h, h_k, d, d_v, scale,
+    prm, (num_m, _, _) = sizes_and_scalars(variant.bm, b, s_q, s_k, h, h_k, d, d_v, scale,
                                             window_left, window_right, bottom_right, softcap)
     work = num_m * h * b
     if work > 2**31 - 1:
         raise NotImplementedError(f"{work} work tiles exceed the kernel's int32 tile index")
     blocks = num_sms * getattr(variant, "blocks_per_sm", 1)
     table = None
-    if getattr(variant, "split", False) or (auto and SM90_SPLIT_AUTO and isinstance(
+    if getattr(variant, "split", False) or (auto and TUNING.sm90_split_auto and isinstance(
             variant, Sm90Variant) and not (window or variant.softcap or variant.bias)):
         # dense, no band: every work tile runs all n = ceil(s_k / bn) key tiles. The planner's
         # variant splits where sm90_split's model gains; a forced SPLIT variant always does.
@@ -795,7 +485,7 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
             raise ValueError(f"kernel {variant.name}: the split's workspace exceeds "
                              f"SM90_SPLIT_MAX_WS ({SM90_SPLIT_MAX_WS} bytes) for this call")
         table = None if too_big else table
-        variant = variant._replace(split=table is not None)
+        variant = variant.replace(split=table is not None)
     first = work
     if table is not None:
         first = work - (int(table[-1, 0]) + 1)
@@ -825,66 +515,5 @@ def plan_forward_varlen_sm90(dtype_name: str, batch: int, total_q: int, total_k:
                              scale=scale, window_left=window_left, window_right=window_right,
                              bottom_right=bottom_right, softcap=softcap, num_sms=num_sms,
                              variant=variant, varlen=True)
-    _varlen_params(plan.params, total_q, total_k, window_left, window_right, bottom_right)
+    varlen_params(plan.params, total_q, total_k, window_left, window_right, bottom_right)
     return plan
-
-
-def _varlen_params(prm, total_q, total_k, window_left, window_right, bottom_right):
-    """The packed-sequence fields of a varlen Params record (either kernel): s_q / s_k = the
-    totals, windows unbounded past every sequence, causal / window aligned per sequence."""
-    unbounded = total_q + total_k                  # past every sequence's own s_q + s_k
-    prm["s_q"], prm["s_k"] = total_q, total_k
-    prm["window_left"] = window_left if window_left >= 0 else unbounded
-    prm["window_right"] = window_right if window_right >= 0 else unbounded
-    prm["diag_offset"] = 0                         # per sequence, from varlen_bottom_right
-    prm["varlen_bottom_right"] = int(bool(bottom_right))
-
-
-def plan_forward_varlen(dtype_name: str, batch: int, total_q: int, total_k: int,
-                        max_seqlen_q: int, max_seqlen_k: int, h: int, h_k: int, d: int, d_v: int,
-                        *, scale: float, window_left: int = -1, window_right: int = -1,
-                        bottom_right: bool = True, softcap: float = 0.0, has_alibi: bool = False,
-                        allow_tf32: bool = False, smem_optin: int = SM90_SMEM_MAX) -> Plan:
-    """The GENERAL variant over ``batch`` packed sequences: grid (ceil(max_seqlen_q / BM), h,
-    batch); blocks past their sequence's end exit at once. Params: b = 1, s_q / s_k = the packed
-    totals (lse is [1, h, total_q]); each block reads its own lengths from cu_seqlens and aligns
-    its causal / window diagonal to them (``varlen_bottom_right``). The launcher sets the
-    cu_seqlens pointers and zero batch strides. Requires max_seqlen_q >= 1, total_k >= 1.
-    """
-    plan = plan_forward(dtype_name, 1, max(1, max_seqlen_q), max(1, max_seqlen_k), h, h_k, d,
-                        d_v, scale=scale, window_left=window_left, window_right=window_right,
-                        bottom_right=bottom_right, softcap=softcap, has_alibi=has_alibi,
-                        allow_tf32=allow_tf32, smem_optin=smem_optin, varlen=True)
-    v = plan.variant
-    prm = plan.params
-    _varlen_params(prm, total_q, total_k, window_left, window_right, bottom_right)
-    if batch > 65535:
-        raise NotImplementedError(f"{batch} sequences exceed CUDA's grid limit (65535)")
-    grid = (plan.grid[0], h, batch)
-    return Plan(v, grid, plan.block, plan.smem, prm)
-
-
-def vec_ok(ptrs, strides, itemsize: int) -> bool:
-    """True when every row start is 16-byte aligned: base pointers and all (element) strides."""
-    mask = 15
-    acc = 0
-    for p_ in ptrs:
-        acc |= p_
-    for s_ in strides:
-        acc |= s_ * itemsize
-    return (acc & mask) == 0
-
-
-def flops(b: int, h: int, s_q: int, s_k: int, d: int, d_v: int, causal: bool = False) -> float:
-    """FlashAttention's count: 2·b·h·s_q·s_k·(d + d_v), halved for causal."""
-    f = 2.0 * b * h * s_q * s_k * (d + d_v)
-    return f / 2 if causal else f
-
-
-__all__ = ["Variant", "Plan", "plan_forward", "plan_forward_varlen", "all_variants",
-           "Sm90Variant", "sm90_variants", "sm90_unsupported", "plan_forward_sm90", "tma_tensor",
-           "Sm90F32Variant", "sm90_f32_variants", "SM90_FLOAT32_AUTO", "sm90_split",
-           "SM90_SPLIT_AUTO",
-           "tma_strides_ok", "PARAMS_DTYPE", "PARAMS_FIELDS",
-           "HEAD_DIM_BUCKETS", "head_dim_bucket", "elem_tag", "tiles", "smem_bytes", "vec_ok",
-           "flops"]

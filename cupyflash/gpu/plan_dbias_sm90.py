@@ -1,12 +1,13 @@
-"""Hopper (sm_90a) dbias kernel: coverage, variants, work decomposition, compilation and launch.
+"""Hopper (sm_90a) dbias kernel, planner side (pure Python): coverage, variants, work
+decomposition. dbias_sm90.py launches it.
 
 ``flash_bwd_dbias_sm90<E, D, BIAS_F32, STAGES, BIASBUF, WINDOW>`` in kernels_cu/dbias_sm90.cu is
 bwd.cu's ``flash_bwd_dbias`` (dbias summed over the (batch, head) pairs each plane broadcasts
 to, in float32 registers, stored once in the bias's type: extra memory = dbias only) with TMA
-loads and wgmma products. When the backward takes the dbias-kernel path (``_gpu_bwd.dbias_by_kernel``
-and ``DBIAS_KERNEL`` / deterministic mode / no room for the float32 accumulator), the launcher
+loads and wgmma products. When the backward takes the dbias-kernel path (``plan_bwd.dbias_by_kernel``
+and ``TUNING.dbias_kernel`` / deterministic mode / no room for the float32 accumulator), the launcher
 runs this kernel instead of flash_bwd_dbias on compute capability 9.0 where ``unsupported``
-passes and ``_gpu_bwd.DBIAS_SM90`` is set, else flash_bwd_dbias.
+passes and ``TUNING.dbias_sm90`` is set, else flash_bwd_dbias.
 
 Work tiles: [BM = 128 queries, BN = 128 keys] of one dbias plane, query tiles fastest, then key
 tiles, then planes (``work_tiles`` mirrors the kernel's decomposition); a persistent grid of at
@@ -17,16 +18,25 @@ boolean mask (those stay on flash_bwd_dbias).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Optional
 
-from . import _plan
+from .tma import bias_tma_unsupported
+from .variants import SM90_SMEM_MAX, KernelVariant, cpp_bool, sm90_common_unsupported
+
 
 BM = 128             # queries per work tile (two consumer warpgroups x 64)
+
 BN = 128             # keys per work tile
+
 THREADS = 384
+
 HEAD_DIMS = (64, 128)
+
 TILE_RING = 2        # work-tile indices in flight
-SMEM_LIMIT = _plan.SM90_SMEM_MAX   # the H100 / H200 opt-in limit the rings below are sized for
+
+SMEM_LIMIT = SM90_SMEM_MAX   # the H100 / H200 opt-in limit the rings below are sized for
+
 
 #: (STAGES, BIASBUF) per (d, float32 bias): half stages of the ring ((Q, K) or (dO, V) of a pair)
 #: and bias tile buffers within SMEM_LIMIT (kernels_cu/dbias_sm90.cu: the arithmetic): at d = 128
@@ -43,7 +53,8 @@ def smem_bytes(d: int, bias_f32: bool, stages: int, biasbuf: int) -> int:
     return stages * half + biasbuf * bias_tile + 16 + 8 * (2 * stages + 2 * biasbuf + 2 * TILE_RING) + 1024
 
 
-class Sm90DbiasVariant(NamedTuple):
+@dataclass(frozen=True)
+class Sm90DbiasVariant(KernelVariant):
     """One template instantiation of flash_bwd_dbias_sm90."""
 
     elem: str          # f16_t / bf16_t (q, k, v, dout)
@@ -60,11 +71,12 @@ class Sm90DbiasVariant(NamedTuple):
     threads = THREADS
     helper_expressions = ()
 
-    @property
-    def name_expression(self) -> str:
-        b = _plan.cpp_bool
-        return (f"flash_bwd_dbias_sm90<{self.elem}, {self.d}, {b(self.bias_f32)}, {self.stages}, "
-                f"{self.biasbuf}, {b(self.window)}>")
+    template = "flash_bwd_dbias_sm90"
+
+    def template_args(self) -> tuple:
+        b = cpp_bool
+        return (self.elem, str(self.d), b(self.bias_f32), str(self.stages), str(self.biasbuf),
+                b(self.window))
 
     @property
     def name(self) -> str:
@@ -107,14 +119,13 @@ def unsupported(dtype_name: str, d: int, d_v: int, *, cc: int, smem_optin: int, 
         return "a boolean mask (not in the Hopper dbias kernel)"
     bias_f32 = bias_itemsize == 4
     need = smem_bytes(d, bias_f32, *BUFFERS[(d, bias_f32)]) if (d, bias_f32) in BUFFERS else 0
-    why = _plan.sm90_common_unsupported(dtype_name, d, d_v, HEAD_DIMS, cc=cc, smem_need=need,
+    why = sm90_common_unsupported(dtype_name, d, d_v, HEAD_DIMS, cc=cc, smem_need=need,
                                         smem_optin=smem_optin, tensors=tensors)
     if why is not None:
         return why
     if bias_itemsize not in (2, 4):
         return f"bias item size {bias_itemsize} (q's 16-bit type or float32)"
-    from . import _gpu_bwd_sm90
-    why = _gpu_bwd_sm90.bias_tma_unsupported(bias_shape, bias_strides, s_q, 0, bias_itemsize)
+    why = bias_tma_unsupported(bias_shape, bias_strides, s_q, 0, bias_itemsize)
     if why is not None:
         return why
     if num_work(s_q, s_k, planes) > 2**31 - 1:
@@ -145,54 +156,3 @@ def work_tiles(s_q: int, s_k: int, b: int, h: int, sum_b: bool, sum_h: bool, win
                          or n0 < m0 + BM - 1 + diag_offset - window_left)
         pairs = [(pb if not sum_b else it // nh, ph if not sum_h else it % nh) for it in range(count)]
         yield w, m0, n0, pb, ph, pairs, need_mask
-
-
-def program(variants_):
-    """(source, options, name expressions) of ``variants_`` (the compile harness's entry)."""
-    from . import _gpu_bwd
-    return _gpu_bwd.program(variants_)
-
-
-def get_function(variant: Sm90DbiasVariant, device_id: int):
-    """The compiled kernel of ``variant`` on ``device_id`` (lazy)."""
-    from . import _gpu_bwd
-    return _gpu_bwd.get_functions(variant, device_id)[0]
-
-
-def bases_aligned(*arrays) -> bool:
-    """Whether every array's base address is one TMA can take (16-byte aligned): q, k, v, dout
-    and the bias operand, checked by the launcher before it picks this kernel and by launch."""
-    return all(a.data.ptr % _plan.TMA_ALIGN == 0 for a in arrays)
-
-
-def launch(variant: Sm90DbiasVariant, prm, q, k, v, dout, bias, dev_id: int,
-           num_sms: int) -> Optional[str]:
-    """Run flash_bwd_dbias_sm90 with a copy of the backward's Params ``prm`` (0-d PARAMS_DTYPE
-    array: pointers, strides, sizes, lse, dsum, bias, dbias and its strides filled), adding the
-    tensor maps of q, k, v, dout and ``bias`` (the bias operand, [b', h', s_q, s_k]) for this
-    kernel's tiles and the stream's work-tile counter. Returns None, launching nothing, when a
-    base address is not 16-byte aligned (the caller runs flash_bwd_dbias)."""
-    from . import _gpu, _gpu_bwd_sm90, _tma
-
-    if not bases_aligned(q, k, v, dout, bias):
-        return None
-    prm = prm.copy()
-    dtype_name = _gpu._DTYPE_NAMES[q.dtype]
-    for field, a, rows in (("tma_q", q, BM), ("tma_k", k, BN), ("tma_v", v, BN),
-                           ("tma_do", dout, BM)):
-        dims, byte_strides, box = _plan.tma_tensor(a.shape, _gpu._elem_strides(a, field), 2, rows)
-        prm[field] = _tma.encode(dtype_name, a.data.ptr, dims, byte_strides, box)
-    _gpu_bwd_sm90.bias_tma_desc(prm, bias, box_rows=BM)
-    prm["sched"] = _gpu._sched_counter(dev_id, _gpu._current_stream().ptr)
-    planes = ((int(prm["b"]) if int(prm["dbias_stride_b"]) else 1)
-              * (int(prm["h"]) if int(prm["dbias_stride_h"]) else 1))
-    work = num_work(int(prm["s_q"]), int(prm["s_k"]), planes)
-    fn = get_function(variant, dev_id)
-    fn((min(num_sms, work), 1, 1), (THREADS, 1, 1), (prm.reshape(1)[0],),
-       shared_mem=variant.smem_bytes)
-    return variant.name
-
-
-__all__ = ["Sm90DbiasVariant", "variant_for", "variants", "smem_bytes", "unsupported",
-           "work_tiles", "num_work", "program", "get_function", "bases_aligned", "launch", "BUFFERS",
-           "BM", "BN"]

@@ -1,4 +1,5 @@
-"""Hopper (sm_90a) backward main kernel: coverage, variants, compilation and launch.
+"""Hopper (sm_90a) backward main kernel, planner side (pure Python): variants, coverage, shared
+memory, work decomposition. bwd_sm90.py launches it.
 
 ``flash_bwd_sm90<E, D, WINDOW, DQ_BULK, KVBUF, VARLEN, BIAS>`` in kernels_cu/bwd_sm90.cu replaces the portable
 main kernel (flash_bwd in bwd.cu) on compute capability 9.0 wherever it covers the call; the helper
@@ -14,7 +15,7 @@ BIAS_TMA (3) stages q's 16-bit bias per step into shared memory through a tensor
 load it from global memory (1: q's 16-bit type, 2: float32).
 
 Persistent grid (at most one block per SM) over work tiles (key tile of 128 keys, kv head, batch),
-drawn from the per-stream counter the forward uses (``_gpu._sched_counter``): a producer warpgroup
+drawn from the per-stream counter the forward uses (``device.sched_counter``): a producer warpgroup
 loads each tile's K, V (KVBUF buffers: 2 at d = 64, 1 at d = 128, where two do not fit) and the
 Q / dO tiles of 64 query rows per step through TMA, the next tile's while the consumers finish the
 current one; two consumer warpgroups of 64 keys each keep dK, dV in registers; each step's dQ tile
@@ -29,16 +30,25 @@ tokens as one batch.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Optional
 
-from . import _plan
+from .variants import KernelVariant, cpp_bool, sm90_common_unsupported
+
 
 BN = 128             # keys per block
+
 BM = 64              # query rows per step
+
 THREADS = 384
+
 HEAD_DIMS = (64, 128)
+
 NBUF = 2             # Q / dO ring depth
+
 TILE_RING = 2        # work-tile indices in flight
+
+
 #: BIAS template values (bwd_sm90.cu: sm90b::BIAS_*)
 BIAS_NONE, BIAS_LD16, BIAS_LD32, BIAS_TMA = 0, 1, 2, 3
 
@@ -48,7 +58,8 @@ def kv_buffers(d: int) -> int:
     return 2 if d == 64 else 1
 
 
-class Sm90BwdVariant(NamedTuple):
+@dataclass(frozen=True)
+class Sm90BwdVariant(KernelVariant):
     """One template instantiation of flash_bwd_sm90 (plus its dtype's helper kernels)."""
 
     elem: str
@@ -66,11 +77,12 @@ class Sm90BwdVariant(NamedTuple):
     bm = BM
     threads = THREADS
 
-    @property
-    def name_expression(self) -> str:
-        b = _plan.cpp_bool
-        return (f"flash_bwd_sm90<{self.elem}, {self.d}, {b(self.window)}, {b(self.dq_bulk)}, "
-                f"{self.kvbuf}, {b(self.varlen)}, {self.bias}>")
+    template = "flash_bwd_sm90"
+
+    def template_args(self) -> tuple:
+        b = cpp_bool
+        return (self.elem, str(self.d), b(self.window), b(self.dq_bulk), str(self.kvbuf),
+                b(self.varlen), str(self.bias))
 
     @property
     def pre_expression(self) -> str:
@@ -168,15 +180,15 @@ def unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: flo
         return f"scale {scale} <= 0"
     if deterministic:
         return "deterministic=True (the Hopper backward adds dQ with atomics)"
-    return _plan.sm90_common_unsupported(dtype_name, d, d_v, HEAD_DIMS, cc=cc,
+    return sm90_common_unsupported(dtype_name, d, d_v, HEAD_DIMS, cc=cc,
                                          smem_need=smem_bytes(d), smem_optin=smem_optin,
                                          tensors=tensors)
 
 
 def bias_unsupported(strides, s_k: int, ptr: int, itemsize: int) -> Optional[str]:
     """Why the BIAS variant cannot read this bias operand (None when it can): ``strides`` are
-    its element strides over (b, h, s_q, s_k), 0 where broadcast (_gpu.broadcast_strides). It
-    needs the layout of the forward's pair loads (_gpu.bias_pair_ok): a unit key stride (the
+    its element strides over (b, h, s_q, s_k), 0 where broadcast (params.broadcast_strides). It
+    needs the layout of the forward's pair loads (operands.bias_pair_ok): a unit key stride (the
     warp's loads of 8 consecutive keys coalesce), even s_k and even strides (dbias is written as
     8-byte pairs of keys into an accumulator with the bias's shape), an aligned pair."""
     if strides[3] != 1:
@@ -186,98 +198,3 @@ def bias_unsupported(strides, s_k: int, ptr: int, itemsize: int) -> Optional[str
     if any(x % 2 for x in strides[:3]) or ptr % (2 * itemsize):
         return f"bias layout: strides {tuple(strides)} / address not in aligned pairs"
     return None
-
-
-def bias_tma_unsupported(shape, strides, s_q: int, ptr: int, itemsize: int) -> Optional[str]:
-    """Why a 16-bit bias operand (4-D ``shape``, element ``strides`` over (b, h, s_q, s_k), 0
-    where broadcast) cannot be staged by TMA (BIAS_TMA; None when it can): the tile [64 queries,
-    128 keys] needs a full query dimension (a query-broadcast bias keeps the consumers' loads)
-    and a tensor map: unit key stride, other strides and the address 16-byte multiples."""
-    if shape[2] != s_q:
-        return f"bias broadcast over queries (shape {tuple(shape)})"
-    bshd_shape = (shape[0], shape[2], shape[1], shape[3])
-    bshd_strides = (strides[0], strides[2], strides[1], strides[3])
-    if not _plan.tma_strides_ok(bshd_shape, bshd_strides, itemsize) or ptr % _plan.TMA_ALIGN:
-        return f"bias strides {tuple(strides)} / address not in 16-byte multiples"
-    return None
-
-
-def bias_tma_desc(prm, bias, box_rows: int = BM):
-    """Fill Params ``prm["tma_bias"]``: the tensor map over ``bias`` [b', h', s_q, s_k] viewed as
-    bshd (b', s_q, h', s_k), box [128 bytes of keys (64 16-bit, 32 float32), ``box_rows``
-    queries] (bias_tma_unsupported has accepted it). This kernel's box: BM = 64 queries; the
-    Hopper dbias kernel's (_gpu_dbias_sm90): 128."""
-    from . import _gpu, _tma
-    st = _gpu.broadcast_strides(bias)
-    dims, byte_strides, box = _plan.tma_tensor(
-        (bias.shape[0], bias.shape[2], bias.shape[1], bias.shape[3]), (st[0], st[2], st[1], st[3]),
-        bias.itemsize, box_rows)
-    prm["tma_bias"] = _tma.encode(_gpu._DTYPE_NAMES[bias.dtype], bias.data.ptr, dims, byte_strides, box)
-
-
-def program(variants_):
-    """(source, options, name expressions) of ``variants_`` and their helper kernels."""
-    from . import _gpu_bwd
-    return _gpu_bwd.program(variants_)
-
-
-def get_functions(variant: Sm90BwdVariant, device_id: int):
-    """(main, pre, pre_portable, dq) kernels of ``variant`` on ``device_id`` (lazy)."""
-    from . import _gpu_bwd
-    return _gpu_bwd.get_functions(variant, device_id)
-
-
-def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
-           num_sms: int, varlen=None, bias=None) -> Optional[str]:
-    """Run pre, the Hopper main kernel and the dQ conversion with the Params record ``prm``
-    (pointers, strides, sizes filled by _gpu_bwd.backward; ``pre_grid``: the portable
-    flash_bwd_pre's, for O rows that are not 16-byte aligned). Returns None, launching nothing,
-    when a base address is not 16-byte aligned (the caller runs the portable kernels).
-
-    ``varlen`` = (sequences, max_seqlen_k) for a VARLEN variant: q, k, v, dout are the packed
-    [1, total, heads, d] tensors, ``prm`` has cu_seqlens, b = 1, s_q / s_k = the totals (what the
-    helper kernels see); the main kernel's record gets b = sequences and num_n_blocks = the key
-    tiles of the longest sequence. ``bias``: the bias operand of a BIAS_TMA variant."""
-    from . import _gpu, _tma
-
-    ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr)
-    if any(p_ % _plan.TMA_ALIGN for p_ in ptrs) or int(prm["dk"]) % 4 or int(prm["dv"]) % 4:
-        return None
-    b, s_q, h, _ = q.shape
-    s_k, h_k = k.shape[1], k.shape[2]
-    if h > 65535:   # the helper kernels' grid.y
-        return None
-    dtype_name = _gpu._DTYPE_NAMES[q.dtype]
-    for field, a, rows in (("tma_q", q, BM), ("tma_k", k, BN), ("tma_v", v, BN),
-                           ("tma_do", dout, BM)):
-        dims, byte_strides, box = _plan.tma_tensor(a.shape, _gpu._elem_strides(a, field), 2, rows)
-        prm[field] = _tma.encode(dtype_name, a.data.ptr, dims, byte_strides, box)
-    if variant.bias == BIAS_TMA:
-        bias_tma_desc(prm, bias)
-    prm["sched"] = _gpu._sched_counter(dev_id, _gpu._current_stream().ptr)
-    main, pre, pre_portable, conv = get_functions(variant, dev_id)
-    rec = prm.reshape(1)[0]
-    num_work = -(-s_k // BN) * h_k * b
-    main_rec = rec
-    if variant.varlen:
-        nseq, max_k = varlen
-        num_n = -(-max_k // BN)
-        num_work = num_n * h_k * nseq
-        main_prm = prm.copy()
-        main_prm["b"], main_prm["num_n_blocks"] = nseq, num_n
-        main_rec = main_prm.reshape(1)[0]
-    o_rows_aligned = (int(prm["o"]) % 16 == 0
-                      and all(int(prm[f"o_stride_{a}"]) % 8 == 0 for a in "bsh"))
-    if o_rows_aligned:
-        pre((-(-s_q // (256 // (variant.d // 8))), h, b), (256, 1, 1), (rec,))
-    else:
-        pre_portable(pre_grid, (256, 1, 1), (rec,))
-    main((min(num_sms, num_work), 1, 1), (THREADS, 1, 1), (main_rec,), shared_mem=variant.smem_bytes)
-    conv((-(-s_q // (256 // (variant.d // 4))), h, b), (256, 1, 1), (rec,))
-    return variant.name
-
-
-__all__ = ["Sm90BwdVariant", "variants", "variant_for", "kv_buffers", "unsupported",
-           "varlen_work_tiles", "bias_unsupported", "bias_tma_unsupported", "bias_tma_desc",
-           "BIAS_NONE", "BIAS_LD16", "BIAS_LD32", "BIAS_TMA",
-           "smem_bytes", "program", "get_functions", "launch"]
