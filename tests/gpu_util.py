@@ -173,7 +173,7 @@ def launches_on_two_streams(dtype, launches, kernel, check, causal=True, s=700):
     not) alternate between two streams, each launched three times with ``kernel`` (the name
     must start with fwd90_), then each is compared with the portable kernel: ``check(out, ref,
     lse, ref_lse)`` asserts. Returns the kernels' names."""
-    from cupyflash import _gpu
+    from cupyflash.gpu import fwd as gpu_fwd
     from cupyflash._options import Options
     opts = Options(scale=0.125, window_right=0 if causal else -1)
     streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
@@ -185,13 +185,13 @@ def launches_on_two_streams(dtype, launches, kernel, check, causal=True, s=700):
             out = cp.full(q.shape, cp.nan, dtype)
             lse = cp.full((2, 4, s), cp.nan, cp.float32)
             for _ in range(3):
-                names.add(_gpu.forward(q, k, v, out, lse, opts, kernel=kernel))
+                names.add(gpu_fwd.forward(q, k, v, out, lse, opts, kernel=kernel))
             cases.append((q, k, v, out, lse))
     assert all(n.startswith("fwd90_") for n in names), names
     for st in streams:
         st.synchronize()
     for q, k, v, out, lse in cases:
         ref, ref_lse = cp.empty_like(out), cp.empty_like(lse)
-        _gpu.forward(q, k, v, ref, ref_lse, opts, kernel="portable")
+        gpu_fwd.forward(q, k, v, ref, ref_lse, opts, kernel="portable")
         check(out, ref, lse, ref_lse)
     return names

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
-from cupyflash import _modules, _plan  # noqa: E402
+from cupyflash.gpu import compile as gpu_compile, plan_fwd, variants as gpu_variants  # noqa: E402
 
 ARCHS = ("sm_80", "sm_90a")
 SPILL_BUDGET = 72   # bytes per main variant, see the module docstring
@@ -29,16 +29,16 @@ SMEM = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024}
 def reports():
     jobs = []
     for arch in ARCHS:
-        vs = _plan.all_variants(SMEM[arch])
+        vs = plan_fwd.all_variants(SMEM[arch])
         # one program per (element type, flags): instantiations share the parse, chunks spread
-        for elem in _plan.ELEMS:
+        for elem in gpu_variants.ELEMS:
             for flags in ((False, False), (False, True), (True, False), (True, True)):
                 chunk = [v for v in vs if v.elem == elem and (v.window, v.score_mod) == flags]
-                jobs.append((arch, _modules.program, chunk, "fwd.cu"))
-    res = _modules.nvrtc_reports(jobs)
+                jobs.append((arch, gpu_compile.program, chunk, "fwd.cu"))
+    res = gpu_compile.nvrtc_reports(jobs)
     for arch in ARCHS:
         print(f"\n{arch}: registers / spill bytes per variant")
-        for v in _plan.all_variants(SMEM[arch]):
+        for v in plan_fwd.all_variants(SMEM[arch]):
             regs, spill = res[arch][v.name_expression]
             print(f"  {v.name:40s} {regs:4d} regs {spill:6d} B spill")
     return res
@@ -46,14 +46,14 @@ def reports():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_variant_compiles(reports, arch):
-    vs = _plan.all_variants(SMEM[arch])
+    vs = plan_fwd.all_variants(SMEM[arch])
     assert set(reports[arch]) == {v.name_expression for v in vs}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_main_variants_do_not_spill(reports, arch):
     bad = []
-    for v in _plan.all_variants(SMEM[arch]):
+    for v in plan_fwd.all_variants(SMEM[arch]):
         if v.elem in ("f16_t", "bf16_t") and v.d in (64, 128) and not v.score_mod:
             regs, spill = reports[arch][v.name_expression]
             if spill > SPILL_BUDGET:

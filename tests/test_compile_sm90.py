@@ -1,7 +1,7 @@
 """NVRTC compile harness for the Hopper kernels (kernels_cu/fwd_sm90.cu, bwd_sm90.cu,
 dbias_sm90.cu, ...), sm_90a.
 
-Every variant of _plan.sm90_variants() and _gpu_bwd_sm90.variants() compiles without a GPU (NVRTC
+Every variant of plan_fwd_sm90.sm90_variants() and plan_bwd_sm90.variants() compiles without a GPU (NVRTC
 only), with no register spills (a few bytes allowed in some bias forward variants) and no
 ptxas warning (a "wgmma ... serialized" warning would mean the products run one at a time). The
 entry register count is the launch cap (168 for 384 threads, 128 for 512); setmaxnreg then moves
@@ -13,18 +13,18 @@ import pytest
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
-from cupyflash import _gpu_bwd_sm90, _gpu_dbias_sm90, _modules, _plan  # noqa: E402
+from cupyflash.gpu import compile as gpu_compile, plan_bwd_sm90, plan_dbias_sm90, plan_fwd_sm90  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def reports():
     jobs = []
-    vs = _plan.sm90_variants()
+    vs = plan_fwd_sm90.sm90_variants()
     for elem in ("f16_t", "bf16_t"):
         for window in (False, True):
             chunk = [v for v in vs if v.elem == elem and v.window == window]
-            jobs.append(("sm_90a", _modules.program, chunk, "fwd_sm90.cu"))
-    res = _modules.nvrtc_reports(jobs)["sm_90a"]
+            jobs.append(("sm_90a", gpu_compile.program, chunk, "fwd_sm90.cu"))
+    res = gpu_compile.nvrtc_reports(jobs)["sm_90a"]
     print("\nsm_90a: registers / spill bytes per Hopper variant")
     for v in vs:
         regs, spill = res[v.name_expression]
@@ -52,7 +52,7 @@ def _spill_budget(v):
 
 
 def test_every_variant_compiles_without_spills(reports):
-    vs = _plan.sm90_variants()
+    vs = plan_fwd_sm90.sm90_variants()
     assert set(reports) == {v.name_expression for v in vs}
     bad = _over_budget(vs, reports, _spill_budget)
     assert not bad, "\n".join(bad)
@@ -64,14 +64,13 @@ def test_register_pool_covers_setmaxnreg(reports):
     Regs (else every consumer hangs at regs_acquire), and the blocks_per_sm blocks' pools must
     fit in the SM's 64K registers."""
     import re
-    from pathlib import Path
-    src = (Path(_modules.__file__).resolve().parent.parent / "kernels_cu" / "fwd_sm90.cu").read_text()
+    src = (gpu_compile.kernels_dir() / "fwd_sm90.cu").read_text()
     regs = {(int(nc), int(blocks or 1)): (int(p), int(c)) for nc, blocks, p, c in re.findall(
         r"struct Regs<(\d)(?:, (\d))?> \{ static constexpr int PRODUCER = (\d+), CONSUMER = (\d+); \}",
         src)}
     assert set(regs) == {(1, 2), (1, 3), (2, 1), (3, 1)}
     bad = []
-    for v in _plan.sm90_variants():
+    for v in plan_fwd_sm90.sm90_variants():
         entry = reports[v.name_expression][0]
         producer, consumer = regs[(v.nc, v.blocks_per_sm)]
         if entry * v.threads < 128 * (producer + consumer * v.nc) or \
@@ -100,7 +99,7 @@ def _per_elem_report(title, vs, program, filename, elems=("f16_t", "bf16_t")):
     """NVRTC reports {name expression: (registers, spill bytes)} of variants ``vs`` (one program
     per element type), printed under ``title``; asserts every variant got one."""
     jobs = [("sm_90a", program, [v for v in vs if v.elem == e], filename) for e in elems]
-    res = _modules.nvrtc_reports(jobs)["sm_90a"]
+    res = gpu_compile.nvrtc_reports(jobs)["sm_90a"]
     print(f"\nsm_90a: registers / spill bytes per {title}")
     for v in vs:
         print(f"  {v.name:45s} {res[v.name_expression][0]:4d} regs {res[v.name_expression][1]:6d} B spill")
@@ -116,26 +115,26 @@ def _over_budget(vs, res, budget=lambda v: 0):
 
 def test_no_ptxas_warnings():
     """ptxas warns when wgmma products get serialized or setmaxnreg is ignored: fail on any."""
-    v = _plan.Sm90Variant("bf16_t", 128, 128, 2, True, True)
-    warnings = _ptxas_warnings(_modules.program([v]), "fwd_sm90.cu")
+    v = plan_fwd_sm90.Sm90Variant("bf16_t", 128, 128, 2, True, True)
+    warnings = _ptxas_warnings(gpu_compile.program([v]), "fwd_sm90.cu")
     assert not warnings, "\n".join(warnings)
 
 
 def test_float32_variants_compile_without_spills():
-    """The float32 forward (fwd_sm90_f32.cu, _plan.sm90_f32_variants()): 0 spills, and no ptxas
+    """The float32 forward (fwd_sm90_f32.cu, plan_fwd_sm90.sm90_f32_variants()): 0 spills, and no ptxas
     warning in any of them (one program per element type)."""
-    vs = _plan.sm90_f32_variants()
-    res = _per_elem_report("float32 Hopper variant", vs, _modules.program, "fwd_sm90_f32.cu",
-                           _plan.F32_ELEMS)
+    vs = plan_fwd_sm90.sm90_f32_variants()
+    res = _per_elem_report("float32 Hopper variant", vs, gpu_compile.program, "fwd_sm90_f32.cu",
+                           plan_fwd_sm90.F32_ELEMS)
     bad = _over_budget(vs, res)
     assert not bad, "\n".join(bad)
-    warnings = _ptxas_warnings(_modules.program(vs), "fwd_sm90_f32.cu")
+    warnings = _ptxas_warnings(gpu_compile.program(vs), "fwd_sm90_f32.cu")
     assert not warnings, "\n".join(warnings)
 
 
 def test_backward_variants_compile_without_spills():
-    vs = _gpu_bwd_sm90.variants()
-    res = _per_elem_report("Hopper backward variant", vs, _gpu_bwd_sm90.program, "bwd_sm90.cu")
+    vs = plan_bwd_sm90.variants()
+    res = _per_elem_report("Hopper backward variant", vs, gpu_compile.program, "bwd_sm90.cu")
     bad = _over_budget(vs, res, _bwd_spill_budget)
     assert not bad, "\n".join(bad)
 
@@ -145,47 +144,47 @@ def test_backward_variants_compile_without_spills():
 #: registers; the bias addresses and the dbias pairs spill 8-64 B under NVRTC 12.9 even with dPᵀ
 #: issued after Pᵀ; docs/hopper.md). BIAS_TMA (the bias read from shared memory) spills nothing.
 def _bwd_spill_budget(v):
-    return 64 if v.bias in (_gpu_bwd_sm90.BIAS_LD16, _gpu_bwd_sm90.BIAS_LD32) and v.d == 128 else 0
+    return 64 if v.bias in (plan_bwd_sm90.BIAS_LD16, plan_bwd_sm90.BIAS_LD32) and v.d == 128 else 0
 
 
 def test_backward_bias_and_varlen_variants_no_ptxas_warnings():
     """No wgmma serialization (or other) ptxas warning in the BIAS and VARLEN backward variants."""
-    for v in [x for x in _gpu_bwd_sm90.variants() if (x.bias or x.varlen) and x.elem == "bf16_t"]:
-        warnings = _ptxas_warnings(_gpu_bwd_sm90.program([v]), "bwd_sm90.cu")
+    for v in [x for x in plan_bwd_sm90.variants() if (x.bias or x.varlen) and x.elem == "bf16_t"]:
+        warnings = _ptxas_warnings(gpu_compile.program([v]), "bwd_sm90.cu")
         assert not warnings, v.name + ": " + "\n".join(warnings)
 
 
 def test_float32_backward_compiles_without_spills():
     """The float32 Hopper backward (bwd_sm90_f32.cu, _gpu_bwd_sm90_f32.variants()):
     0 spills and no ptxas warning in its variants and helper kernels."""
-    from cupyflash import _gpu_bwd_sm90_f32
+    from cupyflash.gpu import compile as gpu_compile, plan_bwd_sm90_f32
 
-    vs = _gpu_bwd_sm90_f32.variants()
-    res = _modules.nvrtc_reports([("sm_90a", _gpu_bwd_sm90_f32.program, vs, "bwd_sm90_f32.cu")])["sm_90a"]
+    vs = plan_bwd_sm90_f32.variants()
+    res = gpu_compile.nvrtc_reports([("sm_90a", gpu_compile.program, vs, "bwd_sm90_f32.cu")])["sm_90a"]
     print("\nsm_90a: registers / spill bytes per float32 Hopper backward variant")
     for n, (regs, spill) in sorted(res.items()):
         print(f"  {n:55s} {regs:4d} regs {spill:6d} B spill")
     assert {v.name_expression for v in vs} <= set(res)
     bad = [f"{n}: {r}" for n, r in res.items() if r[1] > 0]
     assert not bad, "\n".join(bad)
-    warnings = _ptxas_warnings(_gpu_bwd_sm90_f32.program(vs), "bwd_sm90_f32.cu")
+    warnings = _ptxas_warnings(gpu_compile.program(vs), "bwd_sm90_f32.cu")
     assert not warnings, "\n".join(warnings)
 
 
 def test_dbias_kernel_compiles_without_spills():
-    """The Hopper dbias kernel (dbias_sm90.cu, _gpu_dbias_sm90.variants()): every variant 0 spills
+    """The Hopper dbias kernel (dbias_sm90.cu, plan_dbias_sm90.variants()): every variant 0 spills
     and no ptxas warning (no serialized wgmma; one program per element type)."""
-    vs = _gpu_dbias_sm90.variants()
-    res = _per_elem_report("Hopper dbias variant", vs, _gpu_dbias_sm90.program, "dbias_sm90.cu")
+    vs = plan_dbias_sm90.variants()
+    res = _per_elem_report("Hopper dbias variant", vs, gpu_compile.program, "dbias_sm90.cu")
     bad = _over_budget(vs, res)
     assert not bad, "\n".join(bad)
     # setmaxnreg.inc waits until the CTA's register pool (entry count x 384 threads, allocated at
     # launch) can give the consumers 232: 40·128 + 232·256 = 64512 = 168·384. An entry count
     # below 168 would hang every consumer at regs_acquire on the device, so check it here.
     low = [f"{v.name}: {res[v.name_expression][0]} entry registers" for v in vs
-           if res[v.name_expression][0] * _gpu_dbias_sm90.THREADS < 40 * 128 + 232 * 256]
+           if res[v.name_expression][0] * plan_dbias_sm90.THREADS < 40 * 128 + 232 * 256]
     assert not low, "\n".join(low)
     for e in ("f16_t", "bf16_t"):
-        warnings = _ptxas_warnings(_gpu_dbias_sm90.program([v for v in vs if v.elem == e]),
+        warnings = _ptxas_warnings(gpu_compile.program([v for v in vs if v.elem == e]),
                                    "dbias_sm90.cu")
         assert not warnings, "\n".join(warnings)

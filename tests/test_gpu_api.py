@@ -355,9 +355,10 @@ def test_memory_of_bias_backward_is_dbias_only(rng, cp, monkeypatch, d, kind):
     accumulator + dbias, no float32 copy of dbias (a float32 accumulator, 2x dbias, would
     exceed the allowance). hd 128 runs the
     Hopper main kernel on an H100 / H200, hd 96 and 64-with-11qk exercise the other routes."""
-    from cupyflash import _bench, _gpu_bwd
+    from cupyflash import _bench
+    from cupyflash.gpu.tuning import TUNING
 
-    monkeypatch.setattr(_gpu_bwd, "DBIAS_KERNEL", True)
+    monkeypatch.setattr(TUNING, "dbias_kernel", True)
     b, s, h = 2, 512, 4
     q, k, v, dout = (cp.asarray(rng.standard_normal((b, s, h, d)).astype(BF16)) for _ in range(4))
     shape = (1, h, s, s) if kind == "1hqk" else (1, 1, s, s)

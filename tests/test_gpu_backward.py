@@ -46,7 +46,7 @@ def _naive_bwd(q, k, v, do, dtype, scale, keep, softcap, alibi, diag):
 def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False, window=None,
              bottom_right=True, softcap=0.0, alibi=None, scale=None, layout="bshd", pad=0,
              allow_tf32=False, deterministic=False, repeats=1, kernel="portable"):
-    from cupyflash import _gpu, _gpu_bwd
+    from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd
     d_v = d if d_v is None else d_v
     dtype = DTYPES[dtype_name]
     draw = lambda shape: rng.standard_normal(shape, dtype=np.float32).astype(dtype)  # noqa: E731
@@ -75,7 +75,7 @@ def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False,
     opts = Options(scale=scale_, window_left=wl, window_right=wr, bottom_right=bottom_right,
                    softcap=softcap, alibi_slopes=None if slopes is None else cp.asarray(slopes),
                    allow_tf32=allow_tf32, deterministic=deterministic)
-    _gpu.forward(q, k, v, out, lse, opts)
+    gpu_fwd.forward(q, k, v, out, lse, opts)
 
     results = []
     for _ in range(repeats):
@@ -83,7 +83,7 @@ def run_case(rng, dtype_name, b, s_q, s_k, h, h_k, d, d_v=None, *, causal=False,
         nan = cp.asarray(np.full((), np.nan, np.float32)).astype(dtype)
         for gr in grads:
             gr[...] = nan
-        name = _gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts, kernel=kernel)
+        name = gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts, kernel=kernel)
         cp.cuda.get_current_stream().synchronize()
         results.append([cp.asnumpy(gr).astype(np.float64) for gr in grads])
     assert isinstance(name, str) and name
@@ -225,20 +225,20 @@ def test_deterministic_bit_identical(rng, dtype, kw):
 def test_deterministic_blocks_take_several_key_tiles(rng, dtype, kw):
     """Enough (kv head, batch) pairs that G = dq_slabs < key tiles: blocks add key tiles x, x + G,
     ... into one slab in order (the shapes above have a slab per key tile)."""
-    from cupyflash import _gpu_bwd
+    from cupyflash.gpu import bwd as gpu_bwd, plan_bwd
 
     b, s_q, s_k, h = 4, 300, 1500, 16
     num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    plan = _gpu_bwd.plan_backward(dtype, b, s_q, s_k, h, h, 64, 64, scale=0.125,
+    plan = plan_bwd.plan_backward(dtype, b, s_q, s_k, h, h, 64, 64, scale=0.125,
                                   deterministic=True, num_sms=num_sms)
-    plan = _gpu_bwd.with_dq_slabs(plan, _gpu_bwd._resident_blocks(
+    plan = plan_bwd.with_dq_slabs(plan, gpu_bwd._resident_blocks(
         plan.variant, cp.cuda.runtime.getDevice(), num_sms))    # as the launcher plans it
     assert plan.grid[0] < -(-s_k // plan.variant.bn)
     run_case(rng, dtype, b, s_q, s_k, h, h, 64, deterministic=True, repeats=3, **kw)
 
 
 def test_empty_and_zero_keys(rng):
-    from cupyflash._gpu_bwd import backward
+    from cupyflash.gpu.bwd import backward
     opts = Options(scale=0.125)
     q = cp.asarray(rng.standard_normal((1, 5, 2, 64), dtype=np.float32)).astype(cp.float16)
     k = cp.empty((1, 0, 2, 64), cp.float16)

@@ -95,15 +95,15 @@ def test_long_sequence(rng):
     (dict(deterministic=True), "bwd_bf16_d128"),    # deterministic: portable
 ], ids=["d128", "window", "d64", "d96", "softcap", "deterministic"])
 def test_launcher_picks_sm90_where_covered(kw, expect):
-    from cupyflash import _gpu, _gpu_bwd
+    from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd
     kw = dict(kw)
     d = kw.pop("d", 128)
     q, k, v, do = (cp.random.standard_normal((1, 100, 2, d), dtype=cp.float32).astype(BF16)
                    for _ in range(4))
     opts = Options(scale=0.1, **kw)
     out, lse = cp.empty_like(q), cp.empty((1, 2, 100), cp.float32)
-    _gpu.forward(q, k, v, out, lse, opts)
-    name = _gpu_bwd.backward(do, q, k, v, out, lse, cp.empty_like(q), cp.empty_like(k),
+    gpu_fwd.forward(q, k, v, out, lse, opts)
+    name = gpu_bwd.backward(do, q, k, v, out, lse, cp.empty_like(q), cp.empty_like(k),
                              cp.empty_like(v), opts)
     assert name.startswith(expect), name
 

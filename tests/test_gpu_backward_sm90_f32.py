@@ -100,7 +100,8 @@ def test_misaligned_base_falls_back(rng, d):
 
     import numpy as np
 
-    from cupyflash import _gpu, _gpu_bwd, reference
+    from cupyflash import reference
+    from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd
     from cupyflash._options import Options
 
     s, h = 70, 2
@@ -112,12 +113,12 @@ def test_misaligned_base_falls_back(rng, d):
     k, v, dout = (cp.asarray(x) for x in (kn, vn, don))
     out, lse = cp.empty_like(dout), cp.empty((1, h, s), cp.float32)
     opts = Options(scale=1 / math.sqrt(d), window_right=0)
-    _gpu.forward(q, k, v, out, lse, opts)
+    gpu_fwd.forward(q, k, v, out, lse, opts)
     g = [cp.full(x.shape, cp.nan, cp.float32) for x in (q, k, v)]
-    name = _gpu_bwd.backward(dout, q, k, v, out, lse, *g, opts)
+    name = gpu_bwd.backward(dout, q, k, v, out, lse, *g, opts)
     assert not name.startswith("bwd90"), name
     ref = reference.attention_backward(don, qn, kn, vn, causal=True)[:3]
     for a, r in zip(g, ref):
         assert np.abs(cp.asnumpy(a) - r).max() <= 5e-5 * max(1.0, np.abs(r).max())
     with pytest.raises(ValueError, match="sm90.*aligned"):
-        _gpu_bwd.backward(dout, q, k, v, out, lse, *g, opts, kernel="sm90")
+        gpu_bwd.backward(dout, q, k, v, out, lse, *g, opts, kernel="sm90")

@@ -184,7 +184,7 @@ def run_dense(rng, dtype_name, b, sq, sk, h, hk, d, *, bias=None, bias_dtype=Non
     (``bwd_kernel``: None = the planner's choice; its name must contain each of ``expect_bwd``)
     against the reference; returns the backward's variant name (the forward's without
     backward)."""
-    from cupyflash import _gpu, _gpu_bwd
+    from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd
     dtype = DTYPES[dtype_name]
     bias_dtype = dtype if bias_dtype is None else np.dtype(bias_dtype)
     qn, kn, vn = _draw(rng, (b, sq, h, d), dtype), _draw(rng, (b, sk, hk, d), dtype), \
@@ -204,7 +204,7 @@ def run_dense(rng, dtype_name, b, sq, sk, h, hk, d, *, bias=None, bias_dtype=Non
                                 deterministic=deterministic)
     out = _nan_like((b, sq, h, d), dtype)
     lse = cp.full((b, h, sq), cp.nan, cp.float32)
-    name = _gpu.forward(q, k, v, out, lse, opts, kernel=kernel)
+    name = gpu_fwd.forward(q, k, v, out, lse, opts, kernel=kernel)
     cp.cuda.get_current_stream().synchronize()
     assert name.endswith(expect_fwd), name
 
@@ -233,7 +233,7 @@ def run_dense(rng, dtype_name, b, sq, sk, h, hk, d, *, bias=None, bias_dtype=Non
     for _ in range(repeats):
         grads = [_nan_like(x.shape, dtype) for x in (q, k, v)]
         dbias = None if bias_d is None else _nan_like(opts.bias.shape, bias_dtype)
-        bname = _gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts, dbias=dbias,
+        bname = gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts, dbias=dbias,
                                   kernel=bwd_kernel)
         cp.cuda.get_current_stream().synchronize()
         results.append([_h(x) for x in grads] + ([] if dbias is None else [_h(dbias)]))
@@ -347,9 +347,9 @@ def test_bias_hopper_backward(rng, monkeypatch, path, dtype, d, kind):
     two ways: the launcher's default (flash_bwd_dbias_sm90 for a bias with whole query and key
     dimensions, checked by a spy) and the Hopper main kernel's float32 accumulator
     (DBIAS_KERNEL off)."""
-    from cupyflash import _gpu_bwd
+    from cupyflash.gpu.tuning import TUNING
     if path == "accumulator":
-        monkeypatch.setattr(_gpu_bwd, "DBIAS_KERNEL", False)
+        monkeypatch.setattr(TUNING, "dbias_kernel", False)
     ran = _spy_dbias_sm90(monkeypatch)
     bname = run_dense(rng, dtype, 2, 257, 200, 4, 2, d, bias=kind, kernel="sm90", expect_fwd="_bias",
                       bwd_kernel="sm90", expect_bwd=("bwd90_", "_bias16"))
@@ -406,17 +406,17 @@ def test_bias_hopper_backward_options(rng, d, opt):
 def test_bias_hopper_backward_falls_back_where_it_cannot(rng):
     """Odd s_k (dbias key pairs), a mask, deterministic mode and a key-broadcast bias run the
     portable backward under kernel=None; kernel="sm90" says why it cannot."""
-    from cupyflash import _gpu, _gpu_bwd
+    from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd
     q, k, v, do = (cp.asarray(_draw(rng, (1, 64, 2, 64), BF16)) for _ in range(4))
 
     def call(kv_len, kernel, **kw):
         kk, vv = k[:, :kv_len], v[:, :kv_len]
         opts = _checks.make_options(_checks.check_qkv(q, kk, vv), cp, **kw)
         out, lse = cp.empty_like(q), cp.empty((1, 2, 64), cp.float32)
-        _gpu.forward(q, kk, vv, out, lse, opts)
+        gpu_fwd.forward(q, kk, vv, out, lse, opts)
         grads = [cp.empty_like(x) for x in (q, kk, vv)]
         dbias = None if opts.bias is None else cp.empty(opts.bias.shape, opts.bias.dtype)
-        return _gpu_bwd.backward(do, q, kk, vv, out, lse, *grads, opts, dbias=dbias,
+        return gpu_bwd.backward(do, q, kk, vv, out, lse, *grads, opts, dbias=dbias,
                                  kernel=kernel)
 
     odd = dict(bias=cp.asarray(_draw(rng, (1, 2, 64, 63), BF16)))
@@ -436,15 +436,15 @@ def test_bias_hopper_backward_falls_back_where_it_cannot(rng):
 def test_bias_hopper_falls_back_where_it_cannot(rng):
     """Odd s_k (no column pairs) and a mask run the portable kernel under kernel="auto", and
     kernel="sm90" says why it cannot."""
-    from cupyflash import _gpu
+    from cupyflash.gpu import fwd as gpu_fwd
     q, k, v = (cp.asarray(_draw(rng, (1, 64, 2, 64), BF16)) for _ in range(3))
     k, v = k[:, :63], v[:, :63]
     bias = cp.asarray(_draw(rng, (1, 2, 64, 63), BF16))
     opts = _checks.make_options(_checks.check_qkv(q, k, v), cp, bias=bias)
     out, lse = cp.empty_like(q), cp.empty((1, 2, 64), cp.float32)
-    assert _gpu.forward(q, k, v, out, lse, opts).endswith("_gen")
+    assert gpu_fwd.forward(q, k, v, out, lse, opts).endswith("_gen")
     with pytest.raises(ValueError, match="bias layout"):
-        _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")
+        gpu_fwd.forward(q, k, v, out, lse, opts, kernel="sm90")
 
 
 DBIAS_KERNEL_CASES = {   # id: (dtype, d, bias kind, run_dense keywords)
@@ -465,9 +465,9 @@ def test_dbias_kernel_forced(rng, monkeypatch, case):
     kernel (even s_k, hd 64 / 128) and after the portable one (odd s_k), with masks and score
     modifications, summed over batch, heads or both. (DBIAS_SM90 off: flash_bwd_dbias_sm90 has
     its own cases below.)"""
-    from cupyflash import _gpu_bwd
-    monkeypatch.setattr(_gpu_bwd, "DBIAS_KERNEL", True)
-    monkeypatch.setattr(_gpu_bwd, "DBIAS_SM90", False)
+    from cupyflash.gpu.tuning import TUNING
+    monkeypatch.setattr(TUNING, "dbias_kernel", True)
+    monkeypatch.setattr(TUNING, "dbias_sm90", False)
     dtype, d, kind, kw = DBIAS_KERNEL_CASES[case]
     h, hk = (6, 1) if "mqa" in case else (4, 2)
     if case.startswith("hopper"):
@@ -503,13 +503,13 @@ DBIAS_SM90_CASES = {   # id: (dtype, d, bias kind, h, h_k, run_dense keywords)
 
 def _spy_dbias_sm90(monkeypatch):
     """Records what each _gpu_dbias_sm90.launch returned (None: it fell back)."""
-    from cupyflash import _gpu_dbias_sm90
-    ran, launch = [], _gpu_dbias_sm90.launch
+    from cupyflash.gpu import dbias_sm90
+    ran, launch = [], dbias_sm90.launch
 
     def spy(*a, **kw):
         ran.append(launch(*a, **kw))
         return ran[-1]
-    monkeypatch.setattr(_gpu_dbias_sm90, "launch", spy)
+    monkeypatch.setattr(dbias_sm90, "launch", spy)
     return ran
 
 
@@ -520,9 +520,9 @@ def test_dbias_sm90_forced(rng, monkeypatch, case):
     test_dbias_kernel_forced does for flash_bwd_dbias: summed over batch, heads or both, causal
     (s_q < s_k and s_q > s_k), window, GQA / MQA, 16-bit and float32 biases, ragged s_q = 157,
     s_k = 200 (64 for "short-keys"); the spy checks this kernel ran (not the fallback)."""
-    from cupyflash import _gpu_bwd
-    monkeypatch.setattr(_gpu_bwd, "DBIAS_KERNEL", True)
-    monkeypatch.setattr(_gpu_bwd, "DBIAS_SM90", True)
+    from cupyflash.gpu.tuning import TUNING
+    monkeypatch.setattr(TUNING, "dbias_kernel", True)
+    monkeypatch.setattr(TUNING, "dbias_sm90", True)
     ran = _spy_dbias_sm90(monkeypatch)
     dtype, d, kind, h, hk, kw = DBIAS_SM90_CASES[case]
     sk = 64 if "short-keys" in case else 200
@@ -535,20 +535,21 @@ def test_dbias_sm90_forced(rng, monkeypatch, case):
 def test_dbias_sm90_matches_portable(rng, monkeypatch, kind, causal):
     """The Hopper and the portable dbias kernels on the same call: the same float32 sums up to
     the order of the products' additions, so at most a unit in the last place of bf16 apart."""
-    from cupyflash import _gpu, _gpu_bwd
-    monkeypatch.setattr(_gpu_bwd, "DBIAS_KERNEL", True)
+    from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd
+    from cupyflash.gpu.tuning import TUNING
+    monkeypatch.setattr(TUNING, "dbias_kernel", True)
     ran = _spy_dbias_sm90(monkeypatch)
     b, s, h, d = 3, 296, 4, 128   # ragged (296 = 2·128 + 40); rows of 592 bytes, as TMA needs 16
     q, k, v, dout = (cp.asarray(_draw(rng, (b, s, h, d), BF16)) for _ in range(4))
     bias = cp.asarray(_draw(rng, bias_shape(kind, b, h, s, s), BF16))
     opts = _checks.make_options(_checks.check_qkv(q, k, v), cp, bias=bias, causal=causal)
     out, lse = cp.empty_like(q), cp.empty((b, h, s), cp.float32)
-    _gpu.forward(q, k, v, out, lse, opts)
+    gpu_fwd.forward(q, k, v, out, lse, opts)
     got = []
     for on in (True, False):
-        monkeypatch.setattr(_gpu_bwd, "DBIAS_SM90", on)
+        monkeypatch.setattr(TUNING, "dbias_sm90", on)
         dbias = _nan_like(bias.shape, BF16)
-        _gpu_bwd.backward(dout, q, k, v, out, lse, *(cp.empty_like(x) for x in (q, k, v)), opts,
+        gpu_bwd.backward(dout, q, k, v, out, lse, *(cp.empty_like(x) for x in (q, k, v)), opts,
                           dbias=dbias)
         got.append(_h(dbias))
     assert len(ran) == 1 and ran[0] is not None and ran[0].startswith("dbias90_"), ran
@@ -606,7 +607,7 @@ def run_varlen(rng, dtype_name, lens_q, lens_k, h, hk, d, *, causal=False, windo
     """Forward (``kernel``) and backward (``bwd_kernel``; its name must start with
     ``expect_bwd`` when given) against the reference, sequence by sequence; returns the
     forward's variant name."""
-    from cupyflash import _gpu, _gpu_bwd
+    from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd
     dtype = DTYPES[dtype_name]
     cq, ck = _cu(lens_q), _cu(lens_k)
     tq, tk, nseq = int(cq[-1]), int(ck[-1]), len(lens_q)
@@ -622,7 +623,7 @@ def run_varlen(rng, dtype_name, lens_q, lens_k, h, hk, d, *, causal=False, windo
     out = _nan_like((1, tq, h, d), dtype)
     lse = cp.full((h, tq), cp.nan, cp.float32)
     cqd, ckd = cp.asarray(cq), cp.asarray(ck)
-    name = _gpu.forward_varlen(q, k, v, cqd, ckd, max(lens_q), max(lens_k), out, lse, opts,
+    name = gpu_fwd.forward_varlen(q, k, v, cqd, ckd, max(lens_q), max(lens_k), out, lse, opts,
                                kernel=kernel)
     cp.cuda.get_current_stream().synchronize()
     assert name.endswith("_varlen"), name
@@ -634,7 +635,7 @@ def run_varlen(rng, dtype_name, lens_q, lens_k, h, hk, d, *, causal=False, windo
         results = []
         for _ in range(repeats):
             gr = [_nan_like(x.shape, dtype) for x in (q, k, v)]
-            bname = _gpu_bwd.backward_varlen(dout, q, k, v, out, lse, cqd, ckd, max(lens_q),
+            bname = gpu_bwd.backward_varlen(dout, q, k, v, out, lse, cqd, ckd, max(lens_q),
                                              max(lens_k), *gr, opts, kernel=bwd_kernel)
             if expect_bwd is not None:
                 assert bname.startswith(expect_bwd), bname
@@ -764,7 +765,7 @@ def test_varlen_backward_hopper(rng, dtype, d, opt):
 def test_varlen_backward_hopper_routing(rng):
     """auto takes the Hopper backward where it covers the call, the portable one elsewhere;
     kernel='sm90' names why it cannot run a call."""
-    from cupyflash import _gpu_bwd
+    from cupyflash.gpu import bwd as gpu_bwd
     lens = ((33, 1, 190, 0, 77), (50, 9, 120, 5, 77))
     run_varlen(rng, "bfloat16", *lens, 4, 2, 128, causal=True, expect_bwd="bwd90_")
     run_varlen(rng, "bfloat16", *lens, 4, 2, 128, bwd_kernel="portable", expect_bwd="bwd_bf16")
@@ -773,7 +774,7 @@ def test_varlen_backward_hopper_routing(rng):
     with pytest.raises(ValueError, match="softcap"):
         run_varlen(rng, "bfloat16", *lens, 4, 2, 64, softcap=5.0, bwd_kernel="sm90")
     with pytest.raises(ValueError, match="kernel='x'"):
-        _gpu_bwd.backward_varlen(*([None] * 13), None, kernel="x")
+        gpu_bwd.backward_varlen(*([None] * 13), None, kernel="x")
 
 
 def test_varlen_top_left_api(rng):

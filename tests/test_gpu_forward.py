@@ -1,4 +1,4 @@
-"""GPU forward kernel (cupyflash._gpu.forward) against the float64 reference.
+"""GPU forward kernel (cupyflash.gpu.fwd.forward) against the float64 reference.
 
 Criterion (design.md §4, FlashAttention's own test): for float16 / bfloat16 the max abs error of
 out (and lse) vs reference.attention in float64 is at most 2x the max abs error of the naive
@@ -36,8 +36,8 @@ FLOOR_LSE = 1e-4
 
 
 def _gpu():
-    from cupyflash import _gpu
-    return _gpu
+    from cupyflash.gpu import fwd
+    return fwd
 
 
 def _naive(q, k, v, dtype, scale, keep, softcap, alibi, diag):
@@ -231,7 +231,7 @@ def test_fully_masked_rows(rng, dtype):
 
 
 def test_zero_keys_and_empty(rng):
-    from cupyflash._gpu import forward
+    from cupyflash.gpu.fwd import forward
     opts = Options(scale=0.125)
     q = cp.asarray(rng.standard_normal((1, 5, 2, 64), dtype=np.float32)).astype(cp.float16)
     k = cp.empty((1, 0, 2, 64), cp.float16)
@@ -259,7 +259,7 @@ def test_int64_offsets(rng, kernel):
     lse = cp.full((b, h, 4), cp.nan, cp.float32)
     # window: the last 300 keys of each batch (batch 2's offsets are past 2^31 elements)
     opts = Options(scale=0.1, window_left=299, window_right=0)
-    from cupyflash._gpu import forward
+    from cupyflash.gpu.fwd import forward
     forward(q, k, v, out, lse, opts, kernel=kernel)
     kk = k[b - 1, -303:].astype(cp.float32)   # rows see keys s_k-4+i-299 .. s_k-4+i
     vv = v[b - 1, -303:].astype(cp.float32)

@@ -15,7 +15,8 @@ import pytest
 from gpu_util import cp, hopper_only, launches_on_two_streams  # noqa: E402
 from test_gpu_forward import run_case  # noqa: E402  (pytest puts tests/ on sys.path)
 
-from cupyflash import _plan  # noqa: E402
+from cupyflash.gpu import plan_fwd_sm90  # noqa: E402
+from cupyflash.gpu.tuning import TUNING
 from cupyflash._options import Options  # noqa: E402
 
 
@@ -125,7 +126,7 @@ WIDE_OPTS = {"plain": {}, "causal": dict(causal=True), "window": dict(window=(10
 @pytest.mark.parametrize("bn", WIDE_BN)
 def test_wide_key_tiles(rng, bn, s_q, s_k, opt):
     kw = WIDE_OPTS[opt]
-    var = _plan.Sm90Variant("bf16_t", 128, bn, 2, bool(kw), False)
+    var = plan_fwd_sm90.Sm90Variant("bf16_t", 128, bn, 2, bool(kw), False)
     name = run_case(rng, "bfloat16", 2, s_q, s_k, 2, 1, 128, kernel=var, **kw)
     assert name.startswith(f"fwd90_bf16_d128_128x{bn}s2"), name
 
@@ -135,7 +136,7 @@ def test_wide_key_tiles(rng, bn, s_q, s_k, opt):
 # ---------------------------------------------------------------------------------------------
 def _auto_name(dtype, d, d_v=None, *, offset=0, layout="bshd", scale=None, **opts):
     """The kernel _gpu.forward(kernel="auto") runs for a small problem of this kind."""
-    from cupyflash import _gpu
+    from cupyflash.gpu import fwd as gpu_fwd
     d_v = d if d_v is None else d_v
     base = cp.random.standard_normal(64 * 2 * d + offset).astype(dtype)
     q = base[offset:].reshape(1, 64, 2, d)          # offset > 0: not 16-byte aligned
@@ -146,7 +147,7 @@ def _auto_name(dtype, d, d_v=None, *, offset=0, layout="bshd", scale=None, **opt
     out = cp.empty((1, 64, 2, d_v), dtype)
     lse = cp.empty((1, 2, 64), cp.float32)
     scale = 1 / math.sqrt(d) if scale is None else scale
-    return _gpu.forward(q, k, v, out, lse, Options(scale=scale, **opts))
+    return gpu_fwd.forward(q, k, v, out, lse, Options(scale=scale, **opts))
 
 
 @pytest.mark.parametrize("case,expect", [
@@ -157,7 +158,7 @@ def _auto_name(dtype, d, d_v=None, *, offset=0, layout="bshd", scale=None, **opt
     (dict(dtype=np.float16, d=96), "fwd_f16_d96"),                  # head dim not covered
     (dict(dtype=np.float16, d=128, d_v=64), "fwd_f16_d128"),         # d != d_v
     (dict(dtype=np.float32, d=128),                                   # float32: the flag
-     "fwd90_f32x3_d128" if _plan.SM90_FLOAT32_AUTO else "fwd_f32x3_d128"),
+     "fwd90_f32x3_d128" if TUNING.sm90_float32_auto else "fwd_f32x3_d128"),
     (dict(dtype=np.float16, d=64, offset=1), "fwd_f16_d64"),        # q not 16-byte aligned
     (dict(dtype=np.float16, d=64, scale=-0.5), "fwd_f16_d64"),      # scale <= 0, no softcap
 ], ids=["d64", "d128_window", "d256_softcap", "bhsd", "d96", "dv_differs", "fp32",
@@ -168,10 +169,10 @@ def test_planner_picks_sm90_where_covered(case, expect):
 
 
 def test_forcing_sm90_on_an_uncovered_call_is_an_error():
-    from cupyflash import _gpu
+    from cupyflash.gpu import fwd as gpu_fwd
     q = cp.random.standard_normal((1, 16, 1, 96)).astype(cp.float16)
     with pytest.raises(ValueError, match="Hopper kernel cannot run this call.*head dims 96"):
-        _gpu.forward(q, q, q, cp.empty_like(q), cp.empty((1, 1, 16), cp.float32),
+        gpu_fwd.forward(q, q, q, cp.empty_like(q), cp.empty((1, 1, 16), cp.float32),
                      Options(scale=0.1), kernel="sm90")
 
 
@@ -190,7 +191,7 @@ def test_streams_and_repeated_launches(causal):
 
 
 # ---------------------------------------------------------------------------------------------
-# The split tail (SPLIT variants: _plan.sm90_split). The work tiles of the grid's last partial
+# The split tail (SPLIT variants: plan_fwd_sm90.sm90_split). The work tiles of the grid's last partial
 # wave run as pieces along the keys; each tile's last piece to finish merges the others'
 # partial O, m, l. Under kernel="sm90" the planner splits where its model gains (most cases
 # here); a forced SPLIT variant always splits (into at least two pieces per tile of two or more
@@ -211,9 +212,9 @@ SPLIT_CASES = {
 
 
 def _plain(dtype, d, split, bn=None):
-    v = _plan.sm90_variant("f16_t" if dtype == "float16" else "bf16_t", d, False, False,
+    v = plan_fwd_sm90.sm90_variant("f16_t" if dtype == "float16" else "bf16_t", d, False, False,
                            split=split)
-    return v if bn is None else v._replace(bn=bn)
+    return v if bn is None else v.replace(bn=bn)
 
 
 @pytest.mark.parametrize("case", list(SPLIT_CASES))
@@ -221,7 +222,7 @@ def _plain(dtype, d, split, bn=None):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_split_tail(rng, dtype, d, case):
     b, s_q, s_k, h, h_k = SPLIT_CASES[case]
-    plan = _plan.plan_forward_sm90(dtype, b, s_q, s_k, h, h_k, d, d, scale=0.1)
+    plan = plan_fwd_sm90.plan_forward_sm90(dtype, b, s_q, s_k, h, h_k, d, d, scale=0.1)
     assert sm90(rng, dtype, b, s_q, s_k, h, h_k, d) == plan.variant.name
     for split in (True, False):
         name = run_case(rng, dtype, b, s_q, s_k, h, h_k, d, kernel=_plain(dtype, d, split))
@@ -262,7 +263,7 @@ MAXFREE_CASES = [(*c, False) for c in MAXFREE_WHOLE] + [(*c, True) for c in MAXF
                          ids=[f"{a}x{b}" + ("-split" if sp else "") for a, b, sp in MAXFREE_CASES])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_maxfree(rng, dtype, s_q, s_k, split):
-    var = _plain(dtype, 128, split)._replace(maxfree=True)
+    var = _plain(dtype, 128, split).replace(maxfree=True)
     layout = "bhsd" if s_q == 113 else "bshd"
     name = run_case(rng, dtype, 2, s_q, s_k, 4, 2, 128, kernel=var, layout=layout)
     assert name == var.name, name
@@ -274,7 +275,7 @@ def test_maxfree_rising_scores(rng, dtype, ramp):
     """Scores that rise in the kernel's key order (key 0 last: ramp < 0) take the exact path
     mid-row: each time the stale max falls 2^8 behind (6: about 1.3 in base 2 per key tile), or
     at once, after the max-free P overflowed (40); rising against it (6), never."""
-    var = _plain(dtype, 128, False)._replace(maxfree=True)
+    var = _plain(dtype, 128, False).replace(maxfree=True)
     name = run_case(rng, dtype, 1, 257, 3000, 2, 1, 128, key_ramp=ramp, kernel=var)
     assert name == var.name, name
 
@@ -283,14 +284,14 @@ def test_maxfree_is_planned():
     """kernel="auto" takes MAXFREE for dense hd 128 calls (on 128-key tiles) from
     SM90_MAXFREE_MIN_KEYS keys a row (the split twin too, which these two-tile calls take), and
     not otherwise."""
-    from cupyflash import _gpu
-    lo = _plan.SM90_MAXFREE_MIN_KEYS
+    from cupyflash.gpu import fwd as gpu_fwd
+    lo = plan_fwd_sm90.SM90_MAXFREE_MIN_KEYS
     for s_k, causal, maxfree in [(lo, False, True), (4096, False, True), (lo - 1, False, False),
                                  (4096, True, False), (8192, False, True)]:
         q = cp.random.standard_normal((1, 128, 2, 128)).astype(np.float16)
         k, v = (cp.random.standard_normal((1, s_k, 2, 128)).astype(np.float16) for _ in range(2))
         out, lse = cp.empty_like(q), cp.empty((1, 2, 128), cp.float32)
-        name = _gpu.forward(q, k, v, out, lse, Options(scale=1 / math.sqrt(128),
+        name = gpu_fwd.forward(q, k, v, out, lse, Options(scale=1 / math.sqrt(128),
                                                        window_right=0 if causal else -1))
         assert name.startswith("fwd90_f16_d128_128x"), name
         assert ("_maxfree" in name) == maxfree, (s_k, causal, name)
@@ -306,7 +307,7 @@ def test_out_base_not_16_byte_aligned(dtype, d):
     portable kernel's, and exactly out's elements are written (201 rows: a ragged last tile,
     whose rows past s_q no path may write)."""
     import ml_dtypes
-    from cupyflash import _gpu
+    from cupyflash.gpu import fwd as gpu_fwd, fwd_sm90
     dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else cp.float16
     b, s, h = 2, 201, 2
     q, k, v = (cp.random.standard_normal((b, s, h, d), dtype=cp.float32).astype(dt) for _ in range(3))
@@ -318,18 +319,18 @@ def test_out_base_not_16_byte_aligned(dtype, d):
     for out in outs:
         buf.fill(cp.nan)
         lse = cp.full((b, h, s), cp.nan, cp.float32)
-        name = _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")
+        name = gpu_fwd.forward(q, k, v, out, lse, opts, kernel="sm90")
         results.append((name, out.copy(), lse, int(cp.isnan(buf.astype(cp.float32)).sum())))
     assert outs[0].data.ptr % 16 == 0 and outs[1].data.ptr % 16 == 4
     (name16, o16, lse16, nan16), (name4, o4, lse4, nan4) = results
-    staged = _gpu._sm90_variant_by_name(name16).o_smem
+    staged = fwd_sm90.variant_by_name(name16).o_smem
     assert staged == (d != 256)
     assert name16.startswith("fwd90_") and name4.startswith("fwd90_") == (not staged)
     assert nan16 == nan4 == buf.size - b * s * h * d           # exactly out's elements written
     if not staged:   # the same kernel, its two store widths
         assert cp.array_equal(o16.view(cp.uint16), o4.view(cp.uint16)) and cp.array_equal(lse16, lse4)
     ref, ref_lse = cp.empty_like(o16), cp.empty_like(lse16)
-    _gpu.forward(q, k, v, ref, ref_lse, opts, kernel="portable")
+    gpu_fwd.forward(q, k, v, ref, ref_lse, opts, kernel="portable")
     for o, l in ((o16, lse16), (o4, lse4)):
         assert float(cp.abs(o.astype(cp.float32) - ref.astype(cp.float32)).max()) < 2e-2
         assert float(cp.abs(l - ref_lse).max()) < 1e-3

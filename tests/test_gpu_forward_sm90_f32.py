@@ -87,17 +87,18 @@ def test_routing():
     """float32 runs the Hopper kernel under kernel="auto" while SM90_FLOAT32_AUTO is True (the
     portable one otherwise); kernel="sm90" forces the Hopper kernel; uncovered float32 calls
     name the reason."""
-    from cupyflash import _gpu, _plan
+    from cupyflash.gpu import fwd as gpu_fwd
+    from cupyflash.gpu.tuning import TUNING
     q = cp.random.standard_normal((1, 64, 2, 64), dtype=cp.float32)
     out, lse = cp.empty_like(q), cp.empty((1, 2, 64), cp.float32)
-    name = _gpu.forward(q, q, q, out, lse, Options(scale=0.125))
-    assert name.startswith("fwd90_f32x3_" if _plan.SM90_FLOAT32_AUTO else "fwd_f32x3_"), name
-    assert _gpu.forward(q, q, q, out, lse, Options(scale=0.125), kernel="sm90").startswith("fwd90_")
+    name = gpu_fwd.forward(q, q, q, out, lse, Options(scale=0.125))
+    assert name.startswith("fwd90_f32x3_" if TUNING.sm90_float32_auto else "fwd_f32x3_"), name
+    assert gpu_fwd.forward(q, q, q, out, lse, Options(scale=0.125), kernel="sm90").startswith("fwd90_")
     with pytest.raises(ValueError, match="Hopper kernel cannot run this call.*softcap"):
-        _gpu.forward(q, q, q, out, lse, Options(scale=0.125, softcap=5.0), kernel="sm90")
+        gpu_fwd.forward(q, q, q, out, lse, Options(scale=0.125, softcap=5.0), kernel="sm90")
     q96 = cp.random.standard_normal((1, 16, 1, 96), dtype=cp.float32)
     with pytest.raises(ValueError, match="head dims 96"):
-        _gpu.forward(q96, q96, q96, cp.empty_like(q96), cp.empty((1, 1, 16), cp.float32),
+        gpu_fwd.forward(q96, q96, q96, cp.empty_like(q96), cp.empty((1, 1, 16), cp.float32),
                      Options(scale=0.1), kernel="sm90")
 
 

@@ -7,15 +7,15 @@ record was planned once and must come through unchanged.
 import numpy as np
 import pytest
 
-from cupyflash import _plan
+from cupyflash.gpu import params as gpu_params, plan_fwd, plan_fwd_sm90, tma as gpu_tma
 
 pytest.importorskip("cupy")  # _gpu imports CuPy (no device needed to build a record)
 
 
 def _entry(strides_ok=True, **plan_kw):
-    from cupyflash import _gpu
+    from cupyflash.gpu import fwd_portable
 
-    plan = _plan.plan_forward("bfloat16", 2, 37, 53, 4, 2, 64, 64, scale=0.125, **plan_kw)
+    plan = plan_fwd.plan_forward("bfloat16", 2, 37, 53, 4, 2, 64, 64, scale=0.125, **plan_kw)
     seen = []
 
     def kernel(grid, block, args, shared_mem=0):  # reads the argument bytes at launch time
@@ -24,7 +24,7 @@ def _entry(strides_ok=True, **plan_kw):
         assert ptr == ent.arr.ctypes.data, "the argument must point at the record's bytes"
         seen.append((grid, block, shared_mem, ent.arr.copy()[0]))
 
-    ent = _gpu._Launch(kernel, plan, strides_ok)
+    ent = fwd_portable.Launch(kernel, plan, strides_ok)
     return ent, plan, seen
 
 
@@ -41,7 +41,7 @@ def test_launch_writes_the_call_pointers_and_keeps_the_plan(rng):
     assert (grid, block, smem) == (plan.grid, plan.block, plan.smem)
     assert [int(rec[n]) for n in ("q", "k", "v", "o", "lse", "alibi")] == [qp, kp, vp, op, lp, 0]
     assert rec["vec_ok"] == 1
-    for name in _plan.PARAMS_DTYPE.names:
+    for name in gpu_params.PARAMS_DTYPE.names:
         if name not in ("q", "k", "v", "o", "lse", "alibi", "vec_ok"):
             assert np.array_equal(rec[name], planned[name]), name
 
@@ -75,33 +75,37 @@ def test_launch_writes_alibi_pointer_and_batch_stride(rng):
 def _sm90_entry(monkeypatch, dtype="bfloat16", s=300):
     """A Hopper launch entry over stand-ins for [2, s, 4, 128] tensors: the kernels record their
     Params bytes, and the TMA encoder returns a descriptor that spells out its inputs."""
-    from cupyflash import _gpu, _modules, _tma
+    from cupyflash.gpu import compile as gpu_compile
+    from cupyflash.gpu import device as gpu_device
+    from cupyflash.gpu import fwd_sm90
+    from cupyflash.gpu import params as gpu_params
+    from cupyflash.gpu import tma as gpu_tma
 
     shape, strides = (2, s, 4, 128), (s * 512, 512, 128, 1)
-    plan = _plan.plan_forward_sm90(dtype, 2, s, s, 4, 4, 128, 128, scale=0.1)
-    portable = _plan.plan_forward(dtype, 2, s, s, 4, 4, 128, 128, scale=0.1)
+    plan = plan_fwd_sm90.plan_forward_sm90(dtype, 2, s, s, 4, 4, 128, 128, scale=0.1)
+    portable = plan_fwd.plan_forward(dtype, 2, s, s, 4, 4, 128, 128, scale=0.1)
     for p_ in (plan, portable):
-        _gpu._write_strides(p_.params, [strides] * 4)
+        gpu_params.write_strides(p_.params, [strides] * 4)
     seen = []
 
     def kernel_of(name):
         def kernel(grid, block, args, shared_mem=0):
             seen.append((name, np.frombuffer(
-                bytes((__import__("ctypes").c_char * _plan.PARAMS_NBYTES).from_address(args[0].ptr)),
-                _plan.PARAMS_DTYPE)[0]))
+                bytes((__import__("ctypes").c_char * gpu_params.PARAMS_NBYTES).from_address(args[0].ptr)),
+                gpu_params.PARAMS_DTYPE)[0]))
         return kernel
 
-    monkeypatch.setattr(_tma, "encode", lambda dt, ptr, dims, st, box: np.array(
+    monkeypatch.setattr(gpu_tma, "encode", lambda dt, ptr, dims, st, box: np.array(
         [ptr, *dims, *st, *box] + [0] * 4, np.uint64))
-    monkeypatch.setattr(_modules, "get_function", lambda variant, dev, extra=(): kernel_of("portable"))
-    monkeypatch.setattr(_gpu, "_current_stream", lambda: type("S", (), {"ptr": 77})())
-    monkeypatch.setattr(_gpu, "_sched_counter", lambda dev, stream: 4096 + stream)
-    monkeypatch.setattr(_gpu, "_split_buffers", lambda dev, stream, ws, n: (8192 + ws, 12288 + n))
-    monkeypatch.setattr(_gpu, "_to_device", lambda a: type("D", (), {"data": type(
+    monkeypatch.setattr(gpu_compile, "get_function", lambda variant, dev, extra=(): kernel_of("portable"))
+    monkeypatch.setattr(gpu_device, "current_stream", lambda: type("S", (), {"ptr": 77})())
+    monkeypatch.setattr(gpu_device, "sched_counter", lambda dev, stream: 4096 + stream)
+    monkeypatch.setattr(gpu_device, "split_buffers", lambda dev, stream, ws, n: (8192 + ws, 12288 + n))
+    monkeypatch.setattr(gpu_device, "to_device", lambda a: type("D", (), {"data": type(
         "P", (), {"ptr": 16384 + a.size})()})())
     itemsize = 4 if dtype == "float32" else 2
-    maps = tuple(_plan.tma_tensor(shape, strides, itemsize, rows) for rows in (128, 128, 128))
-    ent = _gpu._Sm90Launch(kernel_of("sm90"), plan, dtype, maps, portable, True, 0)
+    maps = tuple(gpu_tma.tma_tensor(shape, strides, itemsize, rows) for rows in (128, 128, 128))
+    ent = fwd_sm90._Sm90Launch(kernel_of("sm90"), plan, dtype, maps, portable, True, 0)
     return ent, plan, seen
 
 
@@ -112,7 +116,7 @@ def test_sm90_launch_writes_descriptors_per_pointer_tuple(rng, monkeypatch):
     name, rec = seen[-1]
     assert name == "sm90"
     assert [int(rec[n]) for n in ("q", "k", "v", "o", "lse")] == ptrs
-    for field, ptr, (dims, st, box) in zip(_plan.PARAMS_TMA_FIELDS, ptrs, ent.maps):
+    for field, ptr, (dims, st, box) in zip(gpu_params.PARAMS_TMA_FIELDS, ptrs, ent.maps):
         assert list(rec[field][:12]) == [ptr, *dims, *st, *box]
     assert rec["s_q"] == 300 and rec["num_m_blocks"] == 3      # the plan came through
     assert int(rec["sched"]) == 4096 + 77                      # this stream's tile counter
@@ -136,7 +140,7 @@ def test_sm90_launch_writes_the_split_tail(rng, monkeypatch):
     assert plan.variant.split and pieces == 128 and len(plan.split) == pieces
     assert rec["split_pieces"] == pieces and rec["split_first"] == 0
     assert int(rec["split_table"]) == 16384 + 4 * pieces
-    assert int(rec["split_ws"]) == 8192 + _plan.sm90_split_ws_bytes(plan.variant, pieces)
+    assert int(rec["split_ws"]) == 8192 + plan_fwd_sm90.sm90_split_ws_bytes(plan.variant, pieces)
     assert int(rec["split_count"]) == 12288 + 64 * 2           # tiles x consumers
     key = (*ptrs, 77, int(rec["split_ws"]), int(rec["split_count"]))
     assert list(ent.records) == [key]
@@ -170,9 +174,9 @@ def test_sm90_float32_launch_needs_16_byte_output_bases(rng, monkeypatch, offset
 
 
 def test_forward_varlen_names_a_bad_kernel_choice():
-    from cupyflash import _gpu
+    from cupyflash.gpu import fwd as gpu_fwd
     with pytest.raises(ValueError, match=r"kernel='fwd': accepted 'auto', 'sm90', 'portable'"):
-        _gpu.forward_varlen(None, None, None, None, None, 1, 1, None, None, None, kernel="fwd")
+        gpu_fwd.forward_varlen(None, None, None, None, None, 1, 1, None, None, None, kernel="fwd")
 
 
 class _FakeBias:
@@ -198,9 +202,9 @@ class _FakeBias:
         "base16", "base32"])
 def test_bias_pair_ok(shape, elem_strides, itemsize, ptr, s_k, ok):
     """The Hopper forward's bias path needs column pairs (j, j + 1) in one aligned load."""
-    from cupyflash import _gpu
+    from cupyflash.gpu import operands as gpu_operands
     b = _FakeBias(shape, tuple(st * itemsize for st in elem_strides), itemsize, ptr)
-    assert _gpu.bias_pair_ok(b, s_k) is ok
+    assert gpu_operands.bias_pair_ok(b, s_k) is ok
 
 
 def test_sm90_backward_varlen_launch_records(monkeypatch):
@@ -209,7 +213,12 @@ def test_sm90_backward_varlen_launch_records(monkeypatch):
     b = 1 and see the packed tokens as one batch (grid z = 1)."""
     import ml_dtypes
 
-    from cupyflash import _gpu, _gpu_bwd, _gpu_bwd_sm90 as h90, _tma
+    from cupyflash.gpu import bwd_sm90
+    from cupyflash.gpu import compile as gpu_compile
+    from cupyflash.gpu import device as gpu_device
+    from cupyflash.gpu import plan_bwd
+    from cupyflash.gpu import plan_bwd_sm90
+    from cupyflash.gpu import tma as gpu_tma
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
     total_q, total_k, h, h_k, d = 1500, 1400, 4, 2, 128
@@ -222,7 +231,7 @@ def test_sm90_backward_varlen_launch_records(monkeypatch):
 
     q, dout = Arr(total_q, h, 1 << 20), Arr(total_q, h, 3 << 20)
     k, v = Arr(total_k, h_k, 5 << 20), Arr(total_k, h_k, 7 << 20)
-    plan = _gpu_bwd.plan_backward_varlen("bfloat16", 8, total_q, total_k, 700, 650, h, h_k, d, d,
+    plan = plan_bwd.plan_backward_varlen("bfloat16", 8, total_q, total_k, 700, 650, h, h_k, d, d,
                                          scale=0.1, window_right=0)
     prm = plan.params.copy()
     prm["dk"], prm["dv"], prm["o"] = 9 << 20, 11 << 20, 13 << 20
@@ -230,16 +239,16 @@ def test_sm90_backward_varlen_launch_records(monkeypatch):
 
     def kernel_of(name):
         def kernel(grid, block, args, shared_mem=0):   # args: (the record, a numpy.void)
-            seen.append((name, grid, np.array(args[0], _plan.PARAMS_DTYPE)[()]))
+            seen.append((name, grid, np.array(args[0], gpu_params.PARAMS_DTYPE)[()]))
         return kernel
 
-    monkeypatch.setattr(_tma, "encode", lambda *a: np.zeros(16, np.uint64))
-    monkeypatch.setattr(_gpu, "_current_stream", lambda: type("S", (), {"ptr": 77})())
-    monkeypatch.setattr(_gpu, "_sched_counter", lambda dev, stream: 4096)
-    monkeypatch.setattr(h90, "get_functions", lambda variant, dev: tuple(
+    monkeypatch.setattr(gpu_tma, "encode", lambda *a: np.zeros(16, np.uint64))
+    monkeypatch.setattr(gpu_device, "current_stream", lambda: type("S", (), {"ptr": 77})())
+    monkeypatch.setattr(gpu_device, "sched_counter", lambda dev, stream: 4096)
+    monkeypatch.setattr(gpu_compile, "get_functions", lambda variant, dev: tuple(
         kernel_of(n) for n in ("main", "pre", "pre_portable", "dq")))
-    variant = h90.variant_for("bf16_t", d, True, varlen=True)
-    assert h90.launch(variant, prm, plan.pre_grid, q, k, v, dout, 0, 132, (8, 650)) == variant.name
+    variant = plan_bwd_sm90.variant_for("bf16_t", d, True, varlen=True)
+    assert bwd_sm90.launch(variant, prm, plan.pre_grid, q, k, v, dout, 0, 132, (8, 650)) == variant.name
     assert [s[0] for s in seen] == ["pre", "main", "dq"]
     (_, pre_grid, pre_rec), (_, main_grid, main_rec), (_, dq_grid, dq_rec) = seen
     num_n = -(-650 // 128)
@@ -258,7 +267,7 @@ def test_sm90_backward_varlen_work_count_fits_an_int(monkeypatch, nseq, max_k, r
     in an int: a call past 2^31 - 1 stays on the portable kernel, and kernel="sm90" names why."""
     import ml_dtypes
 
-    from cupyflash import _gpu, _gpu_bwd
+    from cupyflash.gpu import bwd as gpu_bwd, device as gpu_device, plan_bwd
     from cupyflash._options import Options
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
@@ -270,35 +279,35 @@ def test_sm90_backward_varlen_work_count_fits_an_int(monkeypatch, nseq, max_k, r
             self.strides = (rows * heads * d * 2, heads * d * 2, d * 2, 2)
 
     q = k = v = dout = Arr(1 << 20, h)
-    monkeypatch.setattr(_gpu, "_info", lambda dev: (90, 227 * 1024, 132))
-    plan = _gpu_bwd.plan_backward_varlen("bfloat16", 8, 1 << 20, 1 << 20, 700, 650, h, h_k, d, d,
+    monkeypatch.setattr(gpu_device, "info", lambda dev: (90, 227 * 1024, 132))
+    plan = plan_bwd.plan_backward_varlen("bfloat16", 8, 1 << 20, 1 << 20, 700, 650, h, h_k, d, d,
                                          scale=0.1)
     opts = Options(scale=0.1)
     args = (plan, "bfloat16", dout, q, k, v, opts, 0, 227 * 1024, 132)
-    got = _gpu_bwd._hopper_launcher(*args, forced=False, varlen=(nseq, max_k))
+    got = gpu_bwd._hopper_launcher(*args, forced=False, varlen=(nseq, max_k))
     assert (got is None) == refused
     if refused:
         with pytest.raises(ValueError, match=r"kernel='sm90'.*exceed 2\^31 - 1 work tiles"):
-            _gpu_bwd._hopper_launcher(*args, forced=True, varlen=(nseq, max_k))
+            gpu_bwd._hopper_launcher(*args, forced=True, varlen=(nseq, max_k))
 
 
 @pytest.mark.parametrize("kernel", ["sm80", "hopper", 3])
 def test_backward_names_a_bad_kernel_choice(kernel):
-    from cupyflash import _gpu_bwd
+    from cupyflash.gpu import bwd as gpu_bwd
     with pytest.raises(ValueError, match=r"accepted None / 'auto', 'sm90', 'portable'"):
-        _gpu_bwd.backward(*([None] * 9), None, kernel=kernel)
+        gpu_bwd.backward(*([None] * 9), None, kernel=kernel)
 
 
 def test_dbias_mode_bits_mirror_common_cuh():
-    """_gpu_bwd's DBIAS_* constants are the values kernels_cu/common.cuh defines."""
+    """plan_bwd's DBIAS_* constants are the values kernels_cu/common.cuh defines."""
     import pathlib
     import re
 
-    from cupyflash import _gpu_bwd
+    from cupyflash.gpu import plan_bwd
 
     src = (pathlib.Path(__file__).parents[1] / "kernels_cu" / "common.cuh").read_text()
     defined = {m[0]: int(m[1]) for m in re.findall(r"#define (DBIAS_\w+) (\d+)", src)}
     assert set(defined) == {"DBIAS_ROWS", "DBIAS_ATOMIC", "DBIAS_SLAB_B", "DBIAS_SLAB_H",
                             "DBIAS_STORE", "DBIAS_SCHED_B"}
     for name, value in defined.items():
-        assert getattr(_gpu_bwd, name) == value, name
+        assert getattr(plan_bwd, name) == value, name

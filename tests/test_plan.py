@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cupyflash import _plan
+from cupyflash.gpu import params as gpu_params, plan_fwd, variants as gpu_variants
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels_cu"
 
@@ -16,7 +16,7 @@ def _plan_simple(**kw):
     args = dict(dtype_name="bfloat16", b=2, s_q=1000, s_k=1000, h=16, h_k=16, d=128, d_v=128,
                 scale=0.125)
     args.update(kw)
-    return _plan.plan_forward(args.pop("dtype_name"), args.pop("b"), args.pop("s_q"),
+    return plan_fwd.plan_forward(args.pop("dtype_name"), args.pop("b"), args.pop("s_q"),
                               args.pop("s_k"), args.pop("h"), args.pop("h_k"), args.pop("d"),
                               args.pop("d_v"), **args)
 
@@ -41,33 +41,33 @@ def test_params_dtype_mirrors_c_struct():
         for name in m.group(2).split(","):
             fields.append((name.strip(), ctype[m.group(1)]))
     assert [(n, np.dtype(t)) for n, t in fields] == \
-        [(n, np.dtype(t)) for n, t in _plan.PARAMS_FIELDS]
-    assert tuple(tma) == _plan.PARAMS_TMA_FIELDS
-    assert _plan.PARAMS_DTYPE.itemsize == _plan.PARAMS_NBYTES
+        [(n, np.dtype(t)) for n, t in gpu_params.PARAMS_FIELDS]
+    assert tuple(tma) == gpu_params.PARAMS_TMA_FIELDS
+    assert gpu_params.PARAMS_DTYPE.itemsize == gpu_params.PARAMS_NBYTES
     # the TMA descriptors start on a 64-byte boundary and the size is a multiple of 64
-    assert _plan.PARAMS_DTYPE.fields["tma_q"][1] % 64 == 0 and _plan.PARAMS_NBYTES % 64 == 0
+    assert gpu_params.PARAMS_DTYPE.fields["tma_q"][1] % 64 == 0 and gpu_params.PARAMS_NBYTES % 64 == 0
     # and the kernels check sizeof(Params) against the mirror at compile time
     assert "static_assert(sizeof(Params) == CUPYFLASH_PARAMS_NBYTES" in src
 
 
 def test_params_dtype_equals_cupy_make_aligned_dtype():
     cupy = pytest.importorskip("cupy")
-    head = cupy.make_aligned_dtype(_plan.PARAMS_FIELDS)
+    head = cupy.make_aligned_dtype(gpu_params.PARAMS_FIELDS)
     for name in head.names:
-        assert head.fields[name] == _plan.PARAMS_DTYPE.fields[name]
+        assert head.fields[name] == gpu_params.PARAMS_DTYPE.fields[name]
 
 
 @pytest.mark.parametrize("d,bucket", [(1, 32), (32, 32), (33, 64), (59, 64), (64, 64), (80, 96),
                                       (111, 128), (128, 128), (129, 160), (200, 224),
                                       (256, 256)])
 def test_head_dim_bucket(d, bucket):
-    assert _plan.head_dim_bucket(d, 1) == bucket
-    assert _plan.head_dim_bucket(1, d) == bucket
+    assert gpu_variants.head_dim_bucket(d, 1) == bucket
+    assert gpu_variants.head_dim_bucket(1, d) == bucket
 
 
 def test_head_dim_too_large():
     with pytest.raises(NotImplementedError, match="head dims up to 256"):
-        _plan.head_dim_bucket(257, 64)
+        gpu_variants.head_dim_bucket(257, 64)
 
 
 @pytest.mark.parametrize("dtype,tf32,elem", [("float16", False, "f16_t"),
@@ -76,12 +76,12 @@ def test_head_dim_too_large():
                                              ("float32", True, "tf32_t"),
                                              ("bfloat16", True, "bf16_t")])
 def test_elem(dtype, tf32, elem):
-    assert _plan.elem_tag(dtype, tf32) == elem
+    assert gpu_variants.elem_tag(dtype, tf32) == elem
 
 
 def test_unsupported_dtype():
     with pytest.raises(NotImplementedError, match="float16, bfloat16 or float32"):
-        _plan.elem_tag("float64", False)
+        gpu_variants.elem_tag("float64", False)
 
 
 def test_flags():
@@ -115,13 +115,13 @@ def test_grid_block_smem():
     v = p.variant
     assert p.grid == (-(-1000 // v.bm), 5, 3)
     assert p.block == (32 * v.nw, 1, 1)
-    assert p.smem == v.smem_bytes == _plan.smem_bytes(v.elem, v.d, v.bm, v.bn, v.stages)
+    assert p.smem == v.smem_bytes == plan_fwd.smem_bytes(v.elem, v.d, v.bm, v.bn, v.stages)
     assert v.bm % (16 * v.nw) == 0 and v.bn % 16 == 0
 
 
 @pytest.mark.parametrize("smem", [99 * 1024, 163 * 1024, 227 * 1024])
 def test_all_variants_fit_and_cover(smem):
-    vs = _plan.all_variants(smem)
+    vs = plan_fwd.all_variants(smem)
     assert len(set(vs)) == len(vs)
     for v in vs:
         assert v.smem_bytes <= smem, v
@@ -133,14 +133,14 @@ def test_all_variants_fit_and_cover(smem):
             for d in (1, 40, 64, 100, 128, 150, 200, 256):
                 for wr in (-1, 0):
                     for cap in (0.0, 5.0):
-                        p = _plan.plan_forward(dt, 1, 10, 10, 1, 1, d, d, scale=0.1,
+                        p = plan_fwd.plan_forward(dt, 1, 10, 10, 1, 1, d, d, scale=0.1,
                                                window_right=wr, softcap=cap,
                                                allow_tf32=tf32, smem_optin=smem)
                         assert p.variant in vs
 
 
 def test_variant_names_unique_and_readable():
-    vs = _plan.all_variants()
+    vs = plan_fwd.all_variants()
     names = [v.name for v in vs]
     assert len(set(names)) == len(names)
     v = _plan_simple(window_right=0).variant
@@ -161,15 +161,15 @@ def test_gqa_divisibility():
 
 
 def test_vec_ok():
-    assert _plan.vec_ok((0x1000, 0x2000), (64, 128, 8), 2)
-    assert not _plan.vec_ok((0x1002,), (64,), 2)
-    assert not _plan.vec_ok((0x1000,), (59,), 2)
-    assert _plan.vec_ok((0x1000,), (4,), 4)
+    assert gpu_params.vec_ok((0x1000, 0x2000), (64, 128, 8), 2)
+    assert not gpu_params.vec_ok((0x1002,), (64,), 2)
+    assert not gpu_params.vec_ok((0x1000,), (59,), 2)
+    assert gpu_params.vec_ok((0x1000,), (4,), 4)
 
 
 def test_flops():
-    assert _plan.flops(1, 1, 10, 20, 8, 8) == 4 * 10 * 20 * 8
-    assert _plan.flops(1, 1, 10, 20, 8, 8, causal=True) == 2 * 10 * 20 * 8
+    assert plan_fwd.flops(1, 1, 10, 20, 8, 8) == 4 * 10 * 20 * 8
+    assert plan_fwd.flops(1, 1, 10, 20, 8, 8, causal=True) == 2 * 10 * 20 * 8
 
 
 def test_no_cuda_headers_in_kernels():
@@ -182,13 +182,13 @@ def test_no_cuda_headers_in_kernels():
 
 
 def test_modules_finds_sources_and_hashes():
-    from cupyflash import _modules
-    assert (_modules.kernels_dir() / "fwd.cu").exists()
-    h = _modules.source_hash()
+    from cupyflash.gpu import compile as gpu_compile
+    assert (gpu_compile.kernels_dir() / "fwd.cu").exists()
+    h = gpu_compile.source_hash()
     assert len(h) == 16
-    src, opts, names = _modules.program(_plan.all_variants()[:3])
+    src, opts, names = gpu_compile.program(plan_fwd.all_variants()[:3])
     assert any(o.startswith("-DCUPYFLASH_SRC_HASH=0x" + h) for o in opts)
-    assert names == [v.name_expression for v in _plan.all_variants()[:3]]
+    assert names == [v.name_expression for v in plan_fwd.all_variants()[:3]]
     assert "flash_fwd" in src
 
 
@@ -201,7 +201,7 @@ def test_modules_finds_sources_and_hashes():
 def test_bias_or_mask_selects_the_general_variant(kw):
     pl = _plan_simple(**kw)
     v = pl.variant
-    assert v.general == _plan.GEN_ALL and v.window and v.score_mod
+    assert v.general == plan_fwd.GEN_ALL and v.window and v.score_mod
     assert v.name.endswith("_gen") and v.name_expression.endswith(", 3>")
     assert v.nw == 8 and v.bm // (16 * v.nw) == 1        # one 16-row slab per warp (registers)
     assert pl.grid == (-(-1000 // v.bm), 16, 2)
@@ -214,11 +214,11 @@ def test_plain_problem_keeps_the_plain_variant_and_its_expression():
 
 
 def test_varlen_plan_fields():
-    pl = _plan.plan_forward_varlen("float16", 5, 900, 1200, 300, 500, 8, 2, 64, 64, scale=0.1,
+    pl = plan_fwd.plan_forward_varlen("float16", 5, 900, 1200, 300, 500, 8, 2, 64, 64, scale=0.1,
                                    window_right=0, bottom_right=False)
     v = pl.variant
-    assert v.general == _plan.GEN_VARLEN and v.name.endswith("_varlen")
-    assert (v.bm, v.bn, v.nw) == _plan.tiles("f16_t", 64, 227 * 1024)[:3]   # plain tiles
+    assert v.general == plan_fwd.GEN_VARLEN and v.name.endswith("_varlen")
+    assert (v.bm, v.bn, v.nw) == plan_fwd.tiles("f16_t", 64, 227 * 1024)[:3]   # plain tiles
     assert pl.grid == (-(-300 // v.bm), 8, 5)
     prm = pl.params
     assert (prm["b"], prm["s_q"], prm["s_k"]) == (1, 900, 1200)
@@ -234,8 +234,8 @@ def test_forced_plain_variant_refuses_a_bias():
 
 
 def test_all_variants_hold_one_varlen_and_one_general_per_bucket():
-    vs = _plan.all_variants()
-    for elem in _plan.ELEMS:
-        for dbk in _plan.HEAD_DIM_BUCKETS:
+    vs = plan_fwd.all_variants()
+    for elem in gpu_variants.ELEMS:
+        for dbk in gpu_variants.HEAD_DIM_BUCKETS:
             gens = sorted(v.general for v in vs if v.elem == elem and v.d == dbk and v.general)
-            assert gens == [_plan.GEN_VARLEN, _plan.GEN_ALL]
+            assert gens == [plan_fwd.GEN_VARLEN, plan_fwd.GEN_ALL]

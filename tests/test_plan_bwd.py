@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupyflash import _gpu_bwd, _plan
+from cupyflash.gpu import params as gpu_params, plan_bwd, plan_fwd, variants as gpu_variants
 
 SMEMS = (99 * 1024, 163 * 1024, 227 * 1024)
 
 
 @pytest.mark.parametrize("smem", SMEMS)
 def test_every_variant_fits_and_meets_the_kernel_static_asserts(smem):
-    vs = _gpu_bwd.all_variants(smem)
-    assert len(vs) == len(_plan.ELEMS) * len(_plan.HEAD_DIM_BUCKETS) * 5   # 4 flag pairs + GENERAL
+    vs = plan_bwd.all_variants(smem)
+    assert len(vs) == len(gpu_variants.ELEMS) * len(gpu_variants.HEAD_DIM_BUCKETS) * 5   # 4 flag pairs + GENERAL
     for v in vs:
         cg = 16 if v.elem in ("f16_t", "bf16_t") else 8   # column granularity (bwd.cu CG)
         wmq = v.bm // 16
@@ -26,14 +26,14 @@ def test_every_variant_fits_and_meets_the_kernel_static_asserts(smem):
 
 def test_smem_formula():
     # bf16, D=64, BM=64, BN=128, two buffers: K, V 128x72, 2x(Q, dO) 64x72, dSᵀ 128x72, lse/D
-    assert _gpu_bwd.smem_bytes("bf16_t", 64, 64, 128, 2) == \
+    assert plan_bwd.smem_bytes("bf16_t", 64, 64, 128, 2) == \
         (2 * 128 * 72 + 4 * 64 * 72 + 128 * 72) * 2 + 4 * 64 * 4
-    assert _gpu_bwd.smem_bytes("f32x3_t", 64, 32, 64, 1) == \
+    assert plan_bwd.smem_bytes("f32x3_t", 64, 32, 64, 1) == \
         (2 * 64 * 68 + 2 * 32 * 68 + 64 * 36) * 4 + 2 * 32 * 4
 
 
 def test_plan_fields_and_grid():
-    pl = _gpu_bwd.plan_backward("bfloat16", 2, 100, 300, 8, 2, 64, 64, scale=0.125,
+    pl = plan_bwd.plan_backward("bfloat16", 2, 100, 300, 8, 2, 64, 64, scale=0.125,
                                 window_right=0, softcap=0.0)
     v = pl.variant
     assert v.elem == "bf16_t" and v.d == 64 and v.window and not v.score_mod
@@ -43,12 +43,12 @@ def test_plan_fields_and_grid():
     assert prm["diag_offset"] == 200 and prm["h_per_hk"] == 4
     assert prm["deterministic"] == 0 and prm["bn"] == v.bn
     assert prm["dq_accum_slab"] == 2 * 8 * 100 * 64 and pl.accum_elems == 2 * 8 * 100 * 64
-    assert np.isclose(prm["scale"], 0.125) and np.isclose(prm["scale_log2"], 0.125 * _plan.LOG2E)
+    assert np.isclose(prm["scale"], 0.125) and np.isclose(prm["scale_log2"], 0.125 * gpu_params.LOG2E)
     assert pl.pre_grid == (-(-2 * 8 * 100 // 8), 1, 1)
 
 
 def test_plan_deterministic_slabs_and_softcap():
-    pl = _gpu_bwd.plan_backward("float32", 1, 50, 1000, 2, 2, 128, 128, scale=0.1,
+    pl = plan_bwd.plan_backward("float32", 1, 50, 1000, 2, 2, 128, 128, scale=0.1,
                                 softcap=5.0, deterministic=True, bottom_right=False)
     v = pl.variant
     assert v.elem == "f32x3_t" and v.score_mod and not v.window
@@ -66,7 +66,7 @@ def test_deterministic_dq_slabs_are_bounded(b, s, h_k, num_sms):
     """Deterministic mode keeps G = resident blocks / (h_k b) dQ slabs (not one per key tile,
     which at s = 16k, hd 128 is the size of the float32 score matrix), 1 <= G <= key tiles: one
     wave of blocks (the planner assumes 2 per SM; the launcher asks the driver)."""
-    pl = _gpu_bwd.plan_backward("bfloat16", b, s, s, h_k, h_k, 128, 128, scale=0.1,
+    pl = plan_bwd.plan_backward("bfloat16", b, s, s, h_k, h_k, 128, 128, scale=0.1,
                                 deterministic=True, num_sms=num_sms)
     num_n = -(-s // pl.variant.bn)
     g = pl.grid[0]
@@ -74,31 +74,31 @@ def test_deterministic_dq_slabs_are_bounded(b, s, h_k, num_sms):
     assert g == max(1, min(num_n, 2 * num_sms // (h_k * b)))
     assert g * h_k * b <= max(h_k * b, 2 * num_sms)          # one wave
     assert pl.accum_elems == g * b * h_k * s * 128
-    three = _gpu_bwd.with_dq_slabs(pl, 3 * num_sms)            # e.g. 3 blocks per SM measured
+    three = plan_bwd.with_dq_slabs(pl, 3 * num_sms)            # e.g. 3 blocks per SM measured
     assert three.grid == (max(1, min(num_n, 3 * num_sms // (h_k * b))), h_k, b)
     assert three.params["dq_slabs"] == three.grid[0] and pl.params["dq_slabs"] == g   # pl untouched
     assert three.accum_elems == three.grid[0] * b * h_k * s * 128
-    atomic = _gpu_bwd.plan_backward("bfloat16", b, s, s, h_k, h_k, 128, 128, scale=0.1, num_sms=num_sms)
+    atomic = plan_bwd.plan_backward("bfloat16", b, s, s, h_k, h_k, 128, 128, scale=0.1, num_sms=num_sms)
     assert atomic.grid[0] == num_n and atomic.params["dq_slabs"] == 0
     assert atomic.accum_elems == b * h_k * s * 128
 
 
 def test_plan_tf32_alibi_and_errors():
-    pl = _gpu_bwd.plan_backward("float32", 1, 5, 5, 1, 1, 200, 17, scale=1.0, has_alibi=True,
+    pl = plan_bwd.plan_backward("float32", 1, 5, 5, 1, 1, 200, 17, scale=1.0, has_alibi=True,
                                 allow_tf32=True)
     assert pl.variant.elem == "tf32_t" and pl.variant.d == 224 and pl.variant.score_mod
     with pytest.raises(NotImplementedError):
-        _gpu_bwd.plan_backward("float16", 1, 5, 5, 1, 1, 257, 64, scale=1.0)
+        plan_bwd.plan_backward("float16", 1, 5, 5, 1, 1, 257, 64, scale=1.0)
     with pytest.raises(ValueError):
-        _gpu_bwd.plan_backward("float16", 1, 5, 5, 3, 2, 64, 64, scale=1.0)
-    small = _gpu_bwd.all_variants()[0]._replace(elem="f16_t", d=32)
+        plan_bwd.plan_backward("float16", 1, 5, 5, 3, 2, 64, 64, scale=1.0)
+    small = plan_bwd.all_variants()[0].replace(elem="f16_t", d=32)
     with pytest.raises(ValueError):
-        _gpu_bwd.plan_backward("float16", 1, 5, 5, 1, 1, 64, 64, scale=1.0, variant=small)
+        plan_bwd.plan_backward("float16", 1, 5, 5, 1, 1, 64, 64, scale=1.0, variant=small)
 
 
 def test_flops_is_2_5x_forward():
-    assert _gpu_bwd.flops(1, 2, 3, 4, 5, 6) == 2.5 * _plan.flops(1, 2, 3, 4, 5, 6)
-    assert _gpu_bwd.flops(1, 2, 8, 8, 5, 5, causal=True) == 2.5 * 2 * 2 * 8 * 8 * 10 / 2
+    assert plan_bwd.flops(1, 2, 3, 4, 5, 6) == 2.5 * plan_fwd.flops(1, 2, 3, 4, 5, 6)
+    assert plan_bwd.flops(1, 2, 8, 8, 5, 5, causal=True) == 2.5 * 2 * 2 * 8 * 8 * 10 / 2
 
 
 @pytest.mark.parametrize("s_q,s_k", [(1, 239), (113, 203), (203, 113), (300, 100), (64, 64)])
@@ -116,7 +116,7 @@ def test_tile_skipping_covers_every_kept_pair(s_q, s_k, wl, wr, br):
     keep = (j >= i + off - left) & (j <= i + off + right)
     window = wl >= 0 or wr >= 0
     for nb in range(-(-s_k // bn)):
-        visited = set(_gpu_bwd.query_tiles(nb, bn, bm, s_q, s_k, left, right, off, window))
+        visited = set(plan_bwd.query_tiles(nb, bn, bm, s_q, s_k, left, right, off, window))
         want = {ii // bm for ii, jj in zip(*np.nonzero(keep)) if jj // bn == nb}
         assert want <= visited
         if window:
@@ -138,7 +138,7 @@ def test_tile_skipping_covers_every_kept_pair(s_q, s_k, wl, wr, br):
     ((2, 4, 10, 1), 2, 2, False, -1, 0),                 # constant along keys: exactly zero
 ])
 def test_dbias_plan(shape, b, h_k, det, mode, slabs):
-    pl = _gpu_bwd.dbias_plan(shape, b, h_k, det)
+    pl = plan_bwd.dbias_plan(shape, b, h_k, det)
     assert (pl.mode, pl.slabs) == (mode, slabs)
     if mode >= 0:   # contiguous strides of the bias's own shape, 0 along its size-1 dims
         want = np.zeros(shape, np.float32).strides
@@ -157,7 +157,7 @@ def test_dbias_plan(shape, b, h_k, det, mode, slabs):
 def test_dbias_single_writer(shape, b, h, want):
     """DBIAS_STORE (the Hopper backward stores instead of adding) only where no two (batch,
     head, query) share a dbias element."""
-    assert _gpu_bwd.single_writer(shape, b, h) is want
+    assert plan_bwd.single_writer(shape, b, h) is want
 
 
 @pytest.mark.parametrize("shape,b,h,want", [
@@ -168,8 +168,8 @@ def test_dbias_single_writer(shape, b, h, want):
     ((2, 1, 10, 20), 2, 4, 2),          # summed over kv heads: atomics
 ])
 def test_hopper_dbias_mode(shape, b, h, want):
-    dplan = _gpu_bwd.dbias_plan(shape, b, 2, False)
-    assert _gpu_bwd.hopper_dbias_mode(dplan, b, h) == want
+    dplan = plan_bwd.dbias_plan(shape, b, 2, False)
+    assert plan_bwd.hopper_dbias_mode(dplan, b, h) == want
 
 
 @pytest.mark.parametrize("shape,b,det,bias_dt,op_dt,direct,want", [
@@ -183,8 +183,8 @@ def test_hopper_dbias_mode(shape, b, h, want):
     ((2, 4, 10, 1), 2, False, "float16", "float16", False, False),    # constant along keys: zeros
 ], ids=["over-batch", "one-writer", "det-11qk", "f32-direct", "f32-det", "cast", "rows", "keys1"])
 def test_dbias_by_kernel(shape, b, det, bias_dt, op_dt, direct, want):
-    dplan = _gpu_bwd.dbias_plan(shape, b, 2, det)
-    assert _gpu_bwd.dbias_by_kernel(dplan, bias_dt, op_dt, direct) is want
+    dplan = plan_bwd.dbias_plan(shape, b, 2, det)
+    assert plan_bwd.dbias_by_kernel(dplan, bias_dt, op_dt, direct) is want
 
 
 @pytest.mark.parametrize("forced,det,hopper,want", [
@@ -195,33 +195,36 @@ def test_dbias_by_kernel(shape, b, det, bias_dt, op_dt, direct, want):
     (True, False, False, True),    # ... or the kernel
 ], ids=["hopper", "portable", "deterministic", "forced-off", "forced-on"])
 def test_use_dbias_kernel(forced, det, hopper, want):
-    assert _gpu_bwd.use_dbias_kernel(forced, det, hopper) is want
+    assert plan_bwd.use_dbias_kernel(forced, det, hopper) is want
 
 
-@pytest.mark.parametrize("elem", _gpu_bwd.ELEMS)
+@pytest.mark.parametrize("elem", gpu_variants.ELEMS)
 @pytest.mark.parametrize("smem", [99 * 1024, 163 * 1024, 227 * 1024])
 def test_dbias_variant_tiles(elem, smem):
     """The first flash_bwd_dbias tile of DBIAS_TILES that fits (two buffers: the device's limit;
     one: min(limit, DBIAS_SMEM_CAP)) for every bucket; 16-bit hd 128 on the H100 / H200 takes
     128 x 64 with two buffers (8 warps)."""
-    def cap(nbuf):
-        return smem if nbuf == 2 else min(smem, _gpu_bwd.DBIAS_SMEM_CAP)
+    def _tile(v):
+        return (v.bm, v.bn, v.nbuf)
 
-    for d in _gpu_bwd.HEAD_DIM_BUCKETS:
-        v = _gpu_bwd.dbias_variant(elem, d, smem)
+    def cap(nbuf):
+        return smem if nbuf == 2 else min(smem, plan_bwd.DBIAS_SMEM_CAP)
+
+    for d in gpu_variants.HEAD_DIM_BUCKETS:
+        v = plan_bwd.dbias_variant(elem, d, smem)
         assert v.smem_bytes <= cap(v.nbuf) and v.bm % 16 == 0 and v.bn % 16 == 0
-        earlier = _gpu_bwd.DBIAS_TILES[:_gpu_bwd.DBIAS_TILES.index((v.bm, v.bn, v.nbuf))]
-        assert all(_gpu_bwd.DbiasVariant(elem, d, *t).smem_bytes > cap(t[2]) for t in earlier)
+        earlier = plan_bwd.DBIAS_TILES[:plan_bwd.DBIAS_TILES.index((v.bm, v.bn, v.nbuf))]
+        assert all(plan_bwd.DbiasVariant(elem, d, *t).smem_bytes > cap(t[2]) for t in earlier)
         pr = d + 8 if elem in ("f16_t", "bf16_t") else d + 4
         es = 2 if elem in ("f16_t", "bf16_t") else 4
         assert v.smem_bytes == v.nbuf * ((2 * v.bm + 2 * v.bn) * pr * es + 8 * v.bm)
-    assert _gpu_bwd.dbias_variant("bf16_t", 128, 227 * 1024)[2:] == (128, 64, 2)
-    assert _gpu_bwd.dbias_variant("bf16_t", 128, 163 * 1024)[2:] == (64, 64, 1)
-    assert _gpu_bwd.dbias_variant("bf16_t", 128).threads == 256
+    assert _tile(plan_bwd.dbias_variant("bf16_t", 128, 227 * 1024)) == (128, 64, 2)
+    assert _tile(plan_bwd.dbias_variant("bf16_t", 128, 163 * 1024)) == (64, 64, 1)
+    assert plan_bwd.dbias_variant("bf16_t", 128).threads == 256
 
 
 def test_varlen_backward_plan():
-    pl = _gpu_bwd.plan_backward_varlen("bfloat16", 4, 700, 900, 300, 400, 8, 2, 64, 64,
+    pl = plan_bwd.plan_backward_varlen("bfloat16", 4, 700, 900, 300, 400, 8, 2, 64, 64,
                                        scale=0.1, window_left=16, deterministic=True)
     v, prm = pl.variant, pl.params
     assert v.general and v.window and v.score_mod
@@ -230,7 +233,7 @@ def test_varlen_backward_plan():
     assert prm["window_left"] == 16 and prm["window_right"] == 1600
     assert prm["num_n_blocks"] == pl.grid[0] == prm["dq_slabs"]   # 4 seqs x 2 kv heads: a slab per key tile
     assert pl.accum_elems == pl.grid[0] * 8 * 700 * 64
-    many = _gpu_bwd.plan_backward_varlen("bfloat16", 2, 9000, 9000, 8192, 8192, 16, 16, 64, 64,
+    many = plan_bwd.plan_backward_varlen("bfloat16", 2, 9000, 9000, 8192, 8192, 16, 16, 64, 64,
                                          scale=0.1, deterministic=True, num_sms=132)
     assert many.params["num_n_blocks"] == -(-8192 // many.variant.bn)
     assert many.grid == (8, 16, 2) and many.params["dq_slabs"] == 8   # 264 // 32

@@ -7,37 +7,37 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupyflash import _gpu_dbias_sm90 as d90
+from cupyflash.gpu import dbias_sm90, plan_dbias_sm90
 
 SMEM = 227 * 1024
 
 
 def test_variants_fit_and_name_their_template():
-    vs = d90.variants()
+    vs = plan_dbias_sm90.variants()
     assert len(vs) == len(set(vs)) == 16
     assert len({v.name for v in vs}) == 16
     for v in vs:
         assert v.smem_bytes <= SMEM, v.name
-        assert (v.stages, v.biasbuf) == d90.BUFFERS[(v.d, v.bias_f32)]
+        assert (v.stages, v.biasbuf) == plan_dbias_sm90.BUFFERS[(v.d, v.bias_f32)]
         assert v.name_expression.startswith("flash_bwd_dbias_sm90<")
-    v = d90.variant_for("bf16_t", 128, False, True)
+    v = plan_dbias_sm90.variant_for("bf16_t", 128, False, True)
     assert v.name_expression == "flash_bwd_dbias_sm90<bf16_t, 128, false, 3, 1, true>"
     assert v.name == "dbias90_bf16_d128_128x128s3b1_bias16_window"
 
 
 def test_buffers_are_the_most_that_fit():
     """One more half stage (or bias buffer) would not fit the 227 KB of an H100 / H200 block."""
-    for (d, f32), (stages, biasbuf) in d90.BUFFERS.items():
-        assert d90.smem_bytes(d, f32, stages, biasbuf) <= SMEM
-        assert d90.smem_bytes(d, f32, stages + 1, biasbuf) > SMEM or \
-            d90.smem_bytes(d, f32, stages, biasbuf + 1) > SMEM or stages >= 4
+    for (d, f32), (stages, biasbuf) in plan_dbias_sm90.BUFFERS.items():
+        assert plan_dbias_sm90.smem_bytes(d, f32, stages, biasbuf) <= SMEM
+        assert plan_dbias_sm90.smem_bytes(d, f32, stages + 1, biasbuf) > SMEM or \
+            plan_dbias_sm90.smem_bytes(d, f32, stages, biasbuf + 1) > SMEM or stages >= 4
 
 
 def test_smem_bytes_mirror():
     """d = 128, 16-bit bias: 3 half stages of 64 KB + a 32 KB bias tile + tile ring + 12
     mbarriers + 1024 bytes of alignment slack."""
-    assert d90.smem_bytes(128, False, 3, 1) == 3 * 65536 + 32768 + 16 + 8 * 12 + 1024
-    assert d90.smem_bytes(64, True, 4, 1) == 4 * 32768 + 65536 + 16 + 8 * 14 + 1024
+    assert plan_dbias_sm90.smem_bytes(128, False, 3, 1) == 3 * 65536 + 32768 + 16 + 8 * 12 + 1024
+    assert plan_dbias_sm90.smem_bytes(64, True, 4, 1) == 4 * 32768 + 65536 + 16 + 8 * 14 + 1024
 
 
 def _why(**kw):
@@ -47,7 +47,7 @@ def _why(**kw):
                 bias_itemsize=2, s_q=157, s_k=200, planes=4)
     d, dtype = kw.pop("d", 128), kw.pop("dtype", "bfloat16")
     base.update(kw)
-    return d90.unsupported(dtype, d, d, **base)
+    return plan_dbias_sm90.unsupported(dtype, d, d, **base)
 
 
 def test_unsupported_reasons():
@@ -76,11 +76,11 @@ def _check_decomposition(s_q, s_k, b, h, sum_b, sum_h, wl, wr, diag, window):
     j = np.arange(s_k)[None, :]
     keep = (j >= i - wl) & (j <= i + wr) if window else np.ones((s_q, s_k), bool)
     ws = []
-    for w, m0, n0, pb, ph, pairs, need_mask in d90.work_tiles(s_q, s_k, b, h, sum_b, sum_h,
+    for w, m0, n0, pb, ph, pairs, need_mask in plan_dbias_sm90.work_tiles(s_q, s_k, b, h, sum_b, sum_h,
                                                               wl, wr, diag, window):
         ws.append(w)
-        covered[pb, ph, m0:m0 + d90.BM, n0:n0 + d90.BN] += 1
-        tile_keep = keep[m0:m0 + d90.BM, n0:n0 + d90.BN]
+        covered[pb, ph, m0:m0 + plan_dbias_sm90.BM, n0:n0 + plan_dbias_sm90.BN] += 1
+        tile_keep = keep[m0:m0 + plan_dbias_sm90.BM, n0:n0 + plan_dbias_sm90.BN]
         if not pairs:
             assert not tile_keep.any(), (w, m0, n0)   # stored as zeros: no kept element
             continue
@@ -114,4 +114,4 @@ def test_bases_aligned(offsets, want):
     """TMA needs 16-byte aligned bases: the launcher keeps the float32 accumulator otherwise."""
     from types import SimpleNamespace
     arrays = [SimpleNamespace(data=SimpleNamespace(ptr=4096 + o)) for o in offsets]
-    assert d90.bases_aligned(*arrays) is want
+    assert dbias_sm90.bases_aligned(*arrays) is want

@@ -10,7 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cupyflash import _plan
+from cupyflash.gpu import params as gpu_params
+from cupyflash.gpu import plan_fwd_sm90
+from cupyflash.gpu import tma as gpu_tma
+from cupyflash.gpu import variants as gpu_variants
+from cupyflash.gpu.tuning import TUNING
 
 ROOT = Path(__file__).resolve().parent.parent
 H200_SMEM = 227 * 1024
@@ -18,7 +22,7 @@ H200_SMEM = 227 * 1024
 
 def _unsupported(dtype="bfloat16", d=128, d_v=None, *, scale=0.1, softcap=0.0, has_alibi=False,
                  cc=90, smem=H200_SMEM, tensors=()):
-    return _plan.sm90_unsupported(dtype, d, d if d_v is None else d_v, scale=scale,
+    return plan_fwd_sm90.sm90_unsupported(dtype, d, d if d_v is None else d_v, scale=scale,
                                   softcap=softcap, has_alibi=has_alibi, cc=cc, smem_optin=smem,
                                   tensors=tensors)
 
@@ -29,21 +33,21 @@ def _contig(shape):
 
 
 def test_variants_fit_and_are_distinct():
-    vs = _plan.sm90_variants()
+    vs = plan_fwd_sm90.sm90_variants()
     # dtypes x head dims x window x softcap x varlen, plus hd 64's dense two-consumer
     # short-window variant, plus the bias variants (16-bit / float32 bias, hd 64 and 128), plus
     # the wide-key-tile variants (hd 128, causal / window, no softcap), plus the SPLIT twin of
     # each dense variant without window, softcap, varlen or bias (one per head dim), plus the
     # max-free softmax's dense variant and its SPLIT twin (hd 128, which long dense rows take
     # instead of the wide tiles)
-    assert len(vs) == (2 * 3 * 2 * 2 * 2 + 2 + 2 * len(_plan.SM90_BIAS_HEAD_DIMS) * 2 * 2 * 2
-                       + 2 * len(_plan.SM90_TILES_WIDE)
-                       + 2 * len(_plan.SM90_HEAD_DIMS)
-                       + 2 * len(_plan.SM90_MAXFREE_HEAD_DIMS) * 2)
+    assert len(vs) == (2 * 3 * 2 * 2 * 2 + 2 + 2 * len(plan_fwd_sm90.SM90_BIAS_HEAD_DIMS) * 2 * 2 * 2
+                       + 2 * len(plan_fwd_sm90.SM90_TILES_WIDE)
+                       + 2 * len(plan_fwd_sm90.SM90_HEAD_DIMS)
+                       + 2 * len(plan_fwd_sm90.SM90_MAXFREE_HEAD_DIMS) * 2)
     assert all(not (v.window or v.softcap or v.varlen or v.bias) and v.bn == 128
                for v in vs if v.maxfree)
     assert all(not (v.window or v.softcap or v.varlen or v.bias) for v in vs if v.split)
-    assert {v.d for v in vs if v.bias} == set(_plan.SM90_BIAS_HEAD_DIMS)
+    assert {v.d for v in vs if v.bias} == set(plan_fwd_sm90.SM90_BIAS_HEAD_DIMS)
     assert all(v.nc == 2 and not v.varlen for v in vs if v.bias)
     assert len({v.name for v in vs}) == len(vs) == len({v.name_expression for v in vs})
     for v in vs:
@@ -94,42 +98,42 @@ def test_strides_tma_accepts():
     # a broadcast (zero-stride) sequence dimension cannot be described
     assert "strides" in _unsupported(tensors=[((1, 10, 1, 128), (0, 0, 0, 1))])
     # a non-contiguous last dimension
-    assert not _plan.tma_strides_ok((1, 10, 1, 128), (2560, 256, 128, 2), 2)
+    assert not gpu_tma.tma_strides_ok((1, 10, 1, 128), (2560, 256, 128, 2), 2)
 
 
 def test_tma_tensor_geometry():
-    dims, strides, box = _plan.tma_tensor((2, 100, 4, 128), (51200, 512, 128, 1), 2, 128)
+    dims, strides, box = gpu_tma.tma_tensor((2, 100, 4, 128), (51200, 512, 128, 1), 2, 128)
     assert dims == (128, 100, 4, 2)                   # innermost first: d, s, h, b
     assert strides == (1024, 256, 102400)             # bytes of s, h, b
     assert box == (64, 128, 1, 1)                     # 128-byte rows (the swizzle width)
-    dims, strides, box = _plan.tma_tensor((1, 1, 1, 64), (9, 9, 9, 1), 2, 64)
+    dims, strides, box = gpu_tma.tma_tensor((1, 1, 1, 64), (9, 9, 9, 1), 2, 64)
     assert all(st % 16 == 0 and st > 0 for st in strides)   # stand-ins for size-1 dims
     assert box == (64, 64, 1, 1)
 
 
 def test_plan_fills_params_and_grid():
-    plan = _plan.plan_forward_sm90("bfloat16", 3, 1000, 777, 8, 2, 128, 128, scale=0.125,
+    plan = plan_fwd_sm90.plan_forward_sm90("bfloat16", 3, 1000, 777, 8, 2, 128, 128, scale=0.125,
                                    window_left=-1, window_right=0, softcap=0.0)
     v = plan.variant
-    assert isinstance(v, _plan.Sm90Variant) and v.window and not v.softcap
+    assert isinstance(v, plan_fwd_sm90.Sm90Variant) and v.window and not v.softcap
     # persistent grid: min(work tiles, SMs) blocks over 8 query tiles x 8 heads x 3 batches
     assert plan.grid == (132, 1, 1) and plan.block == (384, 1, 1) and plan.smem == v.smem_bytes
-    small = _plan.plan_forward_sm90("bfloat16", 1, 200, 200, 2, 2, 64, 64, scale=0.1, num_sms=132)
+    small = plan_fwd_sm90.plan_forward_sm90("bfloat16", 1, 200, 200, 2, 2, 64, 64, scale=0.1, num_sms=132)
     assert small.grid == (4, 1, 1) and not small.variant.split   # tiles of 2 key tiles: whole
     prm = plan.params
     assert prm["h_per_hk"] == 4 and prm["diag_offset"] == 777 - 1000
     assert prm["window_right"] == 0 and prm["window_left"] == 1000 + 777
     assert prm["num_m_blocks"] == 8
-    assert np.isclose(prm["scale_log2"], 0.125 * _plan.LOG2E)
+    assert np.isclose(prm["scale_log2"], 0.125 * gpu_params.LOG2E)
 
 
 def test_plan_rejects_a_forced_variant_that_cannot_compute():
-    v = _plan.Sm90Variant("bf16_t", 128, 128, 2, False, False)
+    v = plan_fwd_sm90.Sm90Variant("bf16_t", 128, 128, 2, False, False)
     with pytest.raises(ValueError, match="cannot compute"):
-        _plan.plan_forward_sm90("bfloat16", 1, 10, 10, 1, 1, 128, 128, scale=0.1,
+        plan_fwd_sm90.plan_forward_sm90("bfloat16", 1, 10, 10, 1, 1, 128, 128, scale=0.1,
                                 window_left=5, variant=v)
     with pytest.raises(ValueError, match="cannot compute"):
-        _plan.plan_forward_sm90("bfloat16", 1, 10, 10, 1, 1, 128, 128, scale=0.1, softcap=3.0,
+        plan_fwd_sm90.plan_forward_sm90("bfloat16", 1, 10, 10, 1, 1, 128, 128, scale=0.1, softcap=3.0,
                                 variant=v)
 
 
@@ -147,10 +151,10 @@ def test_smem_layout_mirror():
     assert "constexpr int SMEM_MAX = 227 * 1024;" in src
     ring = 2 * 128 * (128 + 4 * 128) + 8 * 13 + 1024
     # O [128, 128] staged for the TMA store; not with packed sequences
-    assert _plan.sm90_smem_bytes(128, 128, 2) == ring + 2 * 128 * 128
-    assert _plan.sm90_smem_bytes(128, 128, 2, varlen=True) == ring
+    assert plan_fwd_sm90.sm90_smem_bytes(128, 128, 2) == ring + 2 * 128 * 128
+    assert plan_fwd_sm90.sm90_smem_bytes(128, 128, 2, varlen=True) == ring
     # three consumer warpgroups: a 192-row Q tile (and O)
-    assert _plan.sm90_smem_bytes(64, 128, 2, 3) == 2 * 64 * (192 + 4 * 128) + 8 * 13 + 1024 + 2 * 64 * 192
+    assert plan_fwd_sm90.sm90_smem_bytes(64, 128, 2, 3) == 2 * 64 * (192 + 4 * 128) + 8 * 13 + 1024 + 2 * 64 * 192
 
 
 @pytest.mark.parametrize("d,bn,stages,nc,varlen,staged", [
@@ -159,10 +163,10 @@ def test_smem_layout_mirror():
     (128, 176, 2, 2, False, False),     # 208 KB of ring: 32 KB more does not fit in 227
     (256, 80, 2, 2, False, False)], ids=["d64_nc3", "d64_nc2", "d128", "d128_varlen", "d128_wide", "d256"])
 def test_o_staged_where_it_fits(d, bn, stages, nc, varlen, staged):
-    v = _plan.Sm90Variant("bf16_t", d, bn, stages, False, False, nc, varlen)
+    v = plan_fwd_sm90.Sm90Variant("bf16_t", d, bn, stages, False, False, nc, varlen)
     assert v.o_smem is staged
-    assert v.smem_bytes <= _plan.SM90_SMEM_MAX
-    assert (v.smem_bytes + 2 * d * 64 * nc <= _plan.SM90_SMEM_MAX) is (staged or varlen)
+    assert v.smem_bytes <= gpu_variants.SM90_SMEM_MAX
+    assert (v.smem_bytes + 2 * d * 64 * nc <= gpu_variants.SM90_SMEM_MAX) is (staged or varlen)
 
 
 @pytest.mark.parametrize("d,bn,varlen,dtype_name,align", [
@@ -174,8 +178,8 @@ def test_out_alignment_the_forward_needs(d, bn, varlen, dtype_name, align):
     16-bit pairs (4 bytes); float32 quads need 16 (the launcher sends other bases to the
     portable kernel)."""
     pytest.importorskip("cupy")
-    from cupyflash._gpu import sm90_out_align
-    v = _plan.Sm90Variant("bf16_t", d, bn, 2, False, False, 2, varlen)
+    from cupyflash.gpu.fwd_sm90 import sm90_out_align
+    v = plan_fwd_sm90.Sm90Variant("bf16_t", d, bn, 2, False, False, 2, varlen)
     assert sm90_out_align(v, dtype_name) == align
     assert sm90_out_align(v, "float32") == 16
 
@@ -197,13 +201,13 @@ def test_out_alignment_the_forward_needs(d, bn, varlen, dtype_name, align):
 ], ids=["bf16_d128", "f16_d64", "d256", "dv_differs", "softcap", "alibi", "deterministic",
         "negative_scale", "sm80", "float32"])
 def test_backward_coverage(kw, why):
-    from cupyflash import _gpu_bwd_sm90 as h90
+    from cupyflash.gpu import plan_bwd_sm90
     args = dict(dtype="bfloat16", d=128, d_v=None, scale=0.1, softcap=0.0, has_alibi=False,
                 deterministic=False, cc=90)
     args.update(kw)
     d = args.pop("d")
     d_v = args.pop("d_v") or d
-    got = h90.unsupported(args.pop("dtype"), d, d_v, smem_optin=H200_SMEM, **args)
+    got = plan_bwd_sm90.unsupported(args.pop("dtype"), d, d_v, smem_optin=H200_SMEM, **args)
     if why is None:
         assert got is None
     else:
@@ -211,8 +215,8 @@ def test_backward_coverage(kw, why):
 
 
 def test_backward_variants_fit_and_layout_mirror():
-    from cupyflash import _gpu_bwd_sm90 as h90
-    vs = h90.variants()
+    from cupyflash.gpu import plan_bwd_sm90
+    vs = plan_bwd_sm90.variants()
     assert len(vs) == 40 and len({v.name for v in vs}) == 40
     assert {(v.varlen, v.bias) for v in vs} == {(False, 0), (False, 1), (False, 2), (False, 3),
                                                 (True, 0)}
@@ -230,27 +234,27 @@ def test_backward_variants_fit_and_layout_mirror():
                  "BYTES = BARS + 8 * (2 * KVBUF + 2 * NBUF + 2 + 2 * TILE_RING)",
                  "if (smem_given < L::BYTES + 1024) __trap();"):
         assert expr in src, expr
-    assert h90.smem_bytes(128) == (2 * 128 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 2 * 128 * 64 * 2
+    assert plan_bwd_sm90.smem_bytes(128) == (2 * 128 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 2 * 128 * 64 * 2
                                    + 64 * 128 * 4 + 1024 + 32 + 8 * 12 + 1024)
-    assert h90.smem_bytes(64) == (2 * 2 * 128 * 64 * 2 + 2 * 2 * 64 * 64 * 2 + 2 * 128 * 64 * 2
+    assert plan_bwd_sm90.smem_bytes(64) == (2 * 2 * 128 * 64 * 2 + 2 * 2 * 64 * 64 * 2 + 2 * 128 * 64 * 2
                                   + 64 * 64 * 4 + 1024 + 32 + 8 * 14 + 1024)
     # a second K / V buffer does not fit at d = 128; the staged bias tiles do
-    assert h90.smem_bytes(128, 2) > H200_SMEM
-    assert h90.smem_bytes(128, 1, True) == h90.smem_bytes(128) + 2 * 64 * 128 * 2 <= H200_SMEM
-    assert h90.smem_bytes(64, 2, True) == h90.smem_bytes(64) + 2 * 64 * 128 * 2
+    assert plan_bwd_sm90.smem_bytes(128, 2) > H200_SMEM
+    assert plan_bwd_sm90.smem_bytes(128, 1, True) == plan_bwd_sm90.smem_bytes(128) + 2 * 64 * 128 * 2 <= H200_SMEM
+    assert plan_bwd_sm90.smem_bytes(64, 2, True) == plan_bwd_sm90.smem_bytes(64) + 2 * 64 * 128 * 2
 
 
 def test_backward_bias_variant_names():
-    from cupyflash import _gpu_bwd_sm90 as h90
-    v = h90.variant_for("bf16_t", 128, False, 1)
+    from cupyflash.gpu import plan_bwd_sm90
+    v = plan_bwd_sm90.variant_for("bf16_t", 128, False, 1)
     assert v.name == "bwd90_bf16_d128_64x128_bias16"
     assert v.name_expression == "flash_bwd_sm90<bf16_t, 128, false, true, 1, false, 1>"
-    v = h90.variant_for("f16_t", 64, True, 2)
+    v = plan_bwd_sm90.variant_for("f16_t", 64, True, 2)
     assert v.name == "bwd90_f16_d64_64x128_window_kv2_bias32"
     assert v.name_expression == "flash_bwd_sm90<f16_t, 64, true, true, 2, false, 2>"
-    assert h90.variant_for("f16_t", 64, True).name_expression.endswith(", 2, false, 0>")
+    assert plan_bwd_sm90.variant_for("f16_t", 64, True).name_expression.endswith(", 2, false, 0>")
     # the bias reads / dbias writes take no shared memory
-    assert v.smem_bytes == h90.smem_bytes(64)
+    assert v.smem_bytes == plan_bwd_sm90.smem_bytes(64)
 
 
 @pytest.mark.parametrize("strides,s_k,ptr,itemsize,why", [
@@ -264,8 +268,8 @@ def test_backward_bias_variant_names():
 ], ids=["h_s_s", "b_1_1_s_f32", "key_broadcast", "transposed", "odd_sk", "odd_stride",
         "misaligned"])
 def test_backward_bias_layout(strides, s_k, ptr, itemsize, why):
-    from cupyflash import _gpu_bwd_sm90 as h90
-    got = h90.bias_unsupported(strides, s_k, ptr, itemsize)
+    from cupyflash.gpu import plan_bwd_sm90
+    got = plan_bwd_sm90.bias_unsupported(strides, s_k, ptr, itemsize)
     if why is None:
         assert got is None
     else:
@@ -281,8 +285,8 @@ def test_backward_bias_layout(strides, s_k, ptr, itemsize, why):
     ((1, 4, 64, 64), (0, 64 * 64, 64, 1), 64, 520, "16-byte"),             # address
 ], ids=["h_s_s", "b_1_q_k", "sq1", "key_padding", "rows_404", "misaligned"])
 def test_backward_bias_tma_layout(shape, strides, s_q, ptr, why):
-    from cupyflash import _gpu_bwd_sm90 as h90
-    got = h90.bias_tma_unsupported(shape, strides, s_q, ptr, 2)
+    from cupyflash.gpu import tma as gpu_tma
+    got = gpu_tma.bias_tma_unsupported(shape, strides, s_q, ptr, 2)
     if why is None:
         assert got is None
     else:
@@ -300,14 +304,14 @@ def test_hd64_consumer_count(s_q, window, softcap, nc, bn, blocks):
     """hd 64: three consumer warpgroups (192-row tiles), but causal / window calls of at most
     SM90_FEW_ROWS_SQ queries run one consumer with 64-key tiles, three blocks per SM, and softcap
     calls two consumers."""
-    pl = _plan.plan_forward_sm90("bfloat16", 2, s_q, s_q, 64, 64, 64, 64, scale=0.125,
+    pl = plan_fwd_sm90.plan_forward_sm90("bfloat16", 2, s_q, s_q, 64, 64, 64, 64, scale=0.125,
                                  window_right=0 if window else -1, softcap=30.0 if softcap else 0.0)
     v = pl.variant
     assert v.nc == nc and v.bm == 64 * nc and v.bn == bn and pl.block == (128 * (nc + 1), 1, 1)
     assert v.blocks_per_sm == blocks
     assert pl.params["num_m_blocks"] == -(-s_q // v.bm)
     assert pl.grid == (min(pl.params["num_m_blocks"] * 64 * 2, 132 * blocks), 1, 1)
-    assert v in _plan.sm90_variants()
+    assert v in plan_fwd_sm90.sm90_variants()
 
 
 def test_blocks_per_sm_mirror_the_kernel():
@@ -319,14 +323,14 @@ def test_blocks_per_sm_mirror_the_kernel():
     assert "FIT = sm90::SMEM_PER_SM / (sm90::Layout<D, BN, STAGES, NC, VARLEN>::BYTES + 2048);" in src
     assert "constexpr int SMEM_PER_SM = 228 * 1024;" in src
     assert "__launch_bounds__(128 * (NC + 1), BlocksPerSm<D, BN, STAGES, NC, VARLEN>::VALUE)" in src
-    assert _plan.SM90_SMEM_PER_SM == 228 * 1024
-    for v in _plan.sm90_variants():
+    assert plan_fwd_sm90.SM90_SMEM_PER_SM == 228 * 1024
+    for v in plan_fwd_sm90.sm90_variants():
         want = (3 if v.bn <= 64 else 2) if v.nc == 1 else 1
-        fit = _plan.SM90_SMEM_PER_SM // (v.smem_bytes + 1024)   # smem_bytes = BYTES + 1024
+        fit = plan_fwd_sm90.SM90_SMEM_PER_SM // (v.smem_bytes + 1024)   # smem_bytes = BYTES + 1024
         assert v.blocks_per_sm == min(want, fit), v.name
-    one = _plan.Sm90Variant("bf16_t", 128, 64, 2, True, False, 1)    # 99 KB: two fit, not three
+    one = plan_fwd_sm90.Sm90Variant("bf16_t", 128, 64, 2, True, False, 1)    # 99 KB: two fit, not three
     assert one.blocks_per_sm == 2
-    assert _plan.Sm90Variant("bf16_t", 128, 128, 2, True, False, 1).blocks_per_sm == 1
+    assert plan_fwd_sm90.Sm90Variant("bf16_t", 128, 128, 2, True, False, 1).blocks_per_sm == 1
 
 
 
@@ -343,13 +347,13 @@ def test_hd128_key_tile_width(s_k, kw, bn):
     """hd 128: key tiles of 176 where query rows see at least SM90_WIDE_MIN_KEYS keys on
     average in a causal / window band (no softcap, no bias), 128 otherwise: dense calls without
     a band take the max-free softmax on 128-key tiles instead (SM90_MAXFREE_MIN_KEYS)."""
-    pl = _plan.plan_forward_sm90("bfloat16", 1, s_k, s_k, 16, 16, 128, 128, scale=0.088, **kw)
+    pl = plan_fwd_sm90.plan_forward_sm90("bfloat16", 1, s_k, s_k, 16, 16, 128, 128, scale=0.088, **kw)
     v = pl.variant
-    assert v.bn == bn and v.bm == 128 and v in _plan.sm90_variants() and pl.smem == v.smem_bytes
-    keys = _plan.sm90_keys(s_k, s_k, kw.get("window_left", -1), kw.get("window_right", -1))
+    assert v.bn == bn and v.bm == 128 and v in plan_fwd_sm90.sm90_variants() and pl.smem == v.smem_bytes
+    keys = plan_fwd_sm90.sm90_keys(s_k, s_k, kw.get("window_left", -1), kw.get("window_right", -1))
     band = "window_right" in kw or "window_left" in kw
-    assert (keys >= _plan.SM90_WIDE_MIN_KEYS and band) == (bn == 176) or "softcap" in kw
-    assert v.maxfree == (not band and "softcap" not in kw and keys >= _plan.SM90_MAXFREE_MIN_KEYS)
+    assert (keys >= plan_fwd_sm90.SM90_WIDE_MIN_KEYS and band) == (bn == 176) or "softcap" in kw
+    assert v.maxfree == (not band and "softcap" not in kw and keys >= plan_fwd_sm90.SM90_MAXFREE_MIN_KEYS)
 
 
 @pytest.mark.parametrize("bottom_right", [True, False], ids=["bottom_right", "top_left"])
@@ -363,18 +367,18 @@ def test_sm90_keys_is_the_mean_over_rows(rng, bottom_right):
         hi = np.full(s_q, s_k) if wr < 0 else np.clip(i + diag + wr + 1, 0, s_k)
         lo = np.zeros(s_q) if wl < 0 else np.clip(i + diag - wl, 0, s_k)
         want = np.maximum(hi - lo, 0).mean()
-        assert _plan.sm90_keys(s_q, s_k, wl, wr, bottom_right) == pytest.approx(want, abs=1e-9), \
+        assert plan_fwd_sm90.sm90_keys(s_q, s_k, wl, wr, bottom_right) == pytest.approx(want, abs=1e-9), \
             (s_q, s_k, wl, wr)
 
 
 def test_wide_key_tiles_only_at_hd128_dense():
     """Bias and varlen calls keep 128-key tiles at any length, and so do hd 64 and hd 256."""
-    many = 4 * _plan.SM90_WIDE_MIN_KEYS
-    assert _plan.sm90_variant("bf16_t", 128, False, False, bias=1, keys=many).bn == 128
-    assert _plan.sm90_variant("bf16_t", 128, True, False, varlen=True, keys=many).bn == 128
-    assert _plan.sm90_variant("bf16_t", 64, False, False, keys=many) == \
-        _plan.sm90_variant("bf16_t", 64, False, False)
-    assert _plan.sm90_variant("bf16_t", 256, False, False, keys=many).bn == 80
+    many = 4 * plan_fwd_sm90.SM90_WIDE_MIN_KEYS
+    assert plan_fwd_sm90.sm90_variant("bf16_t", 128, False, False, bias=1, keys=many).bn == 128
+    assert plan_fwd_sm90.sm90_variant("bf16_t", 128, True, False, varlen=True, keys=many).bn == 128
+    assert plan_fwd_sm90.sm90_variant("bf16_t", 64, False, False, keys=many) == \
+        plan_fwd_sm90.sm90_variant("bf16_t", 64, False, False)
+    assert plan_fwd_sm90.sm90_variant("bf16_t", 256, False, False, keys=many).bn == 80
 
 @pytest.mark.parametrize("d,s_k,kw,maxfree", [
     (128, 1024, {}, True), (128, 4096, {}, True), (128, 1023, {}, False), (128, 512, {}, False),
@@ -387,16 +391,16 @@ def test_maxfree_choice(d, s_k, kw, maxfree):
     band or softcap whose rows see at least SM90_MAXFREE_MIN_KEYS keys, on 128-key tiles (long
     rows too, which took 176-key tiles before); its variants are compiled (sm90_variants) and
     named."""
-    pl = _plan.plan_forward_sm90("bfloat16", 1, 512, s_k, 16, 16, d, d, scale=0.088, **kw)
+    pl = plan_fwd_sm90.plan_forward_sm90("bfloat16", 1, 512, s_k, 16, 16, d, d, scale=0.088, **kw)
     v = pl.variant
-    assert v.maxfree == maxfree and v in _plan.sm90_variants()
+    assert v.maxfree == maxfree and v in plan_fwd_sm90.sm90_variants()
     assert ("_maxfree" in v.name) == maxfree and v.name_expression.endswith(
         f"{'true' if maxfree else 'false'}>")
     if maxfree:
         assert v.bn == 128 and not (v.window or v.softcap or v.varlen or v.bias)
-    many = 4 * _plan.SM90_MAXFREE_MIN_KEYS
-    assert not _plan.sm90_variant("bf16_t", 128, False, False, bias=1, keys=many).maxfree
-    assert not _plan.sm90_variant("bf16_t", 128, False, False, varlen=True, keys=many).maxfree
+    many = 4 * plan_fwd_sm90.SM90_MAXFREE_MIN_KEYS
+    assert not plan_fwd_sm90.sm90_variant("bf16_t", 128, False, False, bias=1, keys=many).maxfree
+    assert not plan_fwd_sm90.sm90_variant("bf16_t", 128, False, False, varlen=True, keys=many).maxfree
 
 
 @pytest.mark.parametrize("kw", [dict(window_right=0), dict(window_left=100), dict(softcap=30.0)],
@@ -404,10 +408,10 @@ def test_maxfree_choice(d, s_k, kw, maxfree):
 def test_forced_maxfree_refuses_what_it_cannot_compute(kw):
     """A forced MAXFREE variant (dense, no band or softcap) on a causal, windowed or softcapped
     call: a ValueError naming the kernel, before any launch."""
-    v = _plan.sm90_variant("bf16_t", 128, False, False, keys=4096)
+    v = plan_fwd_sm90.sm90_variant("bf16_t", 128, False, False, keys=4096)
     assert v.maxfree
     with pytest.raises(ValueError, match=f"kernel {v.name} cannot compute"):
-        _plan.plan_forward_sm90("bfloat16", 1, 4096, 4096, 2, 2, 128, 128, scale=0.1, variant=v,
+        plan_fwd_sm90.plan_forward_sm90("bfloat16", 1, 4096, 4096, 2, 2, 128, 128, scale=0.1, variant=v,
                                 **kw)
 
 
@@ -417,11 +421,11 @@ def test_forced_maxfree_refuses_what_it_cannot_compute(kw):
 def test_varlen_plan(d, window, softcap):
     """Packed sequences: the VARLEN variant, one work tile per (BM rows of the longest sequence,
     head, sequence), totals as s_q / s_k, causal aligned per sequence."""
-    pl = _plan.plan_forward_varlen_sm90("bfloat16", 5, 3000, 2800, 1100, 900, 8, 2, d, d,
+    pl = plan_fwd_sm90.plan_forward_varlen_sm90("bfloat16", 5, 3000, 2800, 1100, 900, 8, 2, d, d,
                                         scale=0.1, window_right=0 if window else -1,
                                         softcap=20.0 if softcap else 0.0, num_sms=132)
     v, prm = pl.variant, pl.params
-    assert v.varlen and v.window == window and v.softcap == softcap and v in _plan.sm90_variants()
+    assert v.varlen and v.window == window and v.softcap == softcap and v in plan_fwd_sm90.sm90_variants()
     assert v.nc == 2 and "_varlen" in v.name and v.name_expression.endswith(", true, 0, false, false>")
     assert (int(prm["b"]), int(prm["s_q"]), int(prm["s_k"])) == (5, 3000, 2800)
     assert int(prm["num_m_blocks"]) == -(-1100 // v.bm) and int(prm["diag_offset"]) == 0
@@ -432,7 +436,7 @@ def test_varlen_plan(d, window, softcap):
         assert int(prm["window_left"]) == 3000 + 2800 and int(prm["window_right"]) == 0
     # a dense call cannot take the varlen instantiation, nor a varlen call the dense one
     with pytest.raises(ValueError, match="cannot compute"):
-        _plan.plan_forward_sm90("bfloat16", 1, 10, 10, 8, 2, d, d, scale=0.1,
+        plan_fwd_sm90.plan_forward_sm90("bfloat16", 1, 10, 10, 8, 2, d, d, scale=0.1,
                                 window_right=0 if window else -1,
                                 softcap=20.0 if softcap else 0.0, variant=v)
 
@@ -440,26 +444,26 @@ def test_varlen_plan(d, window, softcap):
 def test_backward_varlen_variant_names():
     """VARLEN is the sixth template argument (after KVBUF); its names end in _varlen; the dense
     names are unchanged."""
-    from cupyflash import _gpu_bwd_sm90 as h90
-    dense = h90.variant_for("bf16_t", 128, True)
-    vl = h90.variant_for("bf16_t", 128, True, varlen=True)
+    from cupyflash.gpu import plan_bwd_sm90
+    dense = plan_bwd_sm90.variant_for("bf16_t", 128, True)
+    vl = plan_bwd_sm90.variant_for("bf16_t", 128, True, varlen=True)
     assert dense.name == "bwd90_bf16_d128_64x128_window" and not dense.varlen
     assert dense.name_expression == "flash_bwd_sm90<bf16_t, 128, true, true, 1, false, 0>"
     assert vl.name == "bwd90_bf16_d128_64x128_window_varlen"
     assert vl.name_expression == "flash_bwd_sm90<bf16_t, 128, true, true, 1, true, 0>"
-    v64 = h90.variant_for("f16_t", 64, False, varlen=True)
+    v64 = plan_bwd_sm90.variant_for("f16_t", 64, False, varlen=True)
     assert v64.name == "bwd90_f16_d64_64x128_kv2_varlen" and v64.kvbuf == 2
     assert v64.name_expression == "flash_bwd_sm90<f16_t, 64, false, true, 2, true, 0>"
     assert vl.smem_bytes == dense.smem_bytes
-    assert {v.name for v in h90.variants() if v.varlen} == {
+    assert {v.name for v in plan_bwd_sm90.variants() if v.varlen} == {
         f"bwd90_{e}_d{d}_64x128{w}{kv}_varlen" for e in ("f16", "bf16") for d in (64, 128)
         for w in ("", "_window") for kv in (("_kv2",) if d == 64 else ("",))}
 
 
 def test_backward_varlen_kernel_choice_is_checked_first():
-    from cupyflash import _gpu_bwd
+    from cupyflash.gpu import bwd as gpu_bwd
     with pytest.raises(ValueError, match=r"kernel='sm80': accepted 'auto', 'sm90', 'portable'"):
-        _gpu_bwd.backward_varlen(*([None] * 13), None, kernel="sm80")
+        gpu_bwd.backward_varlen(*([None] * 13), None, kernel="sm80")
 
 
 @pytest.mark.parametrize("mode", ["plain", "causal", "causal_top_left", "window", "left_window"])
@@ -473,7 +477,7 @@ def test_backward_varlen_tiles_cover_the_band_once(lens, mode):
     pair of each sequence's band exactly once, none outside it (rows past s_q: lse = +inf)."""
     import numpy as np
 
-    from cupyflash import _gpu_bwd_sm90 as h90
+    from cupyflash.gpu import plan_bwd_sm90
     lens_q, lens_k = lens
     cq = np.concatenate([[0], np.cumsum(lens_q)])
     ck = np.concatenate([[0], np.cumsum(lens_k)])
@@ -485,20 +489,20 @@ def test_backward_varlen_tiles_cover_the_band_once(lens, mode):
     wl_p, wr_p = (wl if wl >= 0 else unb), (wr if wr >= 0 else unb)
     bottom_right = mode != "causal_top_left"
     seen = {}
-    for w, z, kv_head, n0, m_first, m_count in h90.varlen_work_tiles(
+    for w, z, kv_head, n0, m_first, m_count in plan_bwd_sm90.varlen_work_tiles(
             cq, ck, h, h_k, wl_p, wr_p, bottom_right, window):
         s_q, s_k = lens_q[z], lens_k[z]
         diag = s_k - s_q if bottom_right else 0
         nk, nrel = s_k - n0, n0 - diag
         for st in range(m_count * (h // h_k)):
             head = kv_head * (h // h_k) + st // m_count
-            m0 = (m_first + st % m_count) * h90.BM
-            need_mask = nk < h90.BN
+            m0 = (m_first + st % m_count) * plan_bwd_sm90.BM
+            need_mask = nk < plan_bwd_sm90.BN
             if window:
-                need_mask |= nrel + h90.BN - 1 > m0 + wr_p or nrel < m0 + h90.BM - 1 - wl_p
-            kt = np.arange(h90.BN)[:, None]
-            col = np.arange(h90.BM)[None, :]
-            keep = np.ones((h90.BN, h90.BM), bool)
+                need_mask |= nrel + plan_bwd_sm90.BN - 1 > m0 + wr_p or nrel < m0 + plan_bwd_sm90.BM - 1 - wl_p
+            kt = np.arange(plan_bwd_sm90.BN)[:, None]
+            col = np.arange(plan_bwd_sm90.BM)[None, :]
+            keep = np.ones((plan_bwd_sm90.BN, plan_bwd_sm90.BM), bool)
             rel = nrel + kt - m0 - col
             band = (kt < nk) & (rel <= wr_p) & (rel >= -wl_p)
             if need_mask:
@@ -534,8 +538,8 @@ def test_backward_varlen_tiles_cover_the_band_once(lens, mode):
 # float32 Hopper forward (kernels_cu/fwd_sm90_f32.cu)
 # ---------------------------------------------------------------------------------------------
 def test_f32_variants_fit_and_are_distinct():
-    vs = _plan.sm90_f32_variants()
-    assert len(vs) == 2 * len(_plan.SM90_F32_HEAD_DIMS) * 2      # f32x3 / tf32 x head dims x window
+    vs = plan_fwd_sm90.sm90_f32_variants()
+    assert len(vs) == 2 * len(plan_fwd_sm90.SM90_F32_HEAD_DIMS) * 2      # f32x3 / tf32 x head dims x window
     assert len({v.name for v in vs}) == len(vs) == len({v.name_expression for v in vs})
     for v in vs:
         assert v.smem_bytes <= H200_SMEM, v
@@ -543,7 +547,7 @@ def test_f32_variants_fit_and_are_distinct():
         assert v.file == "fwd_sm90_f32.cu" and "-arch=sm_90a" in v.arch_options
         assert v.name.startswith("fwd90_") and not v.softcap and not v.varlen and not v.bias
     # the 16-bit list (the compile harness's fwd_sm90.cu chunks) does not take them in
-    assert not set(vs) & set(_plan.sm90_variants())
+    assert not set(vs) & set(plan_fwd_sm90.sm90_variants())
 
 
 def test_f32_smem_mirrors_the_kernel_layout():
@@ -556,22 +560,22 @@ def test_f32_smem_mirrors_the_kernel_layout():
         for qreg in (False, True):
             qt, kvt = 64 * nc * d * 4, bn * d * 4
             bars = (1 if qreg else 2) * qt + 5 * st * kvt
-            assert _plan.sm90_f32_smem_bytes(d, bn, st, nc, qreg) == bars + 8 * (3 + 7 * st) + 8 + 1024
+            assert plan_fwd_sm90.sm90_f32_smem_bytes(d, bn, st, nc, qreg) == bars + 8 * (3 + 7 * st) + 8 + 1024
 
 
 def test_f32_plan():
-    plan = _plan.plan_forward_sm90("float32", 2, 1000, 1000, 16, 4, 128, 128, scale=0.1,
+    plan = plan_fwd_sm90.plan_forward_sm90("float32", 2, 1000, 1000, 16, 4, 128, 128, scale=0.1,
                                    window_right=0, num_sms=132)
     v = plan.variant
-    assert isinstance(v, _plan.Sm90F32Variant) and v.elem == "f32x3_t" and v.window
+    assert isinstance(v, plan_fwd_sm90.Sm90F32Variant) and v.elem == "f32x3_t" and v.window
     assert plan.block == (v.threads, 1, 1) and plan.smem == v.smem_bytes
     assert plan.grid == (min(132, -(-1000 // v.bm) * 16 * 2), 1, 1)
     assert int(plan.params["num_m_blocks"]) == -(-1000 // v.bm)
-    tf = _plan.plan_forward_sm90("float32", 1, 64, 64, 2, 2, 64, 64, scale=0.1, allow_tf32=True)
+    tf = plan_fwd_sm90.plan_forward_sm90("float32", 1, 64, 64, 2, 2, 64, 64, scale=0.1, allow_tf32=True)
     assert tf.variant.elem == "tf32_t" and not tf.variant.window
-    assert tf.variant in _plan.sm90_f32_variants()
+    assert tf.variant in plan_fwd_sm90.sm90_f32_variants()
     with pytest.raises(ValueError):
-        _plan.plan_forward_sm90("float32", 1, 64, 64, 2, 2, 64, 64, scale=0.1, softcap=5.0)
+        plan_fwd_sm90.plan_forward_sm90("float32", 1, 64, 64, 2, 2, 64, 64, scale=0.1, softcap=5.0)
 
 
 @pytest.mark.parametrize("auto", [True, False])
@@ -579,15 +583,15 @@ def test_f32_auto_flag_is_reported(monkeypatch, auto):
     """SM90_FLOAT32_AUTO (True since the H200 run) decides float32's kernel under kernel="auto";
     `python -m cupyflash info` says which, for either value."""
     from cupyflash.__main__ import _forward_kernels
-    assert isinstance(_plan.SM90_FLOAT32_AUTO, bool)
-    monkeypatch.setattr(_plan, "SM90_FLOAT32_AUTO", auto)
+    assert isinstance(TUNING.sm90_float32_auto, bool)
+    monkeypatch.setattr(TUNING, "sm90_float32_auto", auto)
     text = _forward_kernels(90)
     assert ("fwd_sm90_f32.cu (3xTF32" in text) == auto
     assert ("float32: the portable kernel" in text) == (not auto)
 
 
 def test_tma_tensor_float32_box():
-    dims, strides, box = _plan.tma_tensor((2, 100, 4, 128), (51200, 512, 128, 1), 4, 64)
+    dims, strides, box = gpu_tma.tma_tensor((2, 100, 4, 128), (51200, 512, 128, 1), 4, 64)
     assert dims == (128, 100, 4, 2) and strides == (2048, 512, 204800) and box == (32, 64, 1, 1)
     assert _unsupported("float32", tensors=[((2, 100, 4, 128), (51200, 512, 128, 1))]) is None
     # a row pitch of 130 floats (520 bytes) is not a 16-byte multiple; 132 floats is
@@ -644,7 +648,7 @@ def _check_table(table, work, grid, n):
         assert starts[0] == 0 and (counts >= 1).all()
         assert list(starts[1:]) == list(np.cumsum(counts)[:-1]) and counts.sum() == n
         assert (pieces[:, 3] == 64 * rows[0] + len(rows)).all()
-        assert len(rows) <= _plan.SM90_SPLIT_MAX_PARTS + 1 < 64
+        assert len(rows) <= plan_fwd_sm90.SM90_SPLIT_MAX_PARTS + 1 < 64
     return tail
 
 
@@ -652,7 +656,7 @@ def _check_table(table, work, grid, n):
 @given(work=st.integers(1, 5000), grid=st.integers(1, 300), n=st.integers(1, 600),
        force=st.booleans())
 def test_split_table_covers_every_tail_tile_once(work, grid, n, force):
-    table = _plan.sm90_split(work, grid, n, force=force)
+    table = plan_fwd_sm90.sm90_split(work, grid, n, force=force)
     full, tail = divmod(work, grid)
     if table is None:                      # only the model declines (a forced split never)
         assert not force
@@ -676,7 +680,7 @@ def test_split_table_covers_every_tail_tile_once(work, grid, n, force):
     (133, 132, 20, 5),          # ... of 20 key tiles: five pieces of four
 ])
 def test_split_model(work, grid, n, parts):
-    table = _plan.sm90_split(work, grid, n)
+    table = plan_fwd_sm90.sm90_split(work, grid, n)
     assert (0 if table is None else int(table[0, 3]) % 64) == parts
     if table is not None:           # one round: at most one piece per block
         assert len(table) == (work % grid) * parts <= grid
@@ -687,7 +691,7 @@ def test_split_tail_model_choices():
     (hd 128: 2048 work tiles, a tail of 68 tiles: one piece per tile fits), nor on a whole number
     of waves; where few tiles leave most SMs idle, yes."""
     def split(b, s, h=16, d=128):
-        return _plan.plan_forward_sm90("bfloat16", b, s, s, h, h, d, d, scale=0.1).variant.split
+        return plan_fwd_sm90.plan_forward_sm90("bfloat16", b, s, s, h, h, d, d, scale=0.1).variant.split
     assert not any(split(16384 // s, s) for s in (512, 1024, 2048, 4096, 8192, 16384))
     assert not any(split(16384 // s, s, 2048 // d, d) for s in (512, 4096, 16384)
                    for d in (64, 256))
@@ -702,14 +706,14 @@ def test_split_plan_params(kw):
     a grid over whole tiles + pieces; never with a band or softcap; a forced plain variant never
     splits, a forced SPLIT one always (and refuses a band)."""
     args = ("bfloat16", 2, 1000, 3000, 4, 2, 128, 128)
-    plan = _plan.plan_forward_sm90(*args, scale=0.1, **kw)
+    plan = plan_fwd_sm90.plan_forward_sm90(*args, scale=0.1, **kw)
     work = 8 * 4 * 2
     if kw:
         assert plan.split is None and not plan.variant.split
         assert int(plan.params["split_first"]) == work
         if "window_right" in kw:
             with pytest.raises(ValueError, match="cannot compute"):
-                _plan.plan_forward_sm90(*args, scale=0.1, variant=_plan.sm90_variant(
+                plan_fwd_sm90.plan_forward_sm90(*args, scale=0.1, variant=plan_fwd_sm90.sm90_variant(
                     "bf16_t", 128, False, False, split=True), **kw)
         return
     # (3000 keys a row: the max-free softmax's split twin)
@@ -718,11 +722,11 @@ def test_split_plan_params(kw):
     assert first == 0 and len(plan.split) == pieces         # 64 tiles < 132 SMs: all split
     _check_table(plan.split, work, 132, 24)
     assert plan.grid == (min(132, pieces), 1, 1)
-    plain = _plan.plan_forward_sm90(*args, scale=0.1, variant=_plan.sm90_variant(
+    plain = plan_fwd_sm90.plan_forward_sm90(*args, scale=0.1, variant=plan_fwd_sm90.sm90_variant(
         "bf16_t", 128, False, False))
     assert plain.split is None and not plain.variant.split and plain.grid == (64, 1, 1)
-    forced = _plan.plan_forward_sm90("bfloat16", 1, 4096, 4096, 33, 33, 128, 128, scale=0.1,
-                                     variant=_plan.sm90_variant("bf16_t", 128, False, False,
+    forced = plan_fwd_sm90.plan_forward_sm90("bfloat16", 1, 4096, 4096, 33, 33, 128, 128, scale=0.1,
+                                     variant=plan_fwd_sm90.sm90_variant("bf16_t", 128, False, False,
                                                                 split=True))
     first, pieces = int(forced.params["split_first"]), int(forced.params["split_pieces"])
     assert forced.variant.split and first == 1056 - 132 and len(forced.split) == first + pieces
@@ -734,12 +738,12 @@ def test_split_plan_params(kw):
     assert _check_table(tail, 1056, 132, 32) == 132
     assert forced.grid == (132, 1, 1)
     with pytest.raises(ValueError, match="split: dense calls"):
-        _plan.sm90_variant("bf16_t", 128, True, False, split=True)
+        plan_fwd_sm90.sm90_variant("bf16_t", 128, True, False, split=True)
 
 
 def test_work_items_table():
-    pieces = _plan.sm90_split(140, 132, 10)
-    items = _plan.sm90_work_items(132, pieces, 10)
+    pieces = plan_fwd_sm90.sm90_split(140, 132, 10)
+    items = plan_fwd_sm90.sm90_work_items(132, pieces, 10)
     assert len(pieces) == 8 * 2                 # 8 tiles past the wave, 2 pieces of 5 each
     assert items.dtype == np.int32 and items.shape == (132 + len(pieces), 4)
     assert list(items[131]) == [131, 0, 10, 1]
@@ -748,5 +752,5 @@ def test_work_items_table():
 
 
 def test_split_workspace_bytes():
-    v = _plan.sm90_variant("bf16_t", 128, False, False, split=True)
-    assert _plan.sm90_split_ws_bytes(v, 10) == 10 * 2 * 128 * (64 + 4) * 4
+    v = plan_fwd_sm90.sm90_variant("bf16_t", 128, False, False, split=True)
+    assert plan_fwd_sm90.sm90_split_ws_bytes(v, 10) == 10 * 2 * 128 * (64 + 4) * 4

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
-from cupyflash import _modules, _plan  # noqa: E402
+from cupyflash.gpu import compile as gpu_compile, plan_fwd_sm90  # noqa: E402
 
 
 def _nvdisasm():
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not installed
 
 
 def _cubin(variants) -> bytes:
-    return _modules.nvrtc_compile(_modules.program(variants), "sm_90a", "fwd_sm90.cu")[2]
+    return gpu_compile.nvrtc_compile(gpu_compile.program(variants), "sm_90a", "fwd_sm90.cu")[2]
 
 
 def loop_waits(sass: str):
@@ -63,7 +63,7 @@ def loop_waits(sass: str):
 
 @pytest.fixture(scope="module")
 def sass_by_variant(tmp_path_factory):
-    vs = [v for v in _plan.sm90_variants() if v.d == 128 and v.elem == "bf16_t"]
+    vs = [v for v in plan_fwd_sm90.sm90_variants() if v.d == 128 and v.elem == "bf16_t"]
     assert vs, "the planner has hd 128 variants"
     d = tmp_path_factory.mktemp("sass")
     out = {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from cupyflash import _gpu_dbias_sm90 as d90
+from cupyflash.gpu import plan_dbias_sm90
 from test_sm90_f32_bwd_protocol import Buf, Hazard, MBar, W, produce, run, take_tile
 
 CONSUMERS = ("c0", "c1")
@@ -83,7 +83,7 @@ def protocol(tiles, stages, biasbuf, drop=None):
 TILES = [[1], [3], [0, 2], [2, 0, 0, 1, 4], [1, 1, 1, 1, 1, 1], [16, 2, 16], [0]]
 
 
-@pytest.mark.parametrize("stages, biasbuf", sorted(set(d90.BUFFERS.values())))
+@pytest.mark.parametrize("stages, biasbuf", sorted(set(plan_dbias_sm90.BUFFERS.values())))
 @pytest.mark.parametrize("tiles", TILES, ids=lambda t: "tiles" + "-".join(map(str, t)))
 def test_protocol_has_no_hazard(tiles, stages, biasbuf):
     for seed in range(40):
@@ -99,6 +99,6 @@ def test_the_model_catches_a_missing_wait(drop):
     """Each of these waits is needed: without it some interleaving breaks a rule."""
     with pytest.raises(Hazard):
         for seed in range(300):
-            for stages, biasbuf in sorted(set(d90.BUFFERS.values())):
+            for stages, biasbuf in sorted(set(plan_dbias_sm90.BUFFERS.values())):
                 for tiles in ([3, 2, 4, 1], [2, 0, 0, 3, 0, 1, 2]):
                     run(protocol(tiles, stages, biasbuf, drop=drop), seed)

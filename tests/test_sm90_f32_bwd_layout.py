@@ -19,14 +19,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupyflash import _gpu_bwd_sm90_f32 as f32b
+from cupyflash.gpu import plan_bwd_sm90_f32
 from cupyflash import reference
 
 from test_sm90_f32_layout import (a_frag_pos, acc_pos, swz, test_pv_product_through_the_layouts,
                                   test_s_product_through_the_layouts, test_split_q_fragments_and_s_product,
                                   test_transpose_covers_and_has_no_bank_conflicts, tma_store)
 
-BM, BN, D = f32b.BM, f32b.BN, 64
+BM, BN, D = plan_bwd_sm90_f32.BM, plan_bwd_sm90_f32.BN, 64
 
 
 def layout(d):
@@ -46,8 +46,8 @@ def layout(d):
 
 def test_layout_fits_and_matches_the_mirror():
     off = layout(D)
-    assert off["BYTES"] + 1024 == f32b.smem_bytes(D) == f32b.Sm90F32BwdVariant(D, False).smem_bytes
-    assert f32b.smem_bytes(D) <= 232_448
+    assert off["BYTES"] + 1024 == plan_bwd_sm90_f32.smem_bytes(D) == plan_bwd_sm90_f32.Sm90F32BwdVariant(D, False).smem_bytes
+    assert plan_bwd_sm90_f32.smem_bytes(D) <= 232_448
     for name in ("KB", "KS", "VB", "QB", "QS", "DOB", "DOS", "QTB", "QTS", "DOTB", "DOTS", "RAWQ",
                  "RAWDO", "RAW1", "DS"):
         assert off[name] % 1024 == 0, name   # swizzled panels: 1024-byte aligned
@@ -284,7 +284,7 @@ def model_backward(dout, q, k, v, scale, causal=False, window=None, bn=BN):
     return dq.transpose(0, 2, 1, 3), dk, dv
 
 
-@pytest.mark.parametrize("head_dim", sorted(f32b.BN_OF), ids=lambda d: f"hd{d}")
+@pytest.mark.parametrize("head_dim", sorted(plan_bwd_sm90_f32.BN_OF), ids=lambda d: f"hd{d}")
 @pytest.mark.parametrize("s_q,s_k,h,h_k,causal,window", [
     (33, 200, 2, 1, False, None),
     (200, 33, 2, 2, True, None),
@@ -303,7 +303,7 @@ def test_work_decomposition_matches_the_reference(s_q, s_k, h, h_k, causal, wind
     v = rng.standard_normal((2, s_k, h_k, d))
     dout = rng.standard_normal((2, s_q, h, d))
     scale = d ** -0.5
-    dq, dk, dv = model_backward(dout, q, k, v, scale, causal, window, bn=f32b.BN_OF[head_dim])
+    dq, dk, dv = model_backward(dout, q, k, v, scale, causal, window, bn=plan_bwd_sm90_f32.BN_OF[head_dim])
     rq, rk, rv, _ = reference.attention_backward(dout, q, k, v, scale=scale, causal=causal, window=window)
     for got, ref in ((dq, rq), (dk, rk), (dv, rv)):
         np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
@@ -314,7 +314,7 @@ def _why(dtype="float32", d=64, cc=90, **kw):
                 has_mask=False, deterministic=False, window_left=-1, window_right=-1, cc=cc,
                 smem_optin=232_448)
     args.update(kw)
-    return f32b.unsupported(dtype, d, d, **args)
+    return plan_bwd_sm90_f32.unsupported(dtype, d, d, **args)
 
 
 def test_coverage_rules():
@@ -322,7 +322,7 @@ def test_coverage_rules():
     assert _why() is None
     assert _why(window_left=10, window_right=0) is None
     assert _why(d=128) is None
-    assert "shared memory" in _why(d=128, smem_optin=f32b.smem_bytes(128) - 1)
+    assert "shared memory" in _why(d=128, smem_optin=plan_bwd_sm90_f32.smem_bytes(128) - 1)
     assert "dtype" in _why("bfloat16")
     for d in (32, 96, 100, 256):
         assert "head dims" in _why(d=d)
@@ -330,13 +330,13 @@ def test_coverage_rules():
     assert "allow_tf32" in _why(allow_tf32=True)
     assert "deterministic" in _why(deterministic=True)
     assert "softcap" in _why(softcap=30.0)
-    assert "shared memory" in _why(smem_optin=f32b.smem_bytes(64) - 1)
+    assert "shared memory" in _why(smem_optin=plan_bwd_sm90_f32.smem_bytes(64) - 1)
 
 
 def test_16_bit_hopper_backward_refuses_float32():
     """The 16-bit Hopper backward's variants are 16-bit only: float32 goes to bwd_sm90_f32.cu
     (or the portable kernel)."""
-    from cupyflash import _gpu_bwd_sm90
-    assert all(v.elem in ("f16_t", "bf16_t") for v in _gpu_bwd_sm90.variants())
-    assert _gpu_bwd_sm90.unsupported("float32", 64, 64, scale=0.125, softcap=0.0, has_alibi=False,
+    from cupyflash.gpu import plan_bwd_sm90
+    assert all(v.elem in ("f16_t", "bf16_t") for v in plan_bwd_sm90.variants())
+    assert plan_bwd_sm90.unsupported("float32", 64, 64, scale=0.125, softcap=0.0, has_alibi=False,
                                      deterministic=False, cc=90, smem_optin=232_448) is not None

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupyflash import _gpu_bwd_sm90_f32 as f32b
+from cupyflash.gpu import plan_bwd_sm90_f32
 
 from test_sm90_f32_bwd_layout import key_of_slot, slot_of_key
 from test_sm90_f32_layout import a_frag_pos, acc_pos, swz, tma_store
 
-D, BM = 128, f32b.BM
-BN = f32b.BN_OF[D]          # 64 keys per work tile
+D, BM = 128, plan_bwd_sm90_f32.BM
+BN = plan_bwd_sm90_f32.BN_OF[D]          # 64 keys per work tile
 DH = D // 2                 # columns per consumer
 KV_PANEL, Q_PANEL, DS_PANEL = BN * 128, BM * 128, BM * 128
 
@@ -93,8 +93,8 @@ def conflicts(word_addrs):
 
 def test_layout_fits_and_matches_the_mirror():
     off = layout_t()
-    assert off["BYTES"] + 1024 == f32b.smem_bytes(D) == f32b.Sm90F32BwdVariant(D, True).smem_bytes
-    assert f32b.smem_bytes(D) <= 232_448
+    assert off["BYTES"] + 1024 == plan_bwd_sm90_f32.smem_bytes(D) == plan_bwd_sm90_f32.Sm90F32BwdVariant(D, True).smem_bytes
+    assert plan_bwd_sm90_f32.smem_bytes(D) <= 232_448
     for name in ("KR", "VR", "QB", "QS", "DOB", "DOS", "RQ", "RDO", "PTB", "PTS", "DSTB", "DSTS",
                  "DSB", "DSS"):
         assert off[name] % 1024 == 0, name   # swizzled panels, descriptors, TMA: 1024-byte aligned
