@@ -54,7 +54,7 @@ class _Sm90Launch(fwd_portable.Launch):
         super().__init__(fn, plan, True)
         self.dtype_name = dtype_name
         self.maps = maps                      # (dims, byte strides, box) of q, k, v (, out)
-        self.out_align = sm90_out_align(plan.variant, dtype_name)
+        self.out_align = plan_fwd_sm90.sm90_out_align(plan.variant, dtype_name)
         self.records = {}                     # (q, k, v, out, lse pointers, stream) -> (args, record)
         self.portable_plan = portable_plan
         self.portable_strides_ok = portable_strides_ok

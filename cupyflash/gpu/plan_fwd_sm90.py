@@ -413,6 +413,13 @@ def sm90_variants():
     return list(found.values())
 
 
+def sm90_out_align(variant, dtype_name) -> int:
+    """Bytes out's base must be aligned to on the Hopper forward: 16 where O goes out through a
+    TMA store (o_smem: such kernels have no other epilogue) or as float32 quads, else 4 (16-bit
+    pairs)."""
+    return 16 if dtype_name == "float32" or getattr(variant, "o_smem", False) else 4
+
+
 def sm90_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: float,
                      has_alibi: bool, cc: int, smem_optin: int, tensors=()) -> Optional[str]:
     """Why the Hopper forward kernel cannot run this call (None when it can).

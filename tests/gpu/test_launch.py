@@ -305,9 +305,15 @@ def test_dbias_mode_bits_mirror_common_cuh():
 
     from cupyflash.gpu import plan_bwd
 
-    src = (pathlib.Path(__file__).parents[1] / "kernels_cu" / "common.cuh").read_text()
+    src = (pathlib.Path(__file__).parents[2] / "kernels_cu" / "common.cuh").read_text()
     defined = {m[0]: int(m[1]) for m in re.findall(r"#define (DBIAS_\w+) (\d+)", src)}
     assert set(defined) == {"DBIAS_ROWS", "DBIAS_ATOMIC", "DBIAS_SLAB_B", "DBIAS_SLAB_H",
                             "DBIAS_STORE", "DBIAS_SCHED_B"}
     for name, value in defined.items():
         assert getattr(plan_bwd, name) == value, name
+
+
+def test_backward_varlen_kernel_choice_is_checked_first():
+    from cupyflash.gpu import bwd as gpu_bwd
+    with pytest.raises(ValueError, match=r"kernel='sm80': accepted 'auto', 'sm90', 'portable'"):
+        gpu_bwd.backward_varlen(*([None] * 13), None, kernel="sm80")

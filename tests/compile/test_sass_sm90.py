@@ -74,6 +74,7 @@ def sass_by_variant(tmp_path_factory):
     return out
 
 
+@pytest.mark.all_variants
 def test_hd128_softmax_runs_beside_its_own_pv(sass_by_variant):
     bad = []
     for v, sass in sass_by_variant.items():

@@ -1,4 +1,4 @@
-"""NVRTC compile harness for the backward: every variant the planner (cupyflash._gpu_bwd) can
+"""NVRTC compile harness for the backward: every variant the planner (cupyflash.gpu.plan_bwd) can
 select, with its two helper kernels, for sm_80 and sm_90a.
 
 Runs without a GPU (NVRTC only). Fails on any compile error, and on register spills in the main
@@ -24,7 +24,7 @@ def reports():
         vs = plan_bwd.all_variants(SMEM[arch])
         ds = plan_bwd.all_dbias_variants(SMEM[arch])
         for elem in gpu_variants.ELEMS:   # one program per (arch, element type), flash_bwd_dbias too
-            jobs.append((arch, gpu_compile.program,
+            jobs.append((arch,
                          [v for v in vs + ds if v.elem == elem], "bwd.cu"))
     res = gpu_compile.nvrtc_reports(jobs)
     for arch in ARCHS:
@@ -38,6 +38,7 @@ def reports():
     return res
 
 
+@pytest.mark.all_variants
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_backward_variant_compiles(reports, arch):
     vs = plan_bwd.all_variants(SMEM[arch])
@@ -47,6 +48,7 @@ def test_every_backward_variant_compiles(reports, arch):
     assert set(reports[arch]) == want
 
 
+@pytest.mark.all_variants
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dbias_variants_do_not_spill(reports, arch):
     bad = [f"{v.name}: {reports[arch][v.name_expression][1]} B spilled"
@@ -55,6 +57,7 @@ def test_dbias_variants_do_not_spill(reports, arch):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.all_variants
 @pytest.mark.parametrize("arch", ARCHS)
 def test_main_backward_variants_do_not_spill(reports, arch):
     bad = []

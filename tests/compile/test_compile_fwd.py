@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+pytestmark = pytest.mark.all_variants   # the sweep; test_compile_families.py compiles one of each
 
 from cupyflash.gpu import compile as gpu_compile, plan_fwd, variants as gpu_variants  # noqa: E402
 
@@ -34,7 +35,7 @@ def reports():
         for elem in gpu_variants.ELEMS:
             for flags in ((False, False), (False, True), (True, False), (True, True)):
                 chunk = [v for v in vs if v.elem == elem and (v.window, v.score_mod) == flags]
-                jobs.append((arch, gpu_compile.program, chunk, "fwd.cu"))
+                jobs.append((arch, chunk, "fwd.cu"))
     res = gpu_compile.nvrtc_reports(jobs)
     for arch in ARCHS:
         print(f"\n{arch}: registers / spill bytes per variant")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+pytestmark = pytest.mark.all_variants   # the sweep; test_compile_families.py compiles one of each
 
 from cupyflash.gpu import compile as gpu_compile, plan_bwd_sm90, plan_dbias_sm90, plan_fwd_sm90  # noqa: E402
 
@@ -23,7 +24,7 @@ def reports():
     for elem in ("f16_t", "bf16_t"):
         for window in (False, True):
             chunk = [v for v in vs if v.elem == elem and v.window == window]
-            jobs.append(("sm_90a", gpu_compile.program, chunk, "fwd_sm90.cu"))
+            jobs.append(("sm_90a", chunk, "fwd_sm90.cu"))
     res = gpu_compile.nvrtc_reports(jobs)["sm_90a"]
     print("\nsm_90a: registers / spill bytes per Hopper variant")
     for v in vs:
@@ -95,10 +96,10 @@ def _ptxas_warnings(parts, filename):
     return [ln for ln in log.splitlines() if "warning" in ln.lower()]
 
 
-def _per_elem_report(title, vs, program, filename, elems=("f16_t", "bf16_t")):
+def _per_elem_report(title, vs, filename, elems=("f16_t", "bf16_t")):
     """NVRTC reports {name expression: (registers, spill bytes)} of variants ``vs`` (one program
     per element type), printed under ``title``; asserts every variant got one."""
-    jobs = [("sm_90a", program, [v for v in vs if v.elem == e], filename) for e in elems]
+    jobs = [("sm_90a", [v for v in vs if v.elem == e], filename) for e in elems]
     res = gpu_compile.nvrtc_reports(jobs)["sm_90a"]
     print(f"\nsm_90a: registers / spill bytes per {title}")
     for v in vs:
@@ -124,7 +125,7 @@ def test_float32_variants_compile_without_spills():
     """The float32 forward (fwd_sm90_f32.cu, plan_fwd_sm90.sm90_f32_variants()): 0 spills, and no ptxas
     warning in any of them (one program per element type)."""
     vs = plan_fwd_sm90.sm90_f32_variants()
-    res = _per_elem_report("float32 Hopper variant", vs, gpu_compile.program, "fwd_sm90_f32.cu",
+    res = _per_elem_report("float32 Hopper variant", vs, "fwd_sm90_f32.cu",
                            plan_fwd_sm90.F32_ELEMS)
     bad = _over_budget(vs, res)
     assert not bad, "\n".join(bad)
@@ -134,7 +135,7 @@ def test_float32_variants_compile_without_spills():
 
 def test_backward_variants_compile_without_spills():
     vs = plan_bwd_sm90.variants()
-    res = _per_elem_report("Hopper backward variant", vs, gpu_compile.program, "bwd_sm90.cu")
+    res = _per_elem_report("Hopper backward variant", vs, "bwd_sm90.cu")
     bad = _over_budget(vs, res, _bwd_spill_budget)
     assert not bad, "\n".join(bad)
 
@@ -155,12 +156,12 @@ def test_backward_bias_and_varlen_variants_no_ptxas_warnings():
 
 
 def test_float32_backward_compiles_without_spills():
-    """The float32 Hopper backward (bwd_sm90_f32.cu, _gpu_bwd_sm90_f32.variants()):
+    """The float32 Hopper backward (bwd_sm90_f32.cu, plan_bwd_sm90_f32.variants()):
     0 spills and no ptxas warning in its variants and helper kernels."""
-    from cupyflash.gpu import compile as gpu_compile, plan_bwd_sm90_f32
+    from cupyflash.gpu import plan_bwd_sm90_f32
 
     vs = plan_bwd_sm90_f32.variants()
-    res = gpu_compile.nvrtc_reports([("sm_90a", gpu_compile.program, vs, "bwd_sm90_f32.cu")])["sm_90a"]
+    res = gpu_compile.nvrtc_reports([("sm_90a", vs, "bwd_sm90_f32.cu")])["sm_90a"]
     print("\nsm_90a: registers / spill bytes per float32 Hopper backward variant")
     for n, (regs, spill) in sorted(res.items()):
         print(f"  {n:55s} {regs:4d} regs {spill:6d} B spill")
@@ -175,7 +176,7 @@ def test_dbias_kernel_compiles_without_spills():
     """The Hopper dbias kernel (dbias_sm90.cu, plan_dbias_sm90.variants()): every variant 0 spills
     and no ptxas warning (no serialized wgmma; one program per element type)."""
     vs = plan_dbias_sm90.variants()
-    res = _per_elem_report("Hopper dbias variant", vs, gpu_compile.program, "dbias_sm90.cu")
+    res = _per_elem_report("Hopper dbias variant", vs, "dbias_sm90.cu")
     bad = _over_budget(vs, res)
     assert not bad, "\n".join(bad)
     # setmaxnreg.inc waits until the CTA's register pool (entry count x 384 threads, allocated at

@@ -9,7 +9,7 @@ import pytest
 
 from cupyflash.gpu import params as gpu_params, plan_fwd, variants as gpu_variants
 
-KERNELS = Path(__file__).resolve().parent.parent / "kernels_cu"
+KERNELS = Path(__file__).resolve().parents[2] / "kernels_cu"
 
 
 def _plan_simple(**kw):
