@@ -200,7 +200,7 @@ def _dbias_sm90_variant(name, q, k, v, dout, operand, opts, dplan, dev_id, smem)
     if not TUNING.dbias_sm90:
         return None
     b_arr = operand[0]
-    if not dbias_sm90.bases_aligned(q, k, v, dout, b_arr):
+    if not plan_dbias_sm90.bases_aligned(q, k, v, dout, b_arr):
         return None
     shape = dplan.shape
     why = plan_dbias_sm90.unsupported(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from . import compile, device, params, tma
-from .plan_dbias_sm90 import BM, BN, THREADS, Sm90DbiasVariant, num_work
+from .plan_dbias_sm90 import BM, BN, THREADS, Sm90DbiasVariant, bases_aligned, num_work
 from .variants import DTYPE_NAMES
 
 

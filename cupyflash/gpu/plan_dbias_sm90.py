@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .tma import bias_tma_unsupported
+from .tma import TMA_ALIGN, bias_tma_unsupported
 from .variants import SM90_SMEM_MAX, KernelVariant, cpp_bool, sm90_common_unsupported
 
 
@@ -156,3 +156,9 @@ def work_tiles(s_q: int, s_k: int, b: int, h: int, sum_b: bool, sum_h: bool, win
                          or n0 < m0 + BM - 1 + diag_offset - window_left)
         pairs = [(pb if not sum_b else it // nh, ph if not sum_h else it % nh) for it in range(count)]
         yield w, m0, n0, pb, ph, pairs, need_mask
+
+
+def bases_aligned(*arrays) -> bool:
+    """Whether every array's base address is one TMA can take (16-byte aligned): q, k, v, dout
+    and the bias operand, checked by the launcher before it picks this kernel and by launch."""
+    return all(a.data.ptr % TMA_ALIGN == 0 for a in arrays)

@@ -1,4 +1,4 @@
-"""The Hopper dbias kernel's planner (cupyflash/_gpu_dbias_sm90.py), CPU only: variants and their
+"""The Hopper dbias kernel's planner (cupyflash/gpu/plan_dbias_sm90.py), CPU only: variants and their
 shared memory, coverage reasons, and the work decomposition (every dbias element of every plane
 in exactly one work tile, each tile summing exactly the plane's pairs; tiles skipped or left
 unmasked only where the causal / window band allows)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupyflash.gpu import dbias_sm90, plan_dbias_sm90
+from cupyflash.gpu import plan_dbias_sm90
 
 SMEM = 227 * 1024
 
@@ -114,4 +114,4 @@ def test_bases_aligned(offsets, want):
     """TMA needs 16-byte aligned bases: the launcher keeps the float32 accumulator otherwise."""
     from types import SimpleNamespace
     arrays = [SimpleNamespace(data=SimpleNamespace(ptr=4096 + o)) for o in offsets]
-    assert dbias_sm90.bases_aligned(*arrays) is want
+    assert plan_dbias_sm90.bases_aligned(*arrays) is want
