@@ -151,7 +151,7 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, for
                              "with a bias or packed sequences (bwd_sm90_f32.cu is dense only)")
         return None
     cc = device.info(dev_id)[0]
-    why = plan_bwd_sm90.unsupported(
+    why = plan_bwd_sm90.why_unsupported(
         name, q.shape[3], v.shape[3], scale=float(opts.scale),
         softcap=float(opts.softcap or 0.0), has_alibi=opts.alibi_slopes is not None,
         deterministic=bool(opts.deterministic), cc=cc, smem_optin=smem,
@@ -195,7 +195,7 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, for
 
 def _dbias_sm90_variant(name, q, k, v, dout, operand, opts, dplan, dev_id, smem):
     """The Hopper dbias kernel's variant for an eligible call (None: TUNING.dbias_sm90 off, a base
-    address TMA cannot take, or plan_dbias_sm90.unsupported names a reason; the call then keeps
+    address TMA cannot take, or plan_dbias_sm90.why_unsupported names a reason; the call then keeps
     the default of other devices, use_dbias_kernel)."""
     if not TUNING.dbias_sm90:
         return None
@@ -203,7 +203,7 @@ def _dbias_sm90_variant(name, q, k, v, dout, operand, opts, dplan, dev_id, smem)
     if not plan_dbias_sm90.bases_aligned(q, k, v, dout, b_arr):
         return None
     shape = dplan.shape
-    why = plan_dbias_sm90.unsupported(
+    why = plan_dbias_sm90.why_unsupported(
         name, q.shape[3], v.shape[3], cc=device.info(dev_id)[0], smem_optin=smem,
         softcap=float(opts.softcap or 0.0), has_alibi=opts.alibi_slopes is not None,
         has_mask=opts.mask is not None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from . import compile, device, params, tma
-from .plan_bwd_sm90_f32 import BM, THREADS, Sm90F32BwdVariant, unsupported
+from .plan_bwd_sm90_f32 import BM, THREADS, Sm90F32BwdVariant, why_unsupported
 
 
 def launch(variant: Sm90F32BwdVariant, prm, q, k, v, dout, dev_id,
@@ -44,7 +44,7 @@ def launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, forced):
     naming the reason. ``hopper(prm)`` returns None (nothing launched: the portable kernel runs)
     where a base address or dq / dk / dv row is misaligned, unless forced."""
     cc = device.info(dev_id)[0]
-    why = unsupported(
+    why = why_unsupported(
         name, q.shape[3], v.shape[3], allow_tf32=bool(opts.allow_tf32), scale=float(opts.scale),
         softcap=float(opts.softcap or 0.0), has_alibi=opts.alibi_slopes is not None,
         has_bias=opts.bias is not None, has_mask=opts.mask is not None,

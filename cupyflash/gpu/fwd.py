@@ -91,8 +91,9 @@ def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
     ``kernel``: "auto" (the planner's choice: the Hopper kernel on compute capability 9.0 where
     it covers the call, else the portable one), "portable" (the planner's portable choice),
     "sm90" (the Hopper kernel; ValueError when it cannot run the call), a variant name from
-    plan_fwd.all_variants() / plan_fwd_sm90.sm90_variants() / plan_fwd_sm90.sm90_f32_variants(), or a
-    plan_fwd.Variant / _plan.Sm90Variant / _plan.Sm90F32Variant (any instantiation, for tuning).
+    plan_fwd.variants() / plan_fwd_sm90.variants() / plan_fwd_sm90.f32_variants(), or a
+    plan_fwd.Variant / plan_fwd_sm90.Sm90Variant / plan_fwd_sm90.Sm90F32Variant (any instantiation, for
+    tuning).
     float32 takes the Hopper float32 kernel under "auto" where it covers the call
     (TUNING.sm90_float32_auto). Runs on the current device and stream.
     A bias or mask goes to ``_forward_general`` (planned per call): the Hopper BIAS variant for a

@@ -78,10 +78,10 @@ class Launch:
 
 
 def variant_by_name(name, smem):
-    for v in plan_fwd.all_variants(smem):
+    for v in plan_fwd.variants(smem):
         if v.name == name:
             return v
-    raise ValueError(f"kernel={name!r}: no such forward variant (see plan_fwd.all_variants())")
+    raise ValueError(f"kernel={name!r}: no such forward variant (see plan_fwd.variants())")
 
 
 def forced_variant(kernel, smem):

@@ -108,17 +108,17 @@ def want_sm90(kernel) -> bool:
 
 
 def variant_by_name(name):
-    for v in plan_fwd_sm90.sm90_variants() + plan_fwd_sm90.sm90_f32_variants():
+    for v in plan_fwd_sm90.variants() + plan_fwd_sm90.f32_variants():
         if v.name == name:
             return v
-    raise ValueError(f"kernel={name!r}: no such Hopper variant (see plan_fwd_sm90.sm90_variants() and "
-                     "plan_fwd_sm90.sm90_f32_variants())")
+    raise ValueError(f"kernel={name!r}: no such Hopper variant (see plan_fwd_sm90.variants() and "
+                     "plan_fwd_sm90.f32_variants())")
 
 
 def check(q, k, v, out, opts, dtype_name, dev_id, smem):
     """(element strides of q, k, v, out; why the Hopper forward cannot run this call, or None)."""
     elem_strides = [params.elem_strides(a, t) for a, t in ((q, "q"), (k, "k"), (v, "v"), (out, "o"))]
-    reason = plan_fwd_sm90.sm90_unsupported(
+    reason = plan_fwd_sm90.why_unsupported(
         dtype_name, q.shape[3], v.shape[3], scale=float(opts.scale),
         softcap=float(opts.softcap or 0.0), has_alibi=opts.alibi_slopes is not None,
         cc=device.info(dev_id)[0], smem_optin=smem,

@@ -38,7 +38,7 @@ from .variants import (ELEM_SIZE, ELEMS, HEAD_DIM_BUCKETS, SM90_SMEM_MAX, Kernel
 # (BM, NW, WD, NBUF) per (shared-memory class, element size) and head-dim bucket.
 # BN = 16·NW/WD keys per block. Each warp holds dK and dV for 16 keys x D/WD columns in
 # registers (D/WD floats per lane) plus Sᵀ and dPᵀ (BM/2 floats each); WD = 2 above 128 keeps
-# that under the 255-register limit. Chosen from the ptxas reports (tests/test_compile_bwd.py).
+# that under the 255-register limit. Chosen from the ptxas reports (tests/compile/test_compile_bwd.py).
 _TILES = {
     ("big", 2): {32: (64, 8, 1, 2), 64: (64, 8, 1, 2), 96: (64, 8, 1, 2), 128: (32, 8, 1, 2),
                  160: (64, 8, 2, 2), 192: (32, 8, 2, 2), 224: (64, 8, 2, 1), 256: (32, 8, 2, 2)},
@@ -123,7 +123,7 @@ def tiles(elem: str, d_bucket: int, smem_optin: int,
     return _TILES[(smem_class(smem_optin), ELEM_SIZE[elem])][d_bucket]
 
 
-def all_variants(smem_optin: int = SM90_SMEM_MAX):
+def variants(smem_optin: int = SM90_SMEM_MAX):
     """Every BwdVariant the planner can select on a device with this shared-memory limit."""
     out = []
     for elem in ELEMS:
@@ -373,7 +373,7 @@ def dbias_variant(elem: str, d_bucket: int,
     raise NotImplementedError(f"no flash_bwd_dbias tile fits {smem_optin} bytes of shared memory")
 
 
-def all_dbias_variants(smem_optin: int = SM90_SMEM_MAX):
+def dbias_variants(smem_optin: int = SM90_SMEM_MAX):
     """Every DbiasVariant the launcher can select on a device with this shared-memory limit."""
     return [dbias_variant(e, d, smem_optin) for e in ELEMS for d in HEAD_DIM_BUCKETS]
 

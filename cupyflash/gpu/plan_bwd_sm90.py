@@ -5,7 +5,7 @@ memory, work decomposition. bwd_sm90.py launches it.
 main kernel (flash_bwd in bwd.cu) on compute capability 9.0 wherever it covers the call; the helper
 kernels before it (``flash_bwd_pre_sm90``: D = rowsum(dO ∘ O) with the zeroed dQ accumulator; bwd.cu's
 ``flash_bwd_pre`` when O's rows are not 16-byte aligned) and after it (``flash_bwd_dq_sm90``: the dQ
-conversion) are compiled into the same module. Coverage (``unsupported`` says why not):
+conversion) are compiled into the same module. Coverage (``why_unsupported`` says why not):
 float16 / bfloat16, d = d_v in {64, 128}, no softcap / ALiBi, scale > 0, atomic (not
 deterministic) dQ, strides TMA accepts (16-byte multiples) for q, k, v and dout; an additive
 bias with dbias where ``bias_unsupported`` accepts its layout (no mask: the launcher keeps masks
@@ -169,7 +169,7 @@ def varlen_work_tiles(cu_seqlens_q, cu_seqlens_k, h: int, h_k: int, window_left:
         yield w, z, kv_head, n0, i_lo // BM, m_count
 
 
-def unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: float,
+def why_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: float,
                 has_alibi: bool, deterministic: bool, cc: int, smem_optin: int,
                 tensors=()) -> Optional[str]:
     """Why the Hopper backward kernel cannot run this call (None when it can). ``tensors``:

@@ -95,7 +95,7 @@ def variants():
     return [Sm90F32BwdVariant(d, w) for d in HEAD_DIMS for w in (False, True)]
 
 
-def unsupported(dtype_name: str, d: int, d_v: int, *, allow_tf32: bool, scale: float,
+def why_unsupported(dtype_name: str, d: int, d_v: int, *, allow_tf32: bool, scale: float,
                 softcap: float, has_alibi: bool, has_bias: bool, has_mask: bool,
                 deterministic: bool, window_left: int, window_right: int, cc: int,
                 smem_optin: int, tensors=()) -> Optional[str]:

@@ -6,7 +6,7 @@ bwd.cu's ``flash_bwd_dbias`` (dbias summed over the (batch, head) pairs each pla
 to, in float32 registers, stored once in the bias's type: extra memory = dbias only) with TMA
 loads and wgmma products. When the backward takes the dbias-kernel path (``plan_bwd.dbias_by_kernel``
 and ``TUNING.dbias_kernel`` / deterministic mode / no room for the float32 accumulator), the launcher
-runs this kernel instead of flash_bwd_dbias on compute capability 9.0 where ``unsupported``
+runs this kernel instead of flash_bwd_dbias on compute capability 9.0 where ``why_unsupported``
 passes and ``TUNING.dbias_sm90`` is set, else flash_bwd_dbias.
 
 Work tiles: [BM = 128 queries, BN = 128 keys] of one dbias plane, query tiles fastest, then key
@@ -105,7 +105,7 @@ def num_work(s_q: int, s_k: int, planes: int) -> int:
     return -(-s_q // BM) * -(-s_k // BN) * planes
 
 
-def unsupported(dtype_name: str, d: int, d_v: int, *, cc: int, smem_optin: int, softcap: float,
+def why_unsupported(dtype_name: str, d: int, d_v: int, *, cc: int, smem_optin: int, softcap: float,
                 has_alibi: bool, has_mask: bool, tensors=(), bias_shape=(), bias_strides=(),
                 bias_itemsize: int = 2, s_q: int = 1, s_k: int = 1, planes: int = 1) -> Optional[str]:
     """Why flash_bwd_dbias_sm90 cannot give this call's dbias (None when it can). ``tensors``:

@@ -12,7 +12,7 @@ The kernel is ``flash_fwd<E, D, BM, BN, NW, WINDOW, SCORE_MOD>`` in kernels_cu/f
 * WINDOW: causal or sliding window (tiles outside skipped, boundary tiles masked).
 * SCORE_MOD: softcap and/or ALiBi, or a scale <= 0 (scores moved to base-2 units before the max).
 
-``all_variants(smem_optin)`` lists every instantiation the planner can select on a device with
+``variants(smem_optin)`` lists every instantiation the planner can select on a device with
 that shared-memory limit; the compile harness compiles exactly that list.
 """
 from __future__ import annotations
@@ -122,7 +122,7 @@ def tiles(elem: str, d_bucket: int, smem_optin: int,
     return bm, bn, nw, stages
 
 
-def all_variants(smem_optin: int = SM90_SMEM_MAX):
+def variants(smem_optin: int = SM90_SMEM_MAX):
     """Every Variant the planner can select on a device with this shared-memory limit."""
     out = []
     for elem in ELEMS:

@@ -1,6 +1,6 @@
 """Hopper forward planner (pure Python): the variants of flash_fwd_sm90 (kernels_cu/fwd_sm90.cu,
 16-bit) and flash_fwd_sm90_f32 (kernels_cu/fwd_sm90_f32.cu, float32), why a call is not covered
-(``sm90_unsupported``), tile choice, the split tail, and the persistent grid's plan.
+(``why_unsupported``), tile choice, the split tail, and the persistent grid's plan.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from .variants import SM90_SMEM_MAX, KernelVariant, cpp_bool, elem_tag, sm90_com
 # SPLIT, MAXFREE> in
 # kernels_cu/fwd_sm90.cu (TMA + wgmma, one producer and NC consumer warpgroups, BM = 64·NC,
 # one Q buffer).
-# Chosen on compute capability 9.0 wherever it covers the call (sm90_unsupported() is None);
+# Chosen on compute capability 9.0 wherever it covers the call (why_unsupported() is None);
 # everything else runs the portable kernel above.
 # ------------------------------------------------------------------------------------------
 SM90_HEAD_DIMS = (64, 128, 256)
@@ -242,7 +242,7 @@ def sm90_f32_variant(elem: str, d: int, window: bool) -> Sm90F32Variant:
     return Sm90F32Variant(elem, d, bn, stages, nc, window, qreg)
 
 
-def sm90_f32_variants():
+def f32_variants():
     """Every Sm90F32Variant the planner can select (compiled by the harness for sm_90a)."""
     return [sm90_f32_variant(e, d, w) for e in F32_ELEMS for d in SM90_F32_HEAD_DIMS
             for w in (False, True)]
@@ -393,7 +393,7 @@ def sm90_variant(elem: str, d: int, window: bool, softcap: bool,
     return Sm90Variant(elem, d, bn, stages, window, softcap, nc, varlen, bias, split, maxfree)
 
 
-def sm90_variants():
+def variants():
     """Every Sm90Variant the planner can select (compiled by the harness for sm_90a)."""
     found = {}
     for elem in ("f16_t", "bf16_t"):
@@ -420,7 +420,7 @@ def sm90_out_align(variant, dtype_name) -> int:
     return 16 if dtype_name == "float32" or getattr(variant, "o_smem", False) else 4
 
 
-def sm90_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: float,
+def why_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: float,
                      has_alibi: bool, cc: int, smem_optin: int, tensors=()) -> Optional[str]:
     """Why the Hopper forward kernel cannot run this call (None when it can).
 
@@ -450,7 +450,7 @@ def plan_forward_sm90(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: 
                       d_v: int, *, scale: float, window_left: int = -1, window_right: int = -1,
                       bottom_right: bool = True, softcap: float = 0.0, num_sms: int = 132,
                       variant=None, varlen: bool = False, allow_tf32: bool = False) -> Plan:
-    """Plan the Hopper kernel for a call that sm90_unsupported() accepted: a persistent grid of
+    """Plan the Hopper kernel for a call that why_unsupported() accepted: a persistent grid of
     min(work items, num_sms · blocks per SM) blocks walking ceil(s_q / BM) x h x b work tiles
     (``varlen``: see plan_forward_varlen_sm90, which calls this with the longest sequences as
     s_q, s_k). With ``variant`` None (the planner's choice), a dense call without a band,
@@ -508,7 +508,7 @@ def plan_forward_varlen_sm90(dtype_name: str, batch: int, total_q: int, total_k:
                              d_v: int, *, scale: float, window_left: int = -1,
                              window_right: int = -1, bottom_right: bool = True,
                              softcap: float = 0.0, num_sms: int = 132) -> Plan:
-    """The Hopper kernel over ``batch`` packed sequences (a call sm90_unsupported() accepted):
+    """The Hopper kernel over ``batch`` packed sequences (a call why_unsupported() accepted):
     a persistent grid walking ceil(max_seqlen_q / BM) x h x batch work tiles; tiles past their
     sequence's end are skipped by the producer. Params: b = batch, s_q / s_k = the packed totals
     (lse is [h, total_q]), causal / window aligned per sequence (``varlen_bottom_right``). The

@@ -21,18 +21,18 @@ SMEM = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024}
 def reports():
     jobs = []
     for arch in ARCHS:
-        vs = plan_bwd.all_variants(SMEM[arch])
-        ds = plan_bwd.all_dbias_variants(SMEM[arch])
+        vs = plan_bwd.variants(SMEM[arch])
+        ds = plan_bwd.dbias_variants(SMEM[arch])
         for elem in gpu_variants.ELEMS:   # one program per (arch, element type), flash_bwd_dbias too
             jobs.append((arch,
                          [v for v in vs + ds if v.elem == elem], "bwd.cu"))
     res = gpu_compile.nvrtc_reports(jobs)
     for arch in ARCHS:
         print(f"\n{arch}: registers / spill bytes / shared memory per backward variant")
-        for v in plan_bwd.all_variants(SMEM[arch]):
+        for v in plan_bwd.variants(SMEM[arch]):
             regs, spill = res[arch][v.name_expression]
             print(f"  {v.name:48s} {regs:4d} regs {spill:6d} B spill {v.smem_bytes:7d} B smem")
-        for v in plan_bwd.all_dbias_variants(SMEM[arch]):
+        for v in plan_bwd.dbias_variants(SMEM[arch]):
             regs, spill = res[arch][v.name_expression]
             print(f"  {v.name:48s} {regs:4d} regs {spill:6d} B spill {v.smem_bytes:7d} B smem")
     return res
@@ -41,10 +41,10 @@ def reports():
 @pytest.mark.all_variants
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_backward_variant_compiles(reports, arch):
-    vs = plan_bwd.all_variants(SMEM[arch])
+    vs = plan_bwd.variants(SMEM[arch])
     want = {v.name_expression for v in vs} | {v.pre_expression for v in vs} \
         | {v.dq_expression for v in vs} \
-        | {v.name_expression for v in plan_bwd.all_dbias_variants(SMEM[arch])}
+        | {v.name_expression for v in plan_bwd.dbias_variants(SMEM[arch])}
     assert set(reports[arch]) == want
 
 
@@ -52,7 +52,7 @@ def test_every_backward_variant_compiles(reports, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dbias_variants_do_not_spill(reports, arch):
     bad = [f"{v.name}: {reports[arch][v.name_expression][1]} B spilled"
-           for v in plan_bwd.all_dbias_variants(SMEM[arch])
+           for v in plan_bwd.dbias_variants(SMEM[arch])
            if reports[arch][v.name_expression][1]]
     assert not bad, "\n".join(bad)
 
@@ -61,7 +61,7 @@ def test_dbias_variants_do_not_spill(reports, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_main_backward_variants_do_not_spill(reports, arch):
     bad = []
-    for v in plan_bwd.all_variants(SMEM[arch]):
+    for v in plan_bwd.variants(SMEM[arch]):
         if v.elem in ("f16_t", "bf16_t") and v.d in (64, 128):
             regs, spill = reports[arch][v.name_expression]
             if spill:
@@ -71,5 +71,5 @@ def test_main_backward_variants_do_not_spill(reports, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_backward_variants_fit_shared_memory(arch):
-    for v in plan_bwd.all_variants(SMEM[arch]) + plan_bwd.all_dbias_variants(SMEM[arch]):
+    for v in plan_bwd.variants(SMEM[arch]) + plan_bwd.dbias_variants(SMEM[arch]):
         assert v.smem_bytes <= SMEM[arch], v.name

@@ -30,7 +30,7 @@ SMEM = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024}
 def reports():
     jobs = []
     for arch in ARCHS:
-        vs = plan_fwd.all_variants(SMEM[arch])
+        vs = plan_fwd.variants(SMEM[arch])
         # one program per (element type, flags): instantiations share the parse, chunks spread
         for elem in gpu_variants.ELEMS:
             for flags in ((False, False), (False, True), (True, False), (True, True)):
@@ -39,7 +39,7 @@ def reports():
     res = gpu_compile.nvrtc_reports(jobs)
     for arch in ARCHS:
         print(f"\n{arch}: registers / spill bytes per variant")
-        for v in plan_fwd.all_variants(SMEM[arch]):
+        for v in plan_fwd.variants(SMEM[arch]):
             regs, spill = res[arch][v.name_expression]
             print(f"  {v.name:40s} {regs:4d} regs {spill:6d} B spill")
     return res
@@ -47,14 +47,14 @@ def reports():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_variant_compiles(reports, arch):
-    vs = plan_fwd.all_variants(SMEM[arch])
+    vs = plan_fwd.variants(SMEM[arch])
     assert set(reports[arch]) == {v.name_expression for v in vs}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_main_variants_do_not_spill(reports, arch):
     bad = []
-    for v in plan_fwd.all_variants(SMEM[arch]):
+    for v in plan_fwd.variants(SMEM[arch]):
         if v.elem in ("f16_t", "bf16_t") and v.d in (64, 128) and not v.score_mod:
             regs, spill = reports[arch][v.name_expression]
             if spill > SPILL_BUDGET:

@@ -1,7 +1,7 @@
 """NVRTC compile harness for the Hopper kernels (kernels_cu/fwd_sm90.cu, bwd_sm90.cu,
 dbias_sm90.cu, ...), sm_90a.
 
-Every variant of plan_fwd_sm90.sm90_variants() and plan_bwd_sm90.variants() compiles without a GPU (NVRTC
+Every variant of plan_fwd_sm90.variants() and plan_bwd_sm90.variants() compiles without a GPU (NVRTC
 only), with no register spills (a few bytes allowed in some bias forward variants) and no
 ptxas warning (a "wgmma ... serialized" warning would mean the products run one at a time). The
 entry register count is the launch cap (168 for 384 threads, 128 for 512); setmaxnreg then moves
@@ -20,7 +20,7 @@ from cupyflash.gpu import compile as gpu_compile, plan_bwd_sm90, plan_dbias_sm90
 @pytest.fixture(scope="module")
 def reports():
     jobs = []
-    vs = plan_fwd_sm90.sm90_variants()
+    vs = plan_fwd_sm90.variants()
     for elem in ("f16_t", "bf16_t"):
         for window in (False, True):
             chunk = [v for v in vs if v.elem == elem and v.window == window]
@@ -53,7 +53,7 @@ def _spill_budget(v):
 
 
 def test_every_variant_compiles_without_spills(reports):
-    vs = plan_fwd_sm90.sm90_variants()
+    vs = plan_fwd_sm90.variants()
     assert set(reports) == {v.name_expression for v in vs}
     bad = _over_budget(vs, reports, _spill_budget)
     assert not bad, "\n".join(bad)
@@ -71,7 +71,7 @@ def test_register_pool_covers_setmaxnreg(reports):
         src)}
     assert set(regs) == {(1, 2), (1, 3), (2, 1), (3, 1)}
     bad = []
-    for v in plan_fwd_sm90.sm90_variants():
+    for v in plan_fwd_sm90.variants():
         entry = reports[v.name_expression][0]
         producer, consumer = regs[(v.nc, v.blocks_per_sm)]
         if entry * v.threads < 128 * (producer + consumer * v.nc) or \
@@ -122,9 +122,9 @@ def test_no_ptxas_warnings():
 
 
 def test_float32_variants_compile_without_spills():
-    """The float32 forward (fwd_sm90_f32.cu, plan_fwd_sm90.sm90_f32_variants()): 0 spills, and no ptxas
+    """The float32 forward (fwd_sm90_f32.cu, plan_fwd_sm90.f32_variants()): 0 spills, and no ptxas
     warning in any of them (one program per element type)."""
-    vs = plan_fwd_sm90.sm90_f32_variants()
+    vs = plan_fwd_sm90.f32_variants()
     res = _per_elem_report("float32 Hopper variant", vs, "fwd_sm90_f32.cu",
                            plan_fwd_sm90.F32_ELEMS)
     bad = _over_budget(vs, res)

@@ -63,7 +63,7 @@ def loop_waits(sass: str):
 
 @pytest.fixture(scope="module")
 def sass_by_variant(tmp_path_factory):
-    vs = [v for v in plan_fwd_sm90.sm90_variants() if v.d == 128 and v.elem == "bf16_t"]
+    vs = [v for v in plan_fwd_sm90.variants() if v.d == 128 and v.elem == "bf16_t"]
     assert vs, "the planner has hd 128 variants"
     d = tmp_path_factory.mktemp("sass")
     out = {}

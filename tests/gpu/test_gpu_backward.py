@@ -1,6 +1,6 @@
-"""GPU backward (cupyflash._gpu_bwd.backward) against the float64 reference.
+"""GPU backward (cupyflash.gpu.bwd.backward) against the float64 reference.
 
-out and lse come from the GPU forward (cupyflash._gpu.forward); dq, dk, dv are poisoned with
+out and lse come from the GPU forward (cupyflash.gpu.fwd.forward); dq, dk, dv are poisoned with
 NaN before the call; inputs and dout are fresh random normal draws.
 
 Criterion (design.md §4, FlashAttention's own test), per gradient g in (dq, dk, dv):
@@ -18,7 +18,7 @@ Rows that see no key (lse = -inf) must give exactly zero dq; deterministic mode 
 bit-identical dq, dk, dv over three calls.
 
 These tests force the portable main kernel (bwd.cu), so it stays tested on a Hopper card too;
-tests/test_gpu_backward_sm90.py runs the Hopper one (bwd_sm90.cu) on the cases it covers.
+tests/gpu/test_gpu_backward_sm90.py runs the Hopper one (bwd_sm90.cu) on the cases it covers.
 """
 from __future__ import annotations
 

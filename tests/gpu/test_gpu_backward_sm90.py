@@ -1,6 +1,6 @@
 """Hopper backward main kernel (kernels_cu/bwd_sm90.cu) against the float64 reference.
 
-Same harness and criterion as tests/test_gpu_backward.py (``run_case``: NaN-poisoned gradients,
+Same harness and criterion as tests/gpu/test_gpu_backward.py (``run_case``: NaN-poisoned gradients,
 fresh random inputs, max error <= 2x the naive same-dtype backward + floor), with the Hopper
 kernel forced (``kernel="sm90"``: a ValueError when it cannot run the call). Skipped on GPUs other
 than compute capability 9.0. Also checks the launcher's choice under the default (kernel=None).

@@ -1,5 +1,5 @@
 """Float32 Hopper backward (kernels_cu/bwd_sm90_f32.cu, forced with kernel="sm90") against the
-float64 reference: tests/test_gpu_backward.py's harness and float32 criterion (NaN-poisoned
+float64 reference: tests/gpu/test_gpu_backward.py's harness and float32 criterion (NaN-poisoned
 gradients, fresh random inputs, max error / max(1, max|ref|) <= 5e-5); and the planner's choice of
 it for float32 calls it covers. Every case runs at head dim 64 (design S: 128-key work tiles) and
 128 (design T: 64-key work tiles, consumers owning column halves; docs/f32-backward-design.md

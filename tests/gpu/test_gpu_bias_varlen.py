@@ -1,9 +1,9 @@
 """GPU bias / mask / dbias and native varlen (the GENERAL kernels) against the float64 reference.
 
-Launcher-level tests (cupyflash._gpu.forward / forward_varlen, cupyflash._gpu_bwd.backward /
+Launcher-level tests (cupyflash.gpu.fwd.forward / forward_varlen, cupyflash.gpu.bwd.backward /
 backward_varlen) with every output poisoned with NaN before the call, and a few API-level ones.
 
-Criterion (design.md §4, as tests/test_gpu_forward.py and test_gpu_backward.py):
+Criterion (design.md §4, as tests/gpu/test_gpu_forward.py and test_gpu_backward.py):
 - float16 / bfloat16: max|x − ref| <= 2·max|x_naive − ref| + floor·max(1, max|ref|) for out, lse,
   dq, dk, dv, dbias, where x_naive is the materialized computation in the input dtype (matmuls
   round to the dtype, softmax in float32, P and dS rounded to the dtype before their products;
@@ -502,7 +502,7 @@ DBIAS_SM90_CASES = {   # id: (dtype, d, bias kind, h, h_k, run_dense keywords)
 
 
 def _spy_dbias_sm90(monkeypatch):
-    """Records what each _gpu_dbias_sm90.launch returned (None: it fell back)."""
+    """Records what each gpu.dbias_sm90.launch returned (None: it fell back)."""
     from cupyflash.gpu import dbias_sm90
     ran, launch = [], dbias_sm90.launch
 

@@ -1,6 +1,6 @@
 """Hopper forward kernel (kernels_cu/fwd_sm90.cu) against the float64 reference.
 
-Same criterion and harness as tests/test_gpu_forward.py (``run_case``: NaN-poisoned outputs,
+Same criterion and harness as tests/gpu/test_gpu_forward.py (``run_case``: NaN-poisoned outputs,
 fresh random inputs, max error <= 2x the naive same-dtype computation + floor), with the Hopper
 kernel forced (``kernel="sm90"``: a ValueError if the planner would not take the call). Skipped
 on GPUs other than compute capability 9.0. Also checks the planner's choice under "auto".
@@ -135,7 +135,7 @@ def test_wide_key_tiles(rng, bn, s_q, s_k, opt):
 # The planner's choice under kernel="auto"
 # ---------------------------------------------------------------------------------------------
 def _auto_name(dtype, d, d_v=None, *, offset=0, layout="bshd", scale=None, **opts):
-    """The kernel _gpu.forward(kernel="auto") runs for a small problem of this kind."""
+    """The kernel gpu.fwd.forward(kernel="auto") runs for a small problem of this kind."""
     from cupyflash.gpu import fwd as gpu_fwd
     d_v = d if d_v is None else d_v
     base = cp.random.standard_normal(64 * 2 * d + offset).astype(dtype)

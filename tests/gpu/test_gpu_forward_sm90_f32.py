@@ -1,7 +1,7 @@
 """Hopper float32 forward kernel (kernels_cu/fwd_sm90_f32.cu, 3xTF32 on wgmma) against the
 float64 reference.
 
-Same harness as tests/test_gpu_forward.py (``run_case``: NaN-poisoned outputs, fresh random
+Same harness as tests/gpu/test_gpu_forward.py (``run_case``: NaN-poisoned outputs, fresh random
 inputs; float32: norm-wise relative error <= 1e-5 for out and lse, 5e-3 with allow_tf32), with
 the Hopper kernel forced (``kernel="sm90"``). Skipped on GPUs other than compute capability 9.0.
 """
@@ -61,7 +61,7 @@ def test_strided_views(rng, layout, pad):
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_rising_scores(rng, d, causal, ramp):
     """Scores that grow along the keys: the running max rises from key tile to key tile, by a
-    little and by more than 2^8 (tests/test_gpu_forward_sm90.py::test_rising_scores)."""
+    little and by more than 2^8 (tests/gpu/test_gpu_forward_sm90.py::test_rising_scores)."""
     sm90(rng, 1, 257, 1500, 2, 1, d, causal=causal, key_ramp=ramp)
 
 

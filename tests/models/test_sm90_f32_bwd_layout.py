@@ -2,7 +2,7 @@
 without a GPU:
 
 * the shared-memory map (Layout) against its Python mirror and the 232,448-byte limit;
-* the products whose layouts it shares with the float32 forward (tests/test_sm90_f32_layout.py's
+* the products whose layouts it shares with the float32 forward (tests/models/test_sm90_f32_layout.py's
   models, instantiated with this kernel's shapes): Sᵀ = K Qᵀ (A = a consumer's 64 rows of the
   128-key K tile, B = the 32-row Q tile), dV += Pᵀ dO through the converters' transposition of dO
   with BN := BM = 32, the consumers' V split (QREG addressing with 128 rows);
@@ -314,7 +314,7 @@ def _why(dtype="float32", d=64, cc=90, **kw):
                 has_mask=False, deterministic=False, window_left=-1, window_right=-1, cc=cc,
                 smem_optin=232_448)
     args.update(kw)
-    return plan_bwd_sm90_f32.unsupported(dtype, d, d, **args)
+    return plan_bwd_sm90_f32.why_unsupported(dtype, d, d, **args)
 
 
 def test_coverage_rules():
@@ -338,5 +338,5 @@ def test_16_bit_hopper_backward_refuses_float32():
     (or the portable kernel)."""
     from cupyflash.gpu import plan_bwd_sm90
     assert all(v.elem in ("f16_t", "bf16_t") for v in plan_bwd_sm90.variants())
-    assert plan_bwd_sm90.unsupported("float32", 64, 64, scale=0.125, softcap=0.0, has_alibi=False,
+    assert plan_bwd_sm90.why_unsupported("float32", 64, 64, scale=0.125, softcap=0.0, has_alibi=False,
                                      deterministic=False, cc=90, smem_optin=232_448) is not None

@@ -1,4 +1,4 @@
-"""CPU tests of the backward planner (cupyflash._gpu_bwd): no GPU needed."""
+"""CPU tests of the backward planner (cupyflash.gpu.plan_bwd): no GPU needed."""
 from __future__ import annotations
 
 
@@ -12,7 +12,7 @@ SMEMS = (99 * 1024, 163 * 1024, 227 * 1024)
 
 @pytest.mark.parametrize("smem", SMEMS)
 def test_every_variant_fits_and_meets_the_kernel_static_asserts(smem):
-    vs = plan_bwd.all_variants(smem)
+    vs = plan_bwd.variants(smem)
     assert len(vs) == len(gpu_variants.ELEMS) * len(gpu_variants.HEAD_DIM_BUCKETS) * 5   # 4 flag pairs + GENERAL
     for v in vs:
         cg = 16 if v.elem in ("f16_t", "bf16_t") else 8   # column granularity (bwd.cu CG)
@@ -91,7 +91,7 @@ def test_plan_tf32_alibi_and_errors():
         plan_bwd.plan_backward("float16", 1, 5, 5, 1, 1, 257, 64, scale=1.0)
     with pytest.raises(ValueError):
         plan_bwd.plan_backward("float16", 1, 5, 5, 3, 2, 64, 64, scale=1.0)
-    small = plan_bwd.all_variants()[0].replace(elem="f16_t", d=32)
+    small = plan_bwd.variants()[0].replace(elem="f16_t", d=32)
     with pytest.raises(ValueError):
         plan_bwd.plan_backward("float16", 1, 5, 5, 1, 1, 64, 64, scale=1.0, variant=small)
 

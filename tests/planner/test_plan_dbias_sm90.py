@@ -47,7 +47,7 @@ def _why(**kw):
                 bias_itemsize=2, s_q=157, s_k=200, planes=4)
     d, dtype = kw.pop("d", 128), kw.pop("dtype", "bfloat16")
     base.update(kw)
-    return plan_dbias_sm90.unsupported(dtype, d, d, **base)
+    return plan_dbias_sm90.why_unsupported(dtype, d, d, **base)
 
 
 def test_unsupported_reasons():

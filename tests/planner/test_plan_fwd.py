@@ -1,4 +1,4 @@
-"""CPU tests of the forward planner (cupyflash/_plan.py): no GPU, no CuPy needed."""
+"""CPU tests of the forward planner (cupyflash/gpu/plan_fwd.py): no GPU, no CuPy needed."""
 from __future__ import annotations
 
 import re
@@ -121,7 +121,7 @@ def test_grid_block_smem():
 
 @pytest.mark.parametrize("smem", [99 * 1024, 163 * 1024, 227 * 1024])
 def test_all_variants_fit_and_cover(smem):
-    vs = plan_fwd.all_variants(smem)
+    vs = plan_fwd.variants(smem)
     assert len(set(vs)) == len(vs)
     for v in vs:
         assert v.smem_bytes <= smem, v
@@ -140,7 +140,7 @@ def test_all_variants_fit_and_cover(smem):
 
 
 def test_variant_names_unique_and_readable():
-    vs = plan_fwd.all_variants()
+    vs = plan_fwd.variants()
     names = [v.name for v in vs]
     assert len(set(names)) == len(names)
     v = _plan_simple(window_right=0).variant
@@ -186,9 +186,9 @@ def test_modules_finds_sources_and_hashes():
     assert (gpu_compile.kernels_dir() / "fwd.cu").exists()
     h = gpu_compile.source_hash()
     assert len(h) == 16
-    src, opts, names = gpu_compile.program(plan_fwd.all_variants()[:3])
+    src, opts, names = gpu_compile.program(plan_fwd.variants()[:3])
     assert any(o.startswith("-DCUPYFLASH_SRC_HASH=0x" + h) for o in opts)
-    assert names == [v.name_expression for v in plan_fwd.all_variants()[:3]]
+    assert names == [v.name_expression for v in plan_fwd.variants()[:3]]
     assert "flash_fwd" in src
 
 
@@ -234,7 +234,7 @@ def test_forced_plain_variant_refuses_a_bias():
 
 
 def test_all_variants_hold_one_varlen_and_one_general_per_bucket():
-    vs = plan_fwd.all_variants()
+    vs = plan_fwd.variants()
     for elem in gpu_variants.ELEMS:
         for dbk in gpu_variants.HEAD_DIM_BUCKETS:
             gens = sorted(v.general for v in vs if v.elem == elem and v.d == dbk and v.general)

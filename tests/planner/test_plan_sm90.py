@@ -22,7 +22,7 @@ H200_SMEM = 227 * 1024
 
 def _unsupported(dtype="bfloat16", d=128, d_v=None, *, scale=0.1, softcap=0.0, has_alibi=False,
                  cc=90, smem=H200_SMEM, tensors=()):
-    return plan_fwd_sm90.sm90_unsupported(dtype, d, d if d_v is None else d_v, scale=scale,
+    return plan_fwd_sm90.why_unsupported(dtype, d, d if d_v is None else d_v, scale=scale,
                                   softcap=softcap, has_alibi=has_alibi, cc=cc, smem_optin=smem,
                                   tensors=tensors)
 
@@ -33,7 +33,7 @@ def _contig(shape):
 
 
 def test_variants_fit_and_are_distinct():
-    vs = plan_fwd_sm90.sm90_variants()
+    vs = plan_fwd_sm90.variants()
     # dtypes x head dims x window x softcap x varlen, plus hd 64's dense two-consumer
     # short-window variant, plus the bias variants (16-bit / float32 bias, hd 64 and 128), plus
     # the wide-key-tile variants (hd 128, causal / window, no softcap), plus the SPLIT twin of
@@ -184,7 +184,7 @@ def test_out_alignment_the_forward_needs(d, bn, varlen, dtype_name, align):
 
 
 # ---------------------------------------------------------------------------------------------
-# Hopper backward (cupyflash/_gpu_bwd_sm90.py)
+# Hopper backward (cupyflash/gpu/plan_bwd_sm90.py)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw,why", [
     (dict(), None),
@@ -206,7 +206,7 @@ def test_backward_coverage(kw, why):
     args.update(kw)
     d = args.pop("d")
     d_v = args.pop("d_v") or d
-    got = plan_bwd_sm90.unsupported(args.pop("dtype"), d, d_v, smem_optin=H200_SMEM, **args)
+    got = plan_bwd_sm90.why_unsupported(args.pop("dtype"), d, d_v, smem_optin=H200_SMEM, **args)
     if why is None:
         assert got is None
     else:
@@ -310,7 +310,7 @@ def test_hd64_consumer_count(s_q, window, softcap, nc, bn, blocks):
     assert v.blocks_per_sm == blocks
     assert pl.params["num_m_blocks"] == -(-s_q // v.bm)
     assert pl.grid == (min(pl.params["num_m_blocks"] * 64 * 2, 132 * blocks), 1, 1)
-    assert v in plan_fwd_sm90.sm90_variants()
+    assert v in plan_fwd_sm90.variants()
 
 
 def test_blocks_per_sm_mirror_the_kernel():
@@ -323,7 +323,7 @@ def test_blocks_per_sm_mirror_the_kernel():
     assert "constexpr int SMEM_PER_SM = 228 * 1024;" in src
     assert "__launch_bounds__(128 * (NC + 1), BlocksPerSm<D, BN, STAGES, NC, VARLEN>::VALUE)" in src
     assert plan_fwd_sm90.SM90_SMEM_PER_SM == 228 * 1024
-    for v in plan_fwd_sm90.sm90_variants():
+    for v in plan_fwd_sm90.variants():
         want = (3 if v.bn <= 64 else 2) if v.nc == 1 else 1
         fit = plan_fwd_sm90.SM90_SMEM_PER_SM // (v.smem_bytes + 1024)   # smem_bytes = BYTES + 1024
         assert v.blocks_per_sm == min(want, fit), v.name
@@ -348,7 +348,7 @@ def test_hd128_key_tile_width(s_k, kw, bn):
     a band take the max-free softmax on 128-key tiles instead (SM90_MAXFREE_MIN_KEYS)."""
     pl = plan_fwd_sm90.plan_forward_sm90("bfloat16", 1, s_k, s_k, 16, 16, 128, 128, scale=0.088, **kw)
     v = pl.variant
-    assert v.bn == bn and v.bm == 128 and v in plan_fwd_sm90.sm90_variants() and pl.smem == v.smem_bytes
+    assert v.bn == bn and v.bm == 128 and v in plan_fwd_sm90.variants() and pl.smem == v.smem_bytes
     keys = plan_fwd_sm90.sm90_keys(s_k, s_k, kw.get("window_left", -1), kw.get("window_right", -1))
     band = "window_right" in kw or "window_left" in kw
     assert (keys >= plan_fwd_sm90.SM90_WIDE_MIN_KEYS and band) == (bn == 176) or "softcap" in kw
@@ -392,7 +392,7 @@ def test_maxfree_choice(d, s_k, kw, maxfree):
     named."""
     pl = plan_fwd_sm90.plan_forward_sm90("bfloat16", 1, 512, s_k, 16, 16, d, d, scale=0.088, **kw)
     v = pl.variant
-    assert v.maxfree == maxfree and v in plan_fwd_sm90.sm90_variants()
+    assert v.maxfree == maxfree and v in plan_fwd_sm90.variants()
     assert ("_maxfree" in v.name) == maxfree and v.name_expression.endswith(
         f"{'true' if maxfree else 'false'}>")
     if maxfree:
@@ -424,7 +424,7 @@ def test_varlen_plan(d, window, softcap):
                                         scale=0.1, window_right=0 if window else -1,
                                         softcap=20.0 if softcap else 0.0, num_sms=132)
     v, prm = pl.variant, pl.params
-    assert v.varlen and v.window == window and v.softcap == softcap and v in plan_fwd_sm90.sm90_variants()
+    assert v.varlen and v.window == window and v.softcap == softcap and v in plan_fwd_sm90.variants()
     assert v.nc == 2 and "_varlen" in v.name and v.name_expression.endswith(", true, 0, false, false>")
     assert (int(prm["b"]), int(prm["s_q"]), int(prm["s_k"])) == (5, 3000, 2800)
     assert int(prm["num_m_blocks"]) == -(-1100 // v.bm) and int(prm["diag_offset"]) == 0
@@ -531,7 +531,7 @@ def test_backward_varlen_tiles_cover_the_band_once(lens, mode):
 # float32 Hopper forward (kernels_cu/fwd_sm90_f32.cu)
 # ---------------------------------------------------------------------------------------------
 def test_f32_variants_fit_and_are_distinct():
-    vs = plan_fwd_sm90.sm90_f32_variants()
+    vs = plan_fwd_sm90.f32_variants()
     assert len(vs) == 2 * len(plan_fwd_sm90.SM90_F32_HEAD_DIMS) * 2      # f32x3 / tf32 x head dims x window
     assert len({v.name for v in vs}) == len(vs) == len({v.name_expression for v in vs})
     for v in vs:
@@ -540,7 +540,7 @@ def test_f32_variants_fit_and_are_distinct():
         assert v.file == "fwd_sm90_f32.cu" and "-arch=sm_90a" in v.arch_options
         assert v.name.startswith("fwd90_") and not v.softcap and not v.varlen and not v.bias
     # the 16-bit list (the compile harness's fwd_sm90.cu chunks) does not take them in
-    assert not set(vs) & set(plan_fwd_sm90.sm90_variants())
+    assert not set(vs) & set(plan_fwd_sm90.variants())
 
 
 def test_f32_smem_mirrors_the_kernel_layout():
@@ -566,7 +566,7 @@ def test_f32_plan():
     assert int(plan.params["num_m_blocks"]) == -(-1000 // v.bm)
     tf = plan_fwd_sm90.plan_forward_sm90("float32", 1, 64, 64, 2, 2, 64, 64, scale=0.1, allow_tf32=True)
     assert tf.variant.elem == "tf32_t" and not tf.variant.window
-    assert tf.variant in plan_fwd_sm90.sm90_f32_variants()
+    assert tf.variant in plan_fwd_sm90.f32_variants()
     with pytest.raises(ValueError):
         plan_fwd_sm90.plan_forward_sm90("float32", 1, 64, 64, 2, 2, 64, 64, scale=0.1, softcap=5.0)
 
