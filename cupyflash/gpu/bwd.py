@@ -26,7 +26,6 @@ from .tuning import TUNING
 # Launcher
 # ------------------------------------------------------------------------------------------
 _NUM_SMS = {}   # device id -> multiprocessor count
-
 _RESIDENT = {}  # (device id, variant) -> flash_bwd blocks resident at once on the device
 
 

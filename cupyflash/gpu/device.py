@@ -21,9 +21,7 @@ def info(dev_id):
 
 
 get_device = cupy.cuda.runtime.getDevice
-
 current_stream = cupy.cuda.get_current_stream
-
 _sched = {}   # (device id, stream handle) -> the Hopper kernel's work-tile counter
 
 

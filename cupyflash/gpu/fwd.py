@@ -22,7 +22,6 @@ from .variants import DTYPE_NAMES
 
 
 _launch_cache = {}  # shape signature -> _Launch
-
 _LAUNCH_CACHE_MAX = 4096
 
 

@@ -21,21 +21,15 @@ _record_lock = threading.Lock()
 # Byte offsets inside the Params record (see PARAMS_DTYPE): the six pointers q, k, v, o,
 # lse, alibi are its first six uint64 words; alibi_stride_b an int64, vec_ok an int32.
 _F = PARAMS_DTYPE.fields
-
 assert [_F[n][1] for n in ("q", "k", "v", "o", "lse", "alibi")] == [0, 8, 16, 24, 32, 40]
-
 PUT_PTRS = struct.Struct("<6Q").pack_into                  # q, k, v, o, lse, alibi
-
 _PUT_I64 = struct.Struct("<q").pack_into
-
 _PUT_I32 = struct.Struct("<i").pack_into
-
 _ALIBI_STRIDE_AT = _F["alibi_stride_b"][1]
-
 _VEC_OK_AT = _F["vec_ok"][1]
 
 try:  # a raw host pointer as a kernel argument: the launch reads the Params bytes from there
-    from cupy.cuda.function import CPointer as CPointer
+    from cupy.cuda.function import CPointer
 except ImportError:  # pragma: no cover - other CuPy versions: pass the numpy.void record
     CPointer = None
 

@@ -40,7 +40,6 @@ PARAMS_FIELDS = (
 
 #: Hopper kernels only: 128-byte TMA descriptors (struct TmaDesc, 64-byte aligned).
 PARAMS_TMA_FIELDS = ("tma_q", "tma_k", "tma_v", "tma_do", "tma_bias", "tma_o")
-
 TMA_DESC_BYTES = 128
 
 
@@ -62,9 +61,7 @@ def _params_dtype() -> np.dtype:
 
 #: The structured dtype passed by value as the kernel's one argument (C alignment rules).
 PARAMS_DTYPE = _params_dtype()
-
 PARAMS_NBYTES = PARAMS_DTYPE.itemsize   # checked against sizeof(Params) when kernels compile
-
 LOG2E = 1.4426950408889634
 
 

@@ -259,9 +259,7 @@ class DbiasPlan(NamedTuple):
     strides: Tuple[int, ...]      # element strides inside one slab, 0 along size-1 dims
 
 DBIAS_ROWS, DBIAS_ATOMIC, DBIAS_SLAB_B, DBIAS_SLAB_H = 1, 2, 4, 8
-
 DBIAS_STORE = 16   # Hopper backward only: each element has one writer, plain stores
-
 DBIAS_SCHED_B = 32  # Hopper backward only: work tiles batch-fastest (dbias summed over batch)
 
 
@@ -359,7 +357,6 @@ class DbiasVariant(KernelVariant):
 #: the device (two buffers: one block per SM whose loads overlap its own products) or, with one
 #: buffer, DBIAS_SMEM_CAP (at most half an H100 / H200 SM: blocks overlap each other instead).
 DBIAS_TILES = ((128, 64, 2), (64, 64, 1), (64, 32, 1), (32, 32, 1), (32, 16, 1), (16, 16, 1))
-
 DBIAS_SMEM_CAP = 112 * 1024
 
 

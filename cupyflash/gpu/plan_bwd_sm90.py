@@ -37,15 +37,10 @@ from .variants import KernelVariant, cpp_bool, sm90_common_unsupported
 
 
 BN = 128             # keys per block
-
 BM = 64              # query rows per step
-
 THREADS = 384
-
 HEAD_DIMS = (64, 128)
-
 NBUF = 2             # Q / dO ring depth
-
 TILE_RING = 2        # work-tile indices in flight
 
 

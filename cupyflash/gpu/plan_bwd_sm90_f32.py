@@ -19,19 +19,14 @@ from .variants import KernelVariant, cpp_bool, sm90_common_unsupported
 
 
 BM = 32            # query rows per step
-
 THREADS = 384
-
 HEAD_DIMS = (64, 128)
 
 
 #: keys per work tile, per head dim (sm90bf::Shape in bwd_sm90_f32.cu)
 BN_OF = {64: 128, 128: 64}
-
 BN = BN_OF[64]     # the hd 64 kernel's (kept for callers that predate hd 128)
-
 TILE_RING = 2
-
 N_BARRIERS = 15
 
 

@@ -26,15 +26,10 @@ from .variants import SM90_SMEM_MAX, KernelVariant, cpp_bool, sm90_common_unsupp
 
 
 BM = 128             # queries per work tile (two consumer warpgroups x 64)
-
 BN = 128             # keys per work tile
-
 THREADS = 384
-
 HEAD_DIMS = (64, 128)
-
 TILE_RING = 2        # work-tile indices in flight
-
 SMEM_LIMIT = SM90_SMEM_MAX   # the H100 / H200 opt-in limit the rings below are sized for
 
 

@@ -48,7 +48,6 @@ _TILES = {
 #: GENERAL template bits of flash_fwd (common.cuh): varlen alone runs on the plain tiles; a bias
 #: or mask takes GEN_VARLEN | GEN_BIAS_MASK on the ``general`` tiles.
 GEN_VARLEN, GEN_BIAS_MASK = 1, 2
-
 GEN_ALL = GEN_VARLEN | GEN_BIAS_MASK
 
 

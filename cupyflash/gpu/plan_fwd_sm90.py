@@ -45,7 +45,6 @@ SM90_TILES_NC2 = {64: (128, 2, 2)}
 #: causal 512 / 1k / 2k 268 / 311 / 351 TFLOP/s against two consumers' 218 / 290 / 335 and
 #: three's 187 / 251 / 340; at 4k three consumers lead (400 against 374).
 SM90_TILES_FEW_ROWS = {64: (64, 2, 1)}
-
 SM90_FEW_ROWS_SQ = 2048
 
 
@@ -62,7 +61,6 @@ SM90_SMEM_PER_SM = 228 * 1024
 #: without a band take the max-free softmax on 128-key tiles (SM90_MAXFREE_MIN_KEYS), 13-16 %
 #: faster than 176 at 8k / 16k.
 SM90_TILES_WIDE = {128: (176, 2, 2)}
-
 SM90_WIDE_MIN_KEYS = 6144
 
 
@@ -77,7 +75,6 @@ SM90_WIDE_MIN_KEYS = 6144
 #: 730.9 / 631.4, 16k 632.9 / 724.4 / 640.7. From 1k on (512's +1.2 % is inside the rounds'
 #: spread; the FA bench ran it without).
 SM90_MAXFREE_HEAD_DIMS = (128,)
-
 SM90_MAXFREE_MIN_KEYS = 1024
 
 
@@ -187,7 +184,6 @@ SM90_F32_HEAD_DIMS = (64, 128)
 #: benchmarks/bench_f32.py --variant): without QREG hd 64 128 x 64 x 2 (225 KB), hd 128 64 x 32 x 2
 #: (one consumer, 225 KB) or 64 x 64 x 1.
 SM90_F32_TILES = {64: (64, 2, 2, True), 128: (32, 2, 2, True)}
-
 F32_ELEMS = ("f32x3_t", "tf32_t")
 
 
@@ -270,7 +266,6 @@ def sm90_keys(s_q: int, s_k: int, window_left: int, window_right: int,
 #: its key tiles (the first S, the last P·V alone, the epilogue: ~0.9 step at hd 128 on the H200,
 #: docs/hopper.md step 14) and, per partial, the merge of a split tile (write, read, rescale).
 SM90_SPLIT_BOUNDARY = 1.0
-
 SM90_SPLIT_MERGE = 0.25
 
 

@@ -21,29 +21,17 @@ from .params import broadcast_strides
 
 # CUtensorMap enums (cuda.h)
 _DTYPE = {"float16": 6, "bfloat16": 9, "float32": 7}   # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16 / _FLOAT32
-
 _INTERLEAVE_NONE = 0
-
 _SWIZZLE_128B = 3
-
 _L2_PROMOTION_128B = 2
-
 _OOB_FILL_ZEROS = 0                      # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: zeros
-
 _CUDA_ERROR_INVALID_CONTEXT = 201
-
 _encode = None
-
 _lock = threading.Lock()
-
 _cache = {}
-
 _CACHE_MAX = 4096
-
 _u64x4 = ctypes.c_uint64 * 4
-
 _u64x3 = ctypes.c_uint64 * 3
-
 _u32x4 = ctypes.c_uint32 * 4
 
 
@@ -95,7 +83,6 @@ def encode(dtype_name: str, ptr: int, dims, byte_strides, box) -> np.ndarray:
 
 #: Largest stride TMA takes (bytes, exclusive), and the alignment it needs of strides and bases.
 TMA_MAX_STRIDE = 1 << 40
-
 TMA_ALIGN = 16
 
 

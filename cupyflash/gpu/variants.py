@@ -52,13 +52,11 @@ class KernelVariant:
 
 #: Head-dim buckets (multiples of 32: the padded shared-memory rows read conflict-free for each).
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
-
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 
 
 #: Element tags by (dtype name, allow_tf32).
 ELEMS = ("f16_t", "bf16_t", "f32x3_t", "tf32_t")
-
 ELEM_SIZE = {"f16_t": 2, "bf16_t": 2, "f32x3_t": 4, "tf32_t": 4}
 
 
