@@ -12,7 +12,7 @@ allows beside it:
 * forward: out + lse (issue 3);
 * backward: dq, dk, dv + D + the float32 dQ accumulator where the kernel uses one (issue 4);
 * backward with a bias: the same + dbias; with the main kernel's float32 accumulator of dbias's
-  shape (``_gpu_bwd.DBIAS_KERNEL = False``; the default where no Hopper dbias kernel covers the
+  shape (``TUNING.dbias_kernel = False``; the default where no Hopper dbias kernel covers the
   call) + that accumulator where dbias is 16-bit; with a dbias kernel (``DBIAS_KERNEL = True``; the
   default on compute capability 9.0 where flash_bwd_dbias_sm90 covers the call, in deterministic
   mode and when the accumulator does not fit) dbias only (issue 6).
@@ -26,7 +26,8 @@ import ml_dtypes
 import numpy as np
 
 import cupyflash as cf
-from cupyflash import _bench, _gpu_bwd
+from cupyflash import _bench
+from cupyflash.gpu.tuning import TUNING
 
 MiB = 2**20
 
@@ -96,16 +97,16 @@ def main():
                 q.nbytes + b * h * sb * 4, "out + lse")
     out, lse = cf.attention(q, k, v, bias=bias, return_lse=True)
     dout = rand(rng, out.shape, bf16)
-    _gpu_bwd.DBIAS_KERNEL = False
+    TUNING.dbias_kernel = False
     peak, kept, sizes = _bench.measure_memory(lambda: cf.attention_backward(dout, q, k, v, out, lse, bias=bias))
     base = 3 * q.nbytes + b * h * sb * 4 + b * sb * h * 128 * 4
     good &= row(f"bwd bias (1,{h},{sb},{sb}) bf16 b{b} fp32 accum", peak, kept, sizes,
                 base + bias.nbytes + bias.size * 4, "dq dk dv + D + dQ accum + dbias + fp32 dbias accum")
     print(f"{'':44s} of which dbias {bias.nbytes / MiB:.0f} MiB, its float32 accumulator "
           f"{bias.size * 4 / MiB:.0f} MiB (freed before return)")
-    _gpu_bwd.DBIAS_KERNEL = True
+    TUNING.dbias_kernel = True
     peak, kept, sizes = _bench.measure_memory(lambda: cf.attention_backward(dout, q, k, v, out, lse, bias=bias))
-    _gpu_bwd.DBIAS_KERNEL = None
+    TUNING.dbias_kernel = None
     good &= row(f"bwd bias (1,{h},{sb},{sb}) bf16 b{b} dbias kernel", peak, kept, sizes,
                 base + bias.nbytes, "dq dk dv + D + dQ accum + dbias")
     # A float32 bias: dbias is its own float32 accumulator (one slab): extra = dbias.

@@ -20,7 +20,8 @@ import ml_dtypes
 import numpy as np
 
 import cupyflash as cf
-from cupyflash import _gpu, api
+from cupyflash import api
+from cupyflash.gpu import fwd as gpu_fwd
 from cupyflash._options import Options
 
 N = 3000
@@ -55,7 +56,7 @@ def line(label, fn):
 def parts(q, k, v, out, lse, opts):
     """The pieces of one fast-path call, each timed alone."""
     print("\npieces of one call (same problem):")
-    entry = _gpu.cached_launch(q, k, v, out, opts)
+    entry = gpu_fwd.cached_launch(q, k, v, out, opts)
     f32 = np.dtype(np.float32)
     dt = q.dtype
     lse_shape = lse.shape
@@ -99,12 +100,12 @@ def main():
     api_plain = lambda: cf.attention(q, k, v)                                      # noqa: E731
     api_causal = lambda: cf.attention(q, k, v, causal=True, return_lse=True)     # noqa: E731
     api_bhsd = lambda: cf.attention(qt, kt, vt, layout="bhsd")                    # noqa: E731
-    launcher = lambda: _gpu.forward(q, k, v, out, lse, opts)                     # noqa: E731
+    launcher = lambda: gpu_fwd.forward(q, k, v, out, lse, opts)                     # noqa: E731
     print(f"host overhead per call (1x128x4x64 bf16, median of {REPS} x {N} calls, one sync each):")
     line("cupyflash.attention(q, k, v)", api_plain)
     line("cupyflash.attention(q, k, v, causal=True, return_lse=True)", api_causal)
     line("cupyflash.attention(q, k, v, layout='bhsd')", api_bhsd)
-    line("_gpu.forward (launcher, preallocated out / lse)", launcher)
+    line("gpu_fwd.forward (launcher, preallocated out / lse)", launcher)
     if hasattr(api, "_FAST"):  # (this script also runs against older trees, for "before")
         print(f"  fast-path entries: {len(api._FAST)}")
     if args.parts:

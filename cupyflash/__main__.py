@@ -24,9 +24,9 @@ from cupyflash import _interop, reference
 
 def _kernel_dir() -> str:
     try:
-        from cupyflash import _modules
+        from cupyflash.gpu import compile
 
-        return str(_modules.kernels_dir())
+        return str(compile.kernels_dir())
     except Exception as exc:  # CuPy missing, or the module not importable
         return f"unavailable ({type(exc).__name__}: {exc})"
 
@@ -67,21 +67,23 @@ def info() -> int:
 
 def _forward_kernels(cc: int) -> str:
     """Which forward kernel the planner runs on a device of compute capability ``cc``."""
-    from cupyflash import _plan
+    from cupyflash.gpu import plan_fwd_sm90
+    from cupyflash.gpu.tuning import TUNING
+    from cupyflash.gpu.variants import SM90_SMEM_MAX
 
     if cc < 80:
         return "none (the GPU kernels need compute capability 8.0+): the CPU implementation"
-    why = _plan.sm90_unsupported("bfloat16", 128, 128, scale=1.0, softcap=0.0, has_alibi=False,
-                                 cc=cc, smem_optin=_plan.SM90_SMEM_MAX)
+    why = plan_fwd_sm90.why_unsupported("bfloat16", 128, 128, scale=1.0, softcap=0.0,
+                                        has_alibi=False, cc=cc, smem_optin=SM90_SMEM_MAX)
     if why is not None:
         return "portable kernel (fwd.cu, mma.sync) for every call"
     f32 = ("; float32 (dense, head dim "
-           f"{' / '.join(map(str, _plan.SM90_F32_HEAD_DIMS))}, no softcap): fwd_sm90_f32.cu "
-           "(3xTF32 on wgmma)" if _plan.SM90_FLOAT32_AUTO else
+           f"{' / '.join(map(str, plan_fwd_sm90.SM90_F32_HEAD_DIMS))}, no softcap): fwd_sm90_f32.cu "
+           "(3xTF32 on wgmma)" if TUNING.sm90_float32_auto else
            "; float32: the portable kernel (fwd_sm90_f32.cu only with kernel='sm90')")
     return ("Hopper kernel (fwd_sm90.cu: TMA + wgmma) for float16 / bfloat16, head dim "
-            f"{' / '.join(map(str, _plan.SM90_HEAD_DIMS))} = head_dim_v, no ALiBi / mask (a bias at "
-            f"head dim {' / '.join(map(str, _plan.SM90_BIAS_HEAD_DIMS))} in the layouts docs/hopper.md "
+            f"{' / '.join(map(str, plan_fwd_sm90.SM90_HEAD_DIMS))} = head_dim_v, no ALiBi / mask (a bias at "
+            f"head dim {' / '.join(map(str, plan_fwd_sm90.SM90_BIAS_HEAD_DIMS))} in the layouts docs/hopper.md "
             "lists), TMA-aligned strides (dense and varlen); the portable kernel (fwd.cu) "
             "otherwise" + f32)
 
@@ -145,7 +147,9 @@ def precompile(args) -> int:
     if not _interop.gpu_available():
         print("precompile needs a CUDA GPU with CuPy", file=sys.stderr)
         return 2
-    from cupyflash import _gpu_bwd, _modules, _plan
+    from cupyflash.gpu import (compile, plan_bwd, plan_bwd_sm90, plan_bwd_sm90_f32, plan_fwd,
+                               plan_fwd_sm90)
+    from cupyflash.gpu.tuning import TUNING
 
     cp = _interop.cupy_module()
     smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
@@ -157,20 +161,18 @@ def precompile(args) -> int:
         return ((elems is None or v.elem in elems) and (dims is None or v.d in dims)
                 and (not args.general or getattr(v, "general", False)))
 
-    fwd = [v for v in _plan.all_variants(smem) if wanted(v)]
+    fwd = [v for v in plan_fwd.variants(smem) if wanted(v)]
     hopper = int(cp.cuda.Device().compute_capability) == 90 and not args.general
     if hopper:
-        fwd += [v for v in _plan.sm90_variants() if wanted(v)]
-        if _plan.SM90_FLOAT32_AUTO:
-            fwd += [v for v in _plan.sm90_f32_variants() if wanted(v)]
-    fwd = _modules.precompile(fwd, args.workers)
-    bwd = _gpu_bwd.precompile([v for v in _gpu_bwd.all_variants(smem) if wanted(v)], args.workers)
+        fwd += [v for v in plan_fwd_sm90.variants() if wanted(v)]
+        if TUNING.sm90_float32_auto:
+            fwd += [v for v in plan_fwd_sm90.f32_variants() if wanted(v)]
+    fwd = compile.precompile(fwd, args.workers)
+    bwd = compile.precompile([v for v in plan_bwd.variants(smem) if wanted(v)], args.workers)
     if hopper:
-        from cupyflash import _gpu_bwd_sm90, _gpu_bwd_sm90_f32
-        bwd += _modules.precompile([v for v in _gpu_bwd_sm90.variants() if wanted(v)],
-                                   args.workers, program_fn=_gpu_bwd_sm90.program)
-        bwd += _modules.precompile([v for v in _gpu_bwd_sm90_f32.variants() if wanted(v)],
-                                   args.workers, program_fn=_gpu_bwd_sm90_f32.program)
+        bwd += compile.precompile([v for v in plan_bwd_sm90.variants() if wanted(v)], args.workers)
+        bwd += compile.precompile([v for v in plan_bwd_sm90_f32.variants() if wanted(v)],
+                                  args.workers)
     print(f"compiled {len(fwd)} forward and {len(bwd)} backward variants in "
           f"{time.perf_counter() - t0:.1f} s ({args.workers} processes)")
     return 0

@@ -129,7 +129,8 @@ def portable_peer(q, k, v, causal, direction):
     "cupyflash" on a Hopper card, where the planner runs fwd_sm90.cu / bwd_sm90.cu instead."""
     import cupy as cp
 
-    from . import _gpu, _gpu_bwd
+    from .gpu import bwd as _gpu_bwd
+    from .gpu import fwd as _gpu
     from ._options import Options
 
     if int(cp.cuda.Device().compute_capability) != 90:

@@ -198,7 +198,7 @@ def _remember_fast(backend, qkv, options, qkv_bshd, out_user, dims, opts, layout
 
 
 def _gpu_module():
-    from . import _gpu  # imports CuPy: only on the GPU path
+    from .gpu import fwd as _gpu  # imports CuPy: only on the GPU path
 
     return _gpu
 
@@ -370,7 +370,7 @@ def _backward_bshd(backend, doutb, qb, kb, vb, outb, lse, dims, opts, layout):
     elif backend.where == "cpu":
         *grads, dbias = cpu.backward(doutb, qb, kb, vb, outb, lse, opts)
     else:
-        from . import _gpu_bwd  # imports CuPy: only on the GPU path
+        from .gpu import bwd as _gpu_bwd  # imports CuPy: only on the GPU path
 
         doutb, qb, kb, vb, outb = (_last_dim_contiguous(backend, x) for x in (doutb, qb, kb, vb, outb))
         grads = [xp.empty_like(x) for x in (qb, kb, vb)]  # bshd, written by the kernels
@@ -569,7 +569,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                                window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                                scale=scale, deterministic=deterministic, allow_tf32=allow_tf32)
         if backend.where == "gpu":
-            from . import _gpu_bwd  # imports CuPy: only on the GPU path
+            from .gpu import bwd as _gpu_bwd  # imports CuPy: only on the GPU path
 
             xp = backend.xp
             qb, kb, vb = (_last_dim_contiguous(backend, x) for x in (qb, kb, vb))

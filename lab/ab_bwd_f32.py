@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupy as cp  # noqa: E402
 
-from cupyflash import _bench, _gpu, _gpu_bwd  # noqa: E402
-from cupyflash import _gpu_bwd_sm90_f32 as f32b  # noqa: E402
+from cupyflash import _bench  # noqa: E402
+from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd
+from cupyflash.gpu import compile as gpu_compile, plan_bwd_sm90_f32  # noqa: E402
 from cupyflash._options import Options  # noqa: E402
 
 from ab_fwd_kernels import kernels_tree  # noqa: E402
@@ -37,7 +38,7 @@ from ab_timing import interleaved_tflops, tflops_columns  # noqa: E402
 def functions_from(tree: Path, variant, tag: int, smem: int):
     """(main, *helpers) of ``variant`` compiled from the sources in ``tree``."""
     with kernels_tree(tree):
-        src, opts, names = f32b.program([variant])
+        src, opts, names = gpu_compile.program([variant])
         mod = cp.RawModule(code=src, options=tuple(opts) + (f"-DCUPYFLASH_AB_TREE={tag}",),
                            name_expressions=names)
         main = mod.get_function(variant.name_expression)
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
     dev_id = cp.cuda.Device().id
     smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
-    f32b.smem_bytes = lambda d: smem   # every tree's launch: the whole opt-in shared memory
+    plan_bwd_sm90_f32.smem_bytes = lambda d: smem   # every tree's launch: the whole opt-in shared memory
     d = args.head_dim
     print(f"# {_bench.device_line()}; trees: " + ", ".join(f"[{i}] {t}" for i, t in enumerate(trees)))
     print(f"{'seqlen':>6} {'causal':>6} | " + " ".join(f"{f'[{i}]':>7}" for i in range(len(trees)))
@@ -73,16 +74,16 @@ def main(argv=None) -> int:
             q, k, v, dout = (bshd(cp.random.standard_normal(shape, dtype=cp.float32)) for _ in range(4))
             out, lse = bshd(cp.empty(shape, cp.float32)), cp.empty((b, h, s), cp.float32)
             opts = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1)
-            _gpu.forward(q, k, v, out, lse, opts)
-            variant = f32b.Sm90F32BwdVariant(d, causal)
-            key = (dev_id, type(variant), variant)
+            gpu_fwd.forward(q, k, v, out, lse, opts)
+            variant = plan_bwd_sm90_f32.Sm90F32BwdVariant(d, causal)
+            key = (dev_id, variant, ())   # compile.get_functions's cache key
             fns = [functions_from(t, variant, i, smem) for i, t in enumerate(trees)]
             g = [bshd(cp.empty(shape, cp.float32)) for _ in range(3)]
-            call = lambda: _gpu_bwd.backward(dout, q, k, v, out, lse, *g, opts, kernel="sm90")  # noqa: E731
+            call = lambda: gpu_bwd.backward(dout, q, k, v, out, lse, *g, opts, kernel="sm90")  # noqa: E731
             # ---- every tree's gradients against the first tree's
             ref, diff = None, []
             for fn in fns:
-                _gpu_bwd._functions[key] = fn
+                gpu_compile._functions[key] = fn
                 for x in g:
                     x.fill(math.nan)
                 call()
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
                 me = peers.try_peer("memeff", q, k, v, causal, "bwd")
             def with_tree(fn):   # the launch with tree fn's kernel in the function cache
                 def run():
-                    _gpu_bwd._functions[key] = fn
+                    gpu_compile._functions[key] = fn
                     call()
                 return run
 
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
                                          args.rounds, args.rep, _bench.time_ms)
             print(f"{s:>6} {'yes' if causal else 'no':>6} | " + tflops_columns(tf, tme)
                   + "  " + " ".join(f"{x:.1e}" for x in diff), flush=True)
-            _gpu_bwd._functions.pop(key, None)
+            gpu_compile._functions.pop(key, None)
             del q, k, v, dout, out, lse, g, me
             cp.get_default_memory_pool().free_all_blocks()
     return 0

@@ -29,7 +29,14 @@ import cupy as cp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cupyflash import _bench, _checks, _gpu, _gpu_bwd, _gpu_dbias_sm90  # noqa: E402
+from cupyflash import _bench, _checks  # noqa: E402
+from cupyflash.gpu import bwd as gpu_bwd
+from cupyflash.gpu import compile as gpu_compile
+from cupyflash.gpu import dbias_sm90
+from cupyflash.gpu import fwd as gpu_fwd
+from cupyflash.gpu import plan_bwd
+from cupyflash.gpu import plan_dbias_sm90
+from cupyflash.gpu.tuning import TUNING
 
 from ab_timing import interleaved_tflops  # noqa: E402
 
@@ -47,7 +54,7 @@ def columns(tf, flops) -> str:
 def capture_dbias_record(call):
     """Params (0-d array) of the dbias kernels as the backward ``call()`` hands them over."""
     got = {}
-    orig = _gpu_bwd._fill_and_launch
+    orig = gpu_bwd._fill_and_launch
 
     def spy(*a, **kw):
         after = kw.get("after")
@@ -58,11 +65,11 @@ def capture_dbias_record(call):
             kw["after"] = keep
         return orig(*a, **kw)
 
-    _gpu_bwd._fill_and_launch = spy
+    gpu_bwd._fill_and_launch = spy
     try:
         call()
     finally:
-        _gpu_bwd._fill_and_launch = orig
+        gpu_bwd._fill_and_launch = orig
     return got["prm"]
 
 
@@ -81,28 +88,28 @@ def main(argv=None):
 
 def run_one(s, rounds, rep, rng):
     """The three timings of one sequence length (module docstring)."""
-    dev_id, smem, num_sms = _gpu_bwd._device()
+    dev_id, smem, num_sms = gpu_bwd._device()
     b = TOKENS // s
     q, k, v, dout = (cp.asarray(rng.standard_normal((b, s, H, D), dtype=np.float32).astype(BF16))
                      for _ in range(4))
     bias = cp.asarray(rng.standard_normal((1, H, s, s), dtype=np.float32).astype(BF16))
     opts = _checks.make_options(_checks.check_qkv(q, k, v), cp, bias=bias)
     out, lse = cp.empty_like(q), cp.empty((b, H, s), cp.float32)
-    _gpu.forward(q, k, v, out, lse, opts)
+    gpu_fwd.forward(q, k, v, out, lse, opts)
     grads = [cp.empty_like(x) for x in (q, k, v)]
     dbias = cp.empty(bias.shape, BF16)
 
     def backward():
-        return _gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts, dbias=dbias)
+        return gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts, dbias=dbias)
 
     def with_switches(kernel, sm90):
         def call():
-            saved = _gpu_bwd.DBIAS_KERNEL, _gpu_bwd.DBIAS_SM90
-            _gpu_bwd.DBIAS_KERNEL, _gpu_bwd.DBIAS_SM90 = kernel, sm90
+            saved = TUNING.dbias_kernel, TUNING.dbias_sm90
+            TUNING.dbias_kernel, TUNING.dbias_sm90 = kernel, sm90
             try:
                 return backward()
             finally:
-                _gpu_bwd.DBIAS_KERNEL, _gpu_bwd.DBIAS_SM90 = saved
+                TUNING.dbias_kernel, TUNING.dbias_sm90 = saved
         return call
 
     # the two kernels' dbias, and the record they read
@@ -115,12 +122,12 @@ def run_one(s, rounds, rep, rng):
 
     # the dbias kernel alone
     rec = prm.reshape(1)[0]
-    pv = _gpu_bwd.dbias_variant("bf16_t", D, smem)
-    pfn = _gpu_bwd.get_functions(pv, dev_id)[0]
+    pv = plan_bwd.dbias_variant("bf16_t", D, smem)
+    pfn = gpu_compile.get_functions(pv, dev_id)[0]
     pgrid = (-(-s // pv.bn), -(-s // pv.bm), H)
-    hv = _gpu_dbias_sm90.variant_for("bf16_t", D, False, False)
+    hv = plan_dbias_sm90.variant_for("bf16_t", D, False, False)
     calls = [lambda: pfn(pgrid, (pv.threads, 1, 1), (rec,), shared_mem=pv.smem_bytes),
-             lambda: _gpu_dbias_sm90.launch(hv, prm, q, k, v, dout, bias, dev_id, num_sms)]
+             lambda: dbias_sm90.launch(hv, prm, q, k, v, dout, bias, dev_id, num_sms)]
     fl_k = 4.0 * b * H * s * s * D
     tf, _ = interleaved_tflops(calls, None, fl_k, rounds, rep, _bench.time_ms)
     print(f"s {s:5d} b {b:2d}  dbias kernel alone: {pv.name} | {hv.name} | ratio")

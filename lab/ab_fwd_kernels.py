@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupy as cp  # noqa: E402
 import ml_dtypes  # noqa: E402
 
-from cupyflash import _bench, _gpu, _modules  # noqa: E402
+from cupyflash import _bench  # noqa: E402
+from cupyflash.gpu import compile as gpu_compile, fwd as gpu_fwd, fwd_portable, fwd_sm90
 from cupyflash._options import Options  # noqa: E402
 
 from ab_timing import interleaved_tflops, tflops_columns  # noqa: E402
@@ -38,32 +39,32 @@ from ab_timing import interleaved_tflops, tflops_columns  # noqa: E402
 
 @contextlib.contextmanager
 def kernels_tree(tree: Path):
-    """Within the block, _modules reads kernel sources (and their hash) from ``tree``."""
-    saved = _modules.kernels_dir
-    _modules.kernels_dir = lambda: tree
-    _modules._source.cache_clear()
-    _modules.source_hash.cache_clear()
+    """Within the block, gpu.compile reads kernel sources (and their hash) from ``tree``."""
+    saved = gpu_compile.kernels_dir
+    gpu_compile.kernels_dir = lambda: tree
+    gpu_compile._source.cache_clear()
+    gpu_compile.source_hash.cache_clear()
     try:
         yield
     finally:
-        _modules.kernels_dir = saved
-        _modules._source.cache_clear()
-        _modules.source_hash.cache_clear()
+        gpu_compile.kernels_dir = saved
+        gpu_compile._source.cache_clear()
+        gpu_compile.source_hash.cache_clear()
 
 
 def compile_from(tree: Path, variant, dev_id: int, tag: int):
     """``variant`` compiled from the sources in ``tree`` (a kernels_cu/ directory)."""
     with kernels_tree(tree):
-        fn = _modules.get_function(variant, dev_id, (f"-DCUPYFLASH_AB_TREE={tag}",))
+        fn = gpu_compile.get_function(variant, dev_id, (f"-DCUPYFLASH_AB_TREE={tag}",))
     return getattr(fn, "kernel", fn)
 
 
-_REAL_LAUNCH = _gpu._launch
+_REAL_LAUNCH = fwd_portable.launch_plan
 
 
 class _Planned:
-    """A bias call is planned per call (_gpu._forward_general, no cached _Launch): its launches
-    go through _gpu._launch, which this stands in for with ``fn`` (set like _Launch.fn)."""
+    """A bias call is planned per call (gpu_fwd._forward_general, no cached _Launch): its launches
+    go through fwd_portable.launch_plan, which this stands in for with ``fn`` (set like _Launch.fn)."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -71,15 +72,15 @@ class _Planned:
         def launch(plan, prm, dev_id):
             self.fn(plan.grid, plan.block, (prm.reshape(1)[0],), shared_mem=plan.smem)
             return plan.variant.name
-        _gpu._launch = launch
+        fwd_portable.launch_plan = launch
 
 
 def using(fn, q, k, v, out, opts):
     """The object whose ``fn`` the next forward(q, k, v, out, lse, opts, kernel="sm90") launches:
-    the cached _Launch entry, or for a bias call the stand-in for _gpu._launch."""
+    the cached _Launch entry, or for a bias call the stand-in for fwd_portable.launch_plan."""
     if opts.bias is not None:
         return _Planned(fn)
-    ent = _gpu._launch_cache[_gpu._key(q, k, v, out, opts, "sm90")]
+    ent = gpu_fwd._launch_cache[gpu_fwd._key(q, k, v, out, opts, "sm90")]
     ent.fn = fn
     return ent
 
@@ -119,9 +120,9 @@ def main(argv=None) -> int:
                     bias = cp.random.standard_normal((1, h, s, s), dtype=cp.float32).astype(dtype)
                 opts = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1, bias=bias,
                                bias_shape=None if bias is None else bias.shape)
-                _gpu._launch = _REAL_LAUNCH     # this cell's own variant, from this tree
-                name = _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")
-                variant = _gpu._sm90_variant_by_name(name)
+                fwd_portable.launch_plan = _REAL_LAUNCH     # this cell's own variant, from this tree
+                name = gpu_fwd.forward(q, k, v, out, lse, opts, kernel="sm90")
+                variant = fwd_sm90.variant_by_name(name)
                 fns = [compile_from(t, variant, dev_id, i) for i, t in enumerate(trees)]
                 ent = using(fns[0], q, k, v, out, opts)
                 # ---- results of every tree against the first's, bit for bit
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
                     ent.fn = fn
                     out.fill(math.nan)
                     lse.fill(math.nan)
-                    _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")
+                    gpu_fwd.forward(q, k, v, out, lse, opts, kernel="sm90")
                     got = (out.copy(), lse.copy())
                     if ref is None:
                         ref = got
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
                 def with_tree(fn):   # the launch with tree fn's kernel in the cached entry
                     def call():
                         ent.fn = fn
-                        _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")
+                        gpu_fwd.forward(q, k, v, out, lse, opts, kernel="sm90")
                     return call
 
                 tf, tme = interleaved_tflops([with_tree(fn) for fn in fns], me,

@@ -22,7 +22,8 @@ import cupy as cp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cupyflash import _bench, _gpu, _gpu_bwd  # noqa: E402
+from cupyflash import _bench  # noqa: E402
+from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd, plan_bwd
 from cupyflash._options import Options  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -41,15 +42,15 @@ def bench_ours(b, s, h, d, causal, warmup, reps, deterministic=False, tiles=None
     lse = cp.empty((b, h, s), cp.float32)
     opts = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1,
                    deterministic=deterministic)
-    _gpu.forward(q, k, v, out, lse, opts)
+    gpu_fwd.forward(q, k, v, out, lse, opts)
     dq, dk, dv = cp.empty_like(q), cp.empty_like(k), cp.empty_like(v)
     kernel = None
     if tiles is not None:   # same element type / bucket / flags as the planner's, other tiles
-        auto = _gpu_bwd.plan_backward("bfloat16", b, s, s, h, h, d, d, scale=1.0,
+        auto = plan_bwd.plan_backward("bfloat16", b, s, s, h, h, d, d, scale=1.0,
                                       window_right=0 if causal else -1).variant
-        kernel = auto._replace(bm=tiles[0], nw=tiles[1], wd=tiles[2], nbuf=tiles[3])
+        kernel = auto.replace(bm=tiles[0], nw=tiles[1], wd=tiles[2], nbuf=tiles[3])
     name = []
-    fn = lambda: name.append(_gpu_bwd.backward(dout, q, k, v, out, lse, dq, dk, dv, opts,  # noqa: E731
+    fn = lambda: name.append(gpu_bwd.backward(dout, q, k, v, out, lse, dq, dk, dv, opts,  # noqa: E731
                                                kernel=kernel))
     ms = _time_ms(fn, warmup, reps)
     return ms, name[-1]

@@ -33,7 +33,8 @@ import cupy as cp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cupyflash import _checks, _gpu, _gpu_bwd  # noqa: E402
+from cupyflash import _checks  # noqa: E402
+from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOKENS = 16384
@@ -70,12 +71,12 @@ def bench_bias_ours(s, warmup, reps, bwd_kernel=None):
     opts = _checks.make_options(dims, cp, bias=bias)
     out = cp.empty_like(q)
     lse = cp.empty((b, H, s), cp.float32)
-    fwd = lambda: _gpu.forward(q, k, v, out, lse, opts)  # noqa: E731
+    fwd = lambda: gpu_fwd.forward(q, k, v, out, lse, opts)  # noqa: E731
     name = fwd()
     t_f = _cp_time(fwd, warmup, reps)
     grads = [cp.empty_like(x) for x in (q, k, v)]
     dbias = cp.empty(bias.shape, BF16)
-    bwd = lambda: _gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts, dbias=dbias,  # noqa: E731
+    bwd = lambda: gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts, dbias=dbias,  # noqa: E731
                                     kernel=bwd_kernel)
     bname = bwd()
     cp.cuda.Device().synchronize()
@@ -147,11 +148,11 @@ def bench_varlen(causal, warmup, reps):
     opts = _checks.make_options(dims, cp, causal=causal)
     out = cp.empty_like(q)
     lse = cp.empty((H, tot), cp.float32)
-    fwd = lambda: _gpu.forward_varlen(q, k, v, cu, cu, longest, longest, out, lse, opts)  # noqa: E731
+    fwd = lambda: gpu_fwd.forward_varlen(q, k, v, cu, cu, longest, longest, out, lse, opts)  # noqa: E731
     name = fwd()
     t_f = _cp_time(fwd, warmup, reps)
     grads = [cp.empty_like(x) for x in (q, k, v)]
-    bwd = lambda: _gpu_bwd.backward_varlen(dout, q, k, v, out, lse, cu, cu, longest, longest,  # noqa: E731
+    bwd = lambda: gpu_bwd.backward_varlen(dout, q, k, v, out, lse, cu, cu, longest, longest,  # noqa: E731
                                            *grads, opts)
     bname = bwd()
     t_b = _cp_time(bwd, warmup, reps)
@@ -162,11 +163,11 @@ def bench_varlen(causal, warmup, reps):
     optd = _checks.make_options(_checks.check_qkv(qd, kd, vd), cp, causal=causal)
     outd = cp.empty_like(qd)
     lsed = cp.empty((b, H, longest), cp.float32)
-    fwdd = lambda: _gpu.forward(qd, kd, vd, outd, lsed, optd)  # noqa: E731
+    fwdd = lambda: gpu_fwd.forward(qd, kd, vd, outd, lsed, optd)  # noqa: E731
     fwdd()
     td_f = _cp_time(fwdd, warmup, reps)
     gd = [cp.empty_like(x) for x in (qd, kd, vd)]
-    bwdd = lambda: _gpu_bwd.backward(dod, qd, kd, vd, outd, lsed, *gd, optd)  # noqa: E731
+    bwdd = lambda: gpu_bwd.backward(dod, qd, kd, vd, outd, lsed, *gd, optd)  # noqa: E731
     bnamed = bwdd()
     td_b = _cp_time(bwdd, warmup, reps)
     flops_d = 4.0 * b * H * longest * longest * D / (2 if causal else 1)

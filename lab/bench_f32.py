@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cupyflash import _bench, _gpu, _plan  # noqa: E402
+from cupyflash import _bench  # noqa: E402
+from cupyflash.gpu import fwd as gpu_fwd, plan_fwd_sm90
 from cupyflash._options import Options  # noqa: E402
 
 
@@ -55,7 +56,7 @@ def _variant(spec, d):
     if spec.startswith("fwd90_"):
         return spec
     dd, bn, st, nc, qreg = (int(x) for x in spec.split(","))
-    return "sm90" if dd != d else _plan.Sm90F32Variant("f32x3_t", d, bn, st, nc, True, bool(qreg))
+    return "sm90" if dd != d else plan_fwd_sm90.Sm90F32Variant("f32x3_t", d, bn, st, nc, True, bool(qreg))
 
 
 def main(argv=None) -> int:
@@ -100,11 +101,11 @@ def main(argv=None) -> int:
                 res = {}
                 name = "-"
                 try:
-                    name = _gpu.forward(q, k, v, o_h, lse, opts, kernel=kern)
-                    res["sm90"] = _time(lambda: _gpu.forward(q, k, v, o_h, lse, opts, kernel=kern))
+                    name = gpu_fwd.forward(q, k, v, o_h, lse, opts, kernel=kern)
+                    res["sm90"] = _time(lambda: gpu_fwd.forward(q, k, v, o_h, lse, opts, kernel=kern))
                 except Exception as e:  # noqa: BLE001
                     print(f"  sm90: {type(e).__name__}: {e}")
-                res["portable"] = _time(lambda: _gpu.forward(q, k, v, o_p, lse, opts,
+                res["portable"] = _time(lambda: gpu_fwd.forward(q, k, v, o_p, lse, opts,
                                                              kernel="portable"))
                 if not args.no_peers:
                     fn = _memeff(q, k, v, causal)
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
                         res["memeff"] = _time(fn)
                 if args.tf32:
                     try:
-                        res["tf32"] = _time(lambda: _gpu.forward(q, k, v, o_t, lse, opts32,
+                        res["tf32"] = _time(lambda: gpu_fwd.forward(q, k, v, o_t, lse, opts32,
                                                                  kernel="sm90"))
                     except Exception as e:  # noqa: BLE001
                         print(f"  sm90 tf32: {type(e).__name__}: {e}")

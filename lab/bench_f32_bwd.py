@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cupy as cp  # noqa: E402
 
-from cupyflash import _bench, _gpu, _gpu_bwd  # noqa: E402
+from cupyflash import _bench  # noqa: E402
+from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd
 from cupyflash._options import Options  # noqa: E402
 
 from bench_f32 import _memeff, _time  # noqa: E402
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
                 out = bshd(cp.empty(shape, cp.float32))
                 lse = cp.empty((b, h, s), cp.float32)
                 opts = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1)
-                _gpu.forward(q, k, v, out, lse, opts)
+                gpu_fwd.forward(q, k, v, out, lse, opts)
                 g_h = [bshd(cp.empty(shape, cp.float32)) for _ in range(3)]
                 g_p = [bshd(cp.empty(shape, cp.float32)) for _ in range(3)]
                 fl = _bench.flops(b, h, s, s, d, causal, "bwd")
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
                 res, name = {}, "-"
 
                 def run(kernel, g):
-                    return _gpu_bwd.backward(dout, q, k, v, out, lse, *g, opts, kernel=kernel)
+                    return gpu_bwd.backward(dout, q, k, v, out, lse, *g, opts, kernel=kernel)
 
                 try:
                     name = run("sm90", g_h)

@@ -23,7 +23,8 @@ import cupy as cp
 import ml_dtypes
 import numpy as np
 
-from cupyflash import _bench, _gpu, _plan
+from cupyflash import _bench
+from cupyflash.gpu import fwd as gpu_fwd, plan_fwd
 from cupyflash._options import Options
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -46,7 +47,7 @@ def ours_fn(q, k, v, causal, allow_tf32=False, kernel="auto"):
     lse = cp.empty((b, h, s), cp.float32)
     opts = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1,
                    allow_tf32=allow_tf32)
-    return lambda: _gpu.forward(q, k, v, out, lse, opts, kernel=kernel), out, lse
+    return lambda: gpu_fwd.forward(q, k, v, out, lse, opts, kernel=kernel), out, lse
 
 
 def get_torch():
@@ -93,7 +94,7 @@ def bench_bf16(tt, quick, rows):
             b, h = 16384 // s, 2048 // hd
             q, k, v = make_inputs(b, s, h, hd, BF16, rng)
             for causal in (False, True):
-                fl = _plan.flops(b, h, s, s, hd, hd, causal)
+                fl = plan_fwd.flops(b, h, s, s, hd, hd, causal)
                 fn, out, lse = ours_fn(q, k, v, causal)
                 name = fn()
                 res = {"ours": fl / time_cupy(fn) / 1e12}
@@ -128,7 +129,7 @@ def bench_f32(tt, rows):
             b, h = 16384 // s, 2048 // hd
             q, k, v = make_inputs(b, s, h, hd, np.float32, rng)
             for causal in (False, True):
-                fl = _plan.flops(b, h, s, s, hd, hd, causal)
+                fl = plan_fwd.flops(b, h, s, s, hd, hd, causal)
                 f3, _, _ = ours_fn(q, k, v, causal)
                 f1, _, _ = ours_fn(q, k, v, causal, allow_tf32=True)
                 t3 = fl / time_cupy(f3) / 1e12
@@ -173,13 +174,13 @@ def bench_memory_and_overhead(rows):
 COLD = r"""
 import time, math, cupy as cp, numpy as np
 t0 = time.perf_counter()
-from cupyflash import _gpu
+from cupyflash.gpu import fwd as gpu_fwd
 from cupyflash._options import Options
 q = cp.asarray(np.random.default_rng(0).standard_normal((1, 256, 2, 80), dtype=np.float32)).astype(cp.float16)
 out = cp.empty_like(q); lse = cp.empty((1, 2, 256), cp.float32)
 cp.cuda.Device().synchronize()
 t1 = time.perf_counter()
-name = _gpu.forward(q, q, q, out, lse, Options(scale=0.1, softcap=20.0, window_right=0))
+name = gpu_fwd.forward(q, q, q, out, lse, Options(scale=0.1, softcap=20.0, window_right=0))
 cp.cuda.Device().synchronize()
 t2 = time.perf_counter()
 print(f"{name} {t2 - t1:.3f}")
@@ -223,12 +224,12 @@ def bench_tune(rows):
         b, s, h = 4, 4096, 2048 // hd
         res = []
         for causal in (False, True):
-            var = _plan.Variant(elem, hd, bm, bn, nw, causal, False, st)
+            var = plan_fwd.Variant(elem, hd, bm, bn, nw, causal, False, st)
             extra = () if unroll is None else (f"-DQK_UNROLL={unroll}",)
             fn, _, _ = ours_fn(q, k, v, causal, kernel=(var, extra))
             try:
                 fn()
-                res.append(_plan.flops(b, h, s, s, hd, hd, causal) / time_cupy(fn) / 1e12)
+                res.append(plan_fwd.flops(b, h, s, s, hd, hd, causal) / time_cupy(fn) / 1e12)
             except Exception as e:  # noqa: BLE001
                 print(f"# {var.name}: {str(e)[:120]}")
                 res.append(float("nan"))

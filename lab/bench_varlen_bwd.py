@@ -20,7 +20,8 @@ import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_bias_varlen import D, H, _lengths, _rnd  # noqa: E402
-from cupyflash import _bench, _checks, _gpu, _gpu_bwd  # noqa: E402
+from cupyflash import _bench, _checks  # noqa: E402
+from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd
 
 
 def varlen_ms(lens, causal, kernel, warmup, reps):
@@ -29,9 +30,9 @@ def varlen_ms(lens, causal, kernel, warmup, reps):
     q, k, v, dout = (_rnd((1, tot, H, D)) for _ in range(4))
     opts = _checks.make_options(_checks.Dims(len(lens), tot, tot, H, H, D, D), cp, causal=causal)
     out, lse = cp.empty_like(q), cp.empty((H, tot), cp.float32)
-    _gpu.forward_varlen(q, k, v, cu, cu, longest, longest, out, lse, opts)
+    gpu_fwd.forward_varlen(q, k, v, cu, cu, longest, longest, out, lse, opts)
     g = [cp.empty_like(x) for x in (q, k, v)]
-    fn = lambda: _gpu_bwd.backward_varlen(dout, q, k, v, out, lse, cu, cu, longest, longest,  # noqa: E731
+    fn = lambda: gpu_bwd.backward_varlen(dout, q, k, v, out, lse, cu, cu, longest, longest,  # noqa: E731
                                           *g, opts, kernel=kernel)
     return _bench.time_ms(fn, warmup, reps), fn()
 
@@ -40,9 +41,9 @@ def dense_ms(b, s, causal, warmup, reps):
     q, k, v, dout = (_rnd((b, s, H, D)) for _ in range(4))
     opts = _checks.make_options(_checks.check_qkv(q, k, v), cp, causal=causal)
     out, lse = cp.empty_like(q), cp.empty((b, H, s), cp.float32)
-    _gpu.forward(q, k, v, out, lse, opts)
+    gpu_fwd.forward(q, k, v, out, lse, opts)
     g = [cp.empty_like(x) for x in (q, k, v)]
-    fn = lambda: _gpu_bwd.backward(dout, q, k, v, out, lse, *g, opts)  # noqa: E731
+    fn = lambda: gpu_bwd.backward(dout, q, k, v, out, lse, *g, opts)  # noqa: E731
     return _bench.time_ms(fn, warmup, reps), fn()
 
 

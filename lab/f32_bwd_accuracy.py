@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cupyflash import _gpu, _gpu_bwd, reference  # noqa: E402
+from cupyflash import reference  # noqa: E402
+from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd
 from cupyflash._options import Options  # noqa: E402
 
 
@@ -39,11 +40,11 @@ def main(argv=None) -> int:
             q, k, v, dout = (cp.asarray(x) for x in (qn, kn, vn, don))
             out, lse = cp.empty_like(q), cp.empty((1, h, s), cp.float32)
             opts = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1)
-            _gpu.forward(q, k, v, out, lse, opts)
+            gpu_fwd.forward(q, k, v, out, lse, opts)
             for kernel in ("sm90", "portable"):
                 g = [cp.full_like(q, cp.nan) for _ in range(3)]
                 try:
-                    _gpu_bwd.backward(dout, q, k, v, out, lse, *g, opts, kernel=kernel)
+                    gpu_bwd.backward(dout, q, k, v, out, lse, *g, opts, kernel=kernel)
                 except ValueError as e:
                     print(f"{s:>6} {'yes' if causal else 'no':>6} {kernel:>8} | {e}")
                     continue

@@ -14,7 +14,7 @@ import math
 
 import cupy as cp
 
-from cupyflash import _gpu
+from cupyflash.gpu import fwd as gpu_fwd
 from cupyflash._options import Options
 
 
@@ -51,7 +51,7 @@ def main(argv=None):
                 for kernel in ("portable", "sm90"):
                     out = cp.full(q.shape, cp.nan, cp.float32)
                     lse = cp.empty((1, 2, 512), cp.float32)
-                    name = _gpu.forward(q, k, v, out, lse, opts, kernel=kernel)
+                    name = gpu_fwd.forward(q, k, v, out, lse, opts, kernel=kernel)
                     err = out.astype(cp.float64) - ref
                     rel = float(cp.linalg.norm(err) / cp.linalg.norm(ref))
                     mx = float(cp.abs(err).max() / cp.abs(ref).max())

@@ -29,7 +29,8 @@ import cupy as cp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cupyflash import _bench, _gpu, _modules  # noqa: E402
+from cupyflash import _bench  # noqa: E402
+from cupyflash.gpu import compile as gpu_compile, fwd as gpu_fwd, fwd_sm90
 from cupyflash._options import Options  # noqa: E402
 
 import fwd_tile_probe as probe  # noqa: E402
@@ -39,7 +40,7 @@ from ab_fwd_kernels import kernels_tree, using  # noqa: E402
 def traced_function(tree: Path, variant):
     """(kernel, cf_trace, cf_clock) of ``variant`` built from the trace tree"""
     with kernels_tree(tree):
-        src, opts, names = _modules.program([variant])
+        src, opts, names = gpu_compile.program([variant])
     mod = cp.RawModule(code=src, options=opts + ("-DCUPYFLASH_TRACE=1",), name_expressions=names)
     fn = mod.get_function(names[0])
     if variant.smem_bytes > 48 * 1024:
@@ -131,17 +132,17 @@ def main(argv=None) -> int:
                 out = cp.empty((b, h, s, d), ml_dtypes.bfloat16).transpose(0, 2, 1, 3)
                 lse = cp.empty((b, h, s), cp.float32)
                 opts = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1)
-                name = _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")
-                variant = _gpu._sm90_variant_by_name(name)
+                name = gpu_fwd.forward(q, k, v, out, lse, opts, kernel="sm90")
+                variant = fwd_sm90.variant_by_name(name)
                 ref = (out.copy(), lse.copy())
                 fn, trace, clock = traced_function(tree, variant)
                 ent = using(fn, q, k, v, out, opts)
                 for _ in range(3):                    # warm-up
-                    _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")
+                    gpu_fwd.forward(q, k, v, out, lse, opts, kernel="sm90")
                 trace.fill(0)
                 clock.fill(0)
                 out.fill(math.nan)
-                _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")
+                gpu_fwd.forward(q, k, v, out, lse, opts, kernel="sm90")
                 cp.cuda.Device().synchronize()
                 same = bool(cp.array_equal(out, ref[0]) and cp.array_equal(lse, ref[1]))
                 tr = trace.get().reshape(probe.TRACE_BLOCKS, probe.TRACE_ROLES, probe.TRACE_TILES,

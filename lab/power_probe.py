@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cupy as cp  # noqa: E402
 import ml_dtypes  # noqa: E402
 
-from cupyflash import _bench, _gpu  # noqa: E402
+from cupyflash import _bench  # noqa: E402
+from cupyflash.gpu import fwd as gpu_fwd, fwd_sm90
 from cupyflash._options import Options  # noqa: E402
 
 from ab_fwd_kernels import compile_from  # noqa: E402
@@ -68,18 +69,18 @@ def main(argv=None) -> int:
                    for _ in range(3))
         out, lse = cp.empty_like(q), cp.empty((b, h, s), cp.float32)
         opts = Options(scale=1 / math.sqrt(d))
-        name = _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")
-        calls = {f"cupyflash s={s}": lambda: _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")}
+        name = gpu_fwd.forward(q, k, v, out, lse, opts, kernel="sm90")
+        calls = {f"cupyflash s={s}": lambda: gpu_fwd.forward(q, k, v, out, lse, opts, kernel="sm90")}
         if args.trees:
-            variant = _gpu._sm90_variant_by_name(name)
-            ent = _gpu._launch_cache[_gpu._key(q, k, v, out, opts, "sm90")]   # the cached launch
+            variant = fwd_sm90.variant_by_name(name)
+            ent = gpu_fwd._launch_cache[gpu_fwd._key(q, k, v, out, opts, "sm90")]   # the cached launch
             base_fn = ent.fn
             for i, tree in enumerate(args.trees):
                 fn = compile_from(Path(tree), variant, cp.cuda.Device().id, 100 + i)
 
                 def call(fn=fn):
                     ent.fn = fn
-                    _gpu.forward(q, k, v, out, lse, opts, kernel="sm90")
+                    gpu_fwd.forward(q, k, v, out, lse, opts, kernel="sm90")
                     ent.fn = base_fn
                 calls[f"{Path(tree).parent.name} s={s}"] = call
         cudnn = peers.try_peer("cudnn", q, k, v, False, "fwd")

@@ -23,7 +23,14 @@ import cupy as cp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cupyflash import _bench, _checks, _gpu, _gpu_bwd, _gpu_bwd_sm90 as h90, _plan, _tma  # noqa: E402
+from cupyflash import _bench, _checks  # noqa: E402
+from cupyflash.gpu import bwd as gpu_bwd
+from cupyflash.gpu import bwd_sm90
+from cupyflash.gpu import compile as gpu_compile
+from cupyflash.gpu import fwd as gpu_fwd
+from cupyflash.gpu import params as gpu_params
+from cupyflash.gpu import plan_bwd_sm90
+from cupyflash.gpu import tma as gpu_tma
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -40,14 +47,14 @@ def main():
         bias = rnd(1, H, s, s)
         dims = _checks.check_qkv(q, k, v)
         res = {}
-        orig = h90.launch
+        orig = bwd_sm90.launch
         for tag, kw in (("nobias", {}), ("bias", dict(bias=bias))):
             opts = _checks.make_options(dims, cp, **kw)
             out, lse = cp.empty_like(q), cp.empty((b, H, s), cp.float32)
-            _gpu.forward(q, k, v, out, lse, opts)
+            gpu_fwd.forward(q, k, v, out, lse, opts)
             g = [cp.empty_like(x) for x in (q, k, v)]
             dbias = cp.empty(bias.shape, BF16) if kw else None
-            call = lambda: _gpu_bwd.backward(do, q, k, v, out, lse, *g, opts, dbias=dbias)  # noqa: E731
+            call = lambda: gpu_bwd.backward(do, q, k, v, out, lse, *g, opts, dbias=dbias)  # noqa: E731
             name = call()
             res[tag] = (_bench.time_ms(call, 1, 5), name)
             if not kw:
@@ -55,24 +62,24 @@ def main():
             def run_patched(tag, obj, attr, repl):
                 saved = getattr(obj, attr)
                 setattr(obj, attr, repl(saved))
-                _gpu_bwd._functions.clear()
+                gpu_compile._functions.clear()
                 try:
                     res[tag] = (_bench.time_ms(call, 1, 5), call())
                 finally:
                     setattr(obj, attr, saved)
-                    _gpu_bwd._functions.clear()
+                    gpu_compile._functions.clear()
 
-            run_patched("ld16", h90, "bias_tma_unsupported", lambda f: lambda *a: "probe: off")
+            run_patched("ld16", gpu_tma, "bias_tma_unsupported", lambda f: lambda *a: "probe: off")
             for ptag, define in (("tma_dp_early", "-DBIAS_TMA_DP_EARLY=1"),):
-                run_patched(ptag, _gpu_bwd, "program",
+                run_patched(ptag, gpu_compile, "program",
                             lambda f, _d=define: lambda vs: (lambda src, o, n: (src, o + (_d,), n))(*f(vs)))
 
-            def oob_desc(prm, b_arr):   # the tensor map covers query row 0 of plane 0 only:
-                st = _gpu.broadcast_strides(b_arr)   # later boxes read no memory (zero fill)
-                dims, strides, box = _plan.tma_tensor((1, 1, 1, b_arr.shape[3]), (st[0], st[2], st[1], 1),
-                                                      b_arr.itemsize, h90.BM)
-                prm["tma_bias"] = _tma.encode("bfloat16", b_arr.data.ptr, dims, strides, box)
-            run_patched("bias_no_memory", h90, "bias_tma_desc", lambda f: oob_desc)
+            def oob_desc(prm, b_arr, box_rows):   # the tensor map covers query row 0 of plane 0 only:
+                st = gpu_params.broadcast_strides(b_arr)   # later boxes read no memory (zero fill)
+                dims, strides, box = gpu_tma.tma_tensor((1, 1, 1, b_arr.shape[3]), (st[0], st[2], st[1], 1),
+                                                      b_arr.itemsize, plan_bwd_sm90.BM)
+                prm["tma_bias"] = gpu_tma.encode("bfloat16", b_arr.data.ptr, dims, strides, box)
+            run_patched("bias_no_memory", gpu_tma, "bias_tma_desc", lambda f: oob_desc)
 
             def dbias_passes():   # what the launcher does around the kernel for this dbias
                 acc = cp.zeros(bias.size, cp.float32)
@@ -84,7 +91,7 @@ def main():
                 def patched(variant, prm, *args, _fix=fix, _orig=orig, **kws):
                     _fix(prm)
                     return _orig(variant, prm, *args, **kws)
-                run_patched(ptag, h90, "launch", lambda f, _p=patched: _p)
+                run_patched(ptag, bwd_sm90, "launch", lambda f, _p=patched: _p)
         fl = 2.5 * 4.0 * b * H * s * s * D
         print(f"s={s} b={b}: " + " | ".join(f"{k_} {t:.3f} ms ({fl / t / 1e9:.0f} TFLOP/s) {n}"
                                              for k_, (t, n) in res.items()), flush=True)

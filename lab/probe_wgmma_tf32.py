@@ -17,14 +17,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cupyflash import _modules  # noqa: E402
+from cupyflash.gpu import compile as gpu_compile  # noqa: E402
 
 
 def main() -> int:
     src = (Path(__file__).resolve().parent / "probe_wgmma_tf32.cu").read_text()
     cases = [(n, mode, wgs) for n in (32, 64, 128) for mode in (0, 1) for wgs in (1, 2)]
     names = [f"probe_wgmma_tf32<{n}, {mode}, {wgs}>" for n, mode, wgs in cases]
-    opts = _modules.base_options() + ("-arch=sm_90a",)
+    opts = gpu_compile.base_options() + ("-arch=sm_90a",)
     mod = cp.RawModule(code=src, options=opts, name_expressions=names)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     iters = 2000

@@ -13,7 +13,7 @@ import cupy as cp
 import ml_dtypes
 import numpy as np
 
-from cupyflash import _gpu, _modules, _plan
+from cupyflash.gpu import compile as gpu_compile, fwd as gpu_fwd, plan_fwd_sm90
 from cupyflash._bench import time_ms
 from cupyflash._options import Options
 
@@ -21,8 +21,8 @@ from cupyflash._options import Options
 def main():
     if "--no-compile" not in sys.argv:
         t0 = time.perf_counter()
-        _modules.precompile(_plan.sm90_variants(), 16)
-        print(f"compiled {len(_plan.sm90_variants())} Hopper variants in "
+        gpu_compile.precompile(plan_fwd_sm90.variants(), 16)
+        print(f"compiled {len(plan_fwd_sm90.variants())} Hopper variants in "
               f"{time.perf_counter() - t0:.1f} s (16 processes)", flush=True)
     ok = True
     for d, causal in ((128, False), (128, True), (64, False), (256, False)):
@@ -36,10 +36,10 @@ def main():
             out = cp.full(q.shape, cp.nan, cp.float32).astype(q.dtype)
             lse = cp.full((b, h, s), cp.nan, cp.float32)
             t0 = time.perf_counter()
-            name = _gpu.forward(q, k, v, out, lse, opts, kernel=kernel)
+            name = gpu_fwd.forward(q, k, v, out, lse, opts, kernel=kernel)
             cp.cuda.Device().synchronize()
             first = time.perf_counter() - t0
-            ms = time_ms(lambda: _gpu.forward(q, k, v, out, lse, opts, kernel=kernel), rep=10)
+            ms = time_ms(lambda: gpu_fwd.forward(q, k, v, out, lse, opts, kernel=kernel), rep=10)
             tf = 4 * b * h * s * s * d / (2 if causal else 1) / ms / 1e9
             res[kernel] = (out.astype(cp.float32), lse)
             print(f"d{d} causal={causal} {kernel:8s} {name:40s} {tf:7.1f} TFLOP/s "

@@ -1,12 +1,12 @@
 # Question: Which Hopper forward tile (BN, STAGES, NC) is fastest for each shape (the source of _plan.SM90_TILES)?
 """Time Hopper-kernel instantiations (tile width BN, ring depth STAGES, consumer warpgroups NC)
 side by side on the FA benchmark shapes (bf16, batch·seqlen = 16k tokens, hidden 2048), each
-checked against the portable kernel first. For choosing _plan.SM90_TILES; run on a cc 9.0 GPU:
+checked against the portable kernel first. For choosing plan_fwd_sm90.SM90_TILES; run on a cc 9.0 GPU:
 
     PYTHONPATH=. python lab/sm90_tune.py [--seqlen 1024 4096 16384] [--rounds 5] [--peer cudnn]
 
 A candidate ``D:BN,STAGES,NC,s`` is the SPLIT variant (the grid's last partial wave split along
-the keys, always: _plan.sm90_split with force), timed in non-causal cells only; ``...,m`` (after
+the keys, always: plan_fwd_sm90.sm90_split with force), timed in non-causal cells only; ``...,m`` (after
 the s, if any) the MAXFREE variant (the max-free softmax: dense hd 128 × 128 keys), likewise.
 
 With --rounds N each cell times its candidates N times, interleaved (A B C A B C ...), and prints
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # benchmarks/p
 import cupy as cp
 import ml_dtypes
 
-from cupyflash import _gpu, _plan
+from cupyflash.gpu import fwd as gpu_fwd, plan_fwd_sm90
 from cupyflash._bench import time_ms
 from cupyflash._options import Options
 from benchmarks.peers import try_peer   # benchmarks/peers.py: imports torch only when a peer is asked for
@@ -69,9 +69,9 @@ def main():
             lse = cp.empty((b, h, s), cp.float32)
             for causal in causals:
                 opts = Options(scale=1 / math.sqrt(d), window_right=0 if causal else -1)
-                _gpu.forward(q, k, v, out, lse, opts, kernel="portable")
+                gpu_fwd.forward(q, k, v, out, lse, opts, kernel="portable")
                 ref = out.astype(cp.float32)
-                variants = [_plan.Sm90Variant("bf16_t", d, bn, st, causal, False, nc,
+                variants = [plan_fwd_sm90.Sm90Variant("bf16_t", d, bn, st, causal, False, nc,
                                               split=bool(flags and flags[0]),
                                               maxfree=bool(len(flags) > 1 and flags[1]))
                             for bn, st, nc, *flags in candidates[d]
@@ -79,14 +79,14 @@ def main():
                 bad = {}
                 for var in variants:     # each candidate checked against the portable kernel
                     out.fill(0)
-                    _gpu.forward(q, k, v, out, lse, opts, kernel=var)
+                    gpu_fwd.forward(q, k, v, out, lse, opts, kernel=var)
                     err = float(cp.abs(out.astype(cp.float32) - ref).max())
                     bad[var] = "" if err < 2e-2 else " BAD %.1e" % err
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 label = {var: f"{var.bm}x{var.bn}s{var.stages}" + ("split" if var.split else "")
                          + ("maxfree" if var.maxfree else "") for var in variants}
                 calls = {label[var]:
-                         (lambda var=var: _gpu.forward(q, k, v, out, lse, opts, kernel=var))
+                         (lambda var=var: gpu_fwd.forward(q, k, v, out, lse, opts, kernel=var))
                          for var in variants}
                 marks = {label[var]: bad[var] for var in variants}
                 if args.peer:

@@ -23,7 +23,8 @@ import cupy as cp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cupyflash import _bench, _modules  # noqa: E402
+from cupyflash import _bench  # noqa: E402
+from cupyflash.gpu import compile as gpu_compile
 
 #: (mode, warpgroups per SM, what it is): see wgmma_roof.cu
 CASES = [(0, 2, "S = Q K^T, SS m64n128k16"), (1, 2, "O += P V, RS m64n128k16"),
@@ -40,7 +41,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     src = (Path(__file__).resolve().parent / "wgmma_roof.cu").read_text()
     names = [f"wgmma_roof<{m}, {nc}>" for m, nc, _ in CASES]
-    mod = cp.RawModule(code=src, options=_modules.base_options() + ("-arch=sm_90a",),
+    mod = cp.RawModule(code=src, options=gpu_compile.base_options() + ("-arch=sm_90a",),
                        name_expressions=names)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     fill = cp.random.standard_normal(64 * 1024, dtype=cp.float32).astype(ml_dtypes.bfloat16)

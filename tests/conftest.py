@@ -1,4 +1,14 @@
-"""Shared test fixtures (CPU tests run everywhere; GPU tests carry the `gpu` marker)."""
+"""Shared test fixtures and options.
+
+Folders: unit/ (API, CPU path, validation, reference), planner/ (pure-Python planners),
+compile/ (NVRTC compiles, no GPU), models/ (CPU models of the Hopper kernels' protocols and
+layouts), gpu/ (tests that launch kernels: marked ``gpu``, skipped without a device).
+
+CPU tests run everywhere; GPU tests carry the ``gpu`` marker. Tests marked ``all_variants``
+(the compile of every kernel variant the planners can select, with the register / spill / ptxas
+checks) run only with ``--all-variants`` or CUPYFLASH_TEST_ALL_VARIANTS=1 (.ci/run sets it); by
+default tests/compile/test_compile_families.py compiles one variant of every kernel family.
+"""
 from __future__ import annotations
 
 import os
@@ -36,8 +46,27 @@ def _gpu_usable() -> bool:
     return gpu_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--all-variants", action="store_true", default=False,
+                     help="also compile every kernel variant (tests marked all_variants; "
+                          "or set CUPYFLASH_TEST_ALL_VARIANTS=1)")
+
+
+def all_variants_enabled(config) -> bool:
+    """--all-variants given, or CUPYFLASH_TEST_ALL_VARIANTS set to 1."""
+    return bool(config.getoption("--all-variants")) or \
+        os.environ.get("CUPYFLASH_TEST_ALL_VARIANTS", "") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip (with a reason) where CuPy sees no CUDA device."""
+    """Tests marked ``gpu`` skip (with a reason) where CuPy sees no CUDA device; tests marked
+    ``all_variants`` skip unless the exhaustive sweep is asked for."""
+    if not all_variants_enabled(config):
+        sweep = pytest.mark.skip(reason="the every-variant compile sweep: --all-variants or "
+                                        "CUPYFLASH_TEST_ALL_VARIANTS=1")
+        for item in items:
+            if "all_variants" in item.keywords:
+                item.add_marker(sweep)
     if _gpu_usable():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU with CuPy (run on the device)")

@@ -26,7 +26,7 @@ import numpy as np
 import cupy as cp
 import ml_dtypes
 
-from cupyflash import _gpu, _gpu_bwd
+from cupyflash.gpu import bwd as _gpu_bwd, fwd as _gpu
 from cupyflash._options import Options
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

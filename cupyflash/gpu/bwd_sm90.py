@@ -1,0 +1,58 @@
+"""Hopper (sm_90a) backward main kernel (flash_bwd_sm90, kernels_cu/bwd_sm90.cu): launch. Variants,
+coverage and shared memory: plan_bwd_sm90.py.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from . import compile, device, params, tma
+from .plan_bwd_sm90 import BIAS_TMA, BM, BN, THREADS, Sm90BwdVariant
+from .variants import DTYPE_NAMES
+
+
+def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
+           num_sms: int, varlen=None, bias=None) -> Optional[str]:
+    """Run pre, the Hopper main kernel and the dQ conversion with the Params record ``prm``
+    (pointers, strides, sizes filled by bwd.backward; ``pre_grid``: the portable
+    flash_bwd_pre's, for O rows that are not 16-byte aligned). Returns None, launching nothing,
+    when a base address is not 16-byte aligned (the caller runs the portable kernels).
+
+    ``varlen`` = (sequences, max_seqlen_k) for a VARLEN variant: q, k, v, dout are the packed
+    [1, total, heads, d] tensors, ``prm`` has cu_seqlens, b = 1, s_q / s_k = the totals (what the
+    helper kernels see); the main kernel's record gets b = sequences and num_n_blocks = the key
+    tiles of the longest sequence. ``bias``: the bias operand of a BIAS_TMA variant."""
+    ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr)
+    if any(p_ % tma.TMA_ALIGN for p_ in ptrs) or int(prm["dk"]) % 4 or int(prm["dv"]) % 4:
+        return None
+    b, s_q, h, _ = q.shape
+    s_k, h_k = k.shape[1], k.shape[2]
+    if h > 65535:   # the helper kernels' grid.y
+        return None
+    dtype_name = DTYPE_NAMES[q.dtype]
+    for field, a, rows in (("tma_q", q, BM), ("tma_k", k, BN), ("tma_v", v, BN),
+                           ("tma_do", dout, BM)):
+        dims, byte_strides, box = tma.tma_tensor(a.shape, params.elem_strides(a, field), 2, rows)
+        prm[field] = tma.encode(dtype_name, a.data.ptr, dims, byte_strides, box)
+    if variant.bias == BIAS_TMA:
+        tma.bias_tma_desc(prm, bias, box_rows=BM)
+    prm["sched"] = device.sched_counter(dev_id, device.current_stream().ptr)
+    main, pre, pre_portable, conv = compile.get_functions(variant, dev_id)
+    rec = prm.reshape(1)[0]
+    num_work = -(-s_k // BN) * h_k * b
+    main_rec = rec
+    if variant.varlen:
+        nseq, max_k = varlen
+        num_n = -(-max_k // BN)
+        num_work = num_n * h_k * nseq
+        main_prm = prm.copy()
+        main_prm["b"], main_prm["num_n_blocks"] = nseq, num_n
+        main_rec = main_prm.reshape(1)[0]
+    o_rows_aligned = (int(prm["o"]) % 16 == 0
+                      and all(int(prm[f"o_stride_{a}"]) % 8 == 0 for a in "bsh"))
+    if o_rows_aligned:
+        pre((-(-s_q // (256 // (variant.d // 8))), h, b), (256, 1, 1), (rec,))
+    else:
+        pre_portable(pre_grid, (256, 1, 1), (rec,))
+    main((min(num_sms, num_work), 1, 1), (THREADS, 1, 1), (main_rec,), shared_mem=variant.smem_bytes)
+    conv((-(-s_q // (256 // (variant.d // 4))), h, b), (256, 1, 1), (rec,))
+    return variant.name

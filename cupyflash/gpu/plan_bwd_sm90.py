@@ -1,0 +1,195 @@
+"""Hopper (sm_90a) backward main kernel, planner side (pure Python): variants, coverage, shared
+memory, work decomposition. bwd_sm90.py launches it.
+
+``flash_bwd_sm90<E, D, WINDOW, DQ_BULK, KVBUF, VARLEN, BIAS>`` in kernels_cu/bwd_sm90.cu replaces the portable
+main kernel (flash_bwd in bwd.cu) on compute capability 9.0 wherever it covers the call; the helper
+kernels before it (``flash_bwd_pre_sm90``: D = rowsum(dO ∘ O) with the zeroed dQ accumulator; bwd.cu's
+``flash_bwd_pre`` when O's rows are not 16-byte aligned) and after it (``flash_bwd_dq_sm90``: the dQ
+conversion) are compiled into the same module. Coverage (``why_unsupported`` says why not):
+float16 / bfloat16, d = d_v in {64, 128}, no softcap / ALiBi, scale > 0, atomic (not
+deterministic) dQ, strides TMA accepts (16-byte multiples) for q, k, v and dout; an additive
+bias with dbias where ``bias_unsupported`` accepts its layout (no mask: the launcher keeps masks
+on the portable GENERAL kernel). The BIAS template argument says how the bias is read:
+BIAS_TMA (3) stages q's 16-bit bias per step into shared memory through a tensor map, where
+``bias_tma_unsupported`` allows (a full query dimension, 16-byte strides); otherwise the consumers
+load it from global memory (1: q's 16-bit type, 2: float32).
+
+Persistent grid (at most one block per SM) over work tiles (key tile of 128 keys, kv head, batch),
+drawn from the per-stream counter the forward uses (``device.sched_counter``): a producer warpgroup
+loads each tile's K, V (KVBUF buffers: 2 at d = 64, 1 at d = 128, where two do not fit) and the
+Q / dO tiles of 64 query rows per step through TMA, the next tile's while the consumers finish the
+current one; two consumer warpgroups of 64 keys each keep dK, dV in registers; each step's dQ tile
+goes through shared memory into the float32 accumulator (one cp.reduce.async.bulk .add.f32 by a
+producer warp). The accumulator's rows are chunk-swizzled (bwd_sm90.cu: dq_swizzle), so the dQ
+conversion is flash_bwd_dq_sm90.
+
+VARLEN (``backward_varlen``): work tiles over (key tile of the longest sequence, kv head,
+sequence) on the packed [1, total, h, d] tensors; lse, D and the accumulator are [h, total_q]
+rows; tiles past a sequence's keys are skipped by the producer; the helper kernels see the packed
+tokens as one batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .variants import KernelVariant, cpp_bool, sm90_common_unsupported
+
+
+BN = 128             # keys per block
+BM = 64              # query rows per step
+THREADS = 384
+HEAD_DIMS = (64, 128)
+NBUF = 2             # Q / dO ring depth
+TILE_RING = 2        # work-tile indices in flight
+
+
+#: BIAS template values (bwd_sm90.cu: sm90b::BIAS_*)
+BIAS_NONE, BIAS_LD16, BIAS_LD32, BIAS_TMA = 0, 1, 2, 3
+
+
+def kv_buffers(d: int) -> int:
+    """K / V buffers (KVBUF): two where they fit in shared memory (d = 64), else one."""
+    return 2 if d == 64 else 1
+
+
+@dataclass(frozen=True)
+class Sm90BwdVariant(KernelVariant):
+    """One template instantiation of flash_bwd_sm90 (plus its dtype's helper kernels)."""
+
+    elem: str
+    d: int
+    window: bool
+    dq_bulk: bool = True   # dQ tile via shared memory + one bulk reduce-add (else red.global)
+    kvbuf: int = 1         # K / V buffers: 2 loads the next work tile's K, V during this one's steps
+    varlen: bool = False   # packed sequences (cu_seqlens), backward_varlen
+    bias: int = 0          # additive bias (+ dbias): BIAS_NONE, BIAS_LD16 (the inputs' 16-bit type),
+                           # BIAS_LD32 (float32), BIAS_TMA (16-bit, staged by TMA)
+
+    file = "bwd_sm90.cu"
+    arch_options = ("-arch=sm_90a",)
+    bn = BN
+    bm = BM
+    threads = THREADS
+
+    template = "flash_bwd_sm90"
+
+    def template_args(self) -> tuple:
+        b = cpp_bool
+        return (self.elem, str(self.d), b(self.window), b(self.dq_bulk), str(self.kvbuf),
+                b(self.varlen), str(self.bias))
+
+    @property
+    def pre_expression(self) -> str:
+        return f"flash_bwd_pre_sm90<{self.elem}, {self.d}>"
+
+    @property
+    def pre_portable_expression(self) -> str:   # O's rows not 16-byte aligned
+        return f"flash_bwd_pre<{self.elem}>"
+
+    @property
+    def dq_expression(self) -> str:
+        return f"flash_bwd_dq_sm90<{self.elem}, {self.d}>"
+
+    @property
+    def helper_expressions(self):
+        return (self.pre_expression, self.pre_portable_expression, self.dq_expression)
+
+    @property
+    def name(self) -> str:
+        return (f"bwd90_{self.elem[:-2]}_d{self.d}_{BM}x{BN}" + ("_window" if self.window else "")
+                + ("" if self.dq_bulk else "_red") + (f"_kv{self.kvbuf}" if self.kvbuf != 1 else "")
+                + ("_varlen" if self.varlen else "")
+                + ("", "_bias16", "_bias32", "_bias16_tma")[self.bias])
+
+    @property
+    def smem_bytes(self) -> int:
+        return smem_bytes(self.d, self.kvbuf, self.bias == BIAS_TMA)
+
+
+def smem_bytes(d: int, kvbuf: int = None, bias_tma: bool = False) -> int:
+    """Mirrors sm90b::Layout in bwd_sm90.cu: KVBUF x K, V [128, d]; NBUF x (Q, dO [64, d]); two
+    dSᵀ [128, 64] buffers (16-bit); the dQ tile [64, d] float32; ``bias_tma``: NBUF x the bias
+    tile [64, 128] (16-bit); NBUF x (lse, D [64] floats); the work-tile ring and dQ job (16 + 16
+    bytes); the mbarriers; 1024 bytes of slack to align the swizzled panels. ``kvbuf`` defaults
+    to kv_buffers(d)."""
+    kvbuf = kv_buffers(d) if kvbuf is None else kvbuf
+    return (2 * kvbuf * BN * d * 2 + 2 * NBUF * BM * d * 2 + 2 * BN * BM * 2 + BM * d * 4
+            + (NBUF * BM * BN * 2 if bias_tma else 0)
+            + NBUF * 2 * BM * 4 + 16 + 16 + 8 * (2 * kvbuf + 2 * NBUF + 2 + 2 * TILE_RING) + 1024)
+
+
+def variant_for(elem: str, d: int, window: bool, bias: int = 0,
+                varlen: bool = False) -> "Sm90BwdVariant":
+    """The variant the launcher runs for this element type, head dim, mask kind, bias kind
+    (BIAS_NONE, BIAS_LD16, BIAS_LD32, BIAS_TMA) and layout (``varlen``: packed sequences; never
+    with a bias)."""
+    assert not (varlen and bias), "the varlen backward takes no bias"
+    return Sm90BwdVariant(elem, d, window, True, kv_buffers(d), varlen, bias)
+
+
+def variants():
+    """Every Sm90BwdVariant (compiled by the harness for sm_90a): dense without and with a bias
+    (each BIAS kind), and varlen."""
+    return [variant_for(e, d, w, bias, vl) for e in ("f16_t", "bf16_t") for d in HEAD_DIMS
+            for w in (False, True)
+            for bias, vl in ((BIAS_NONE, False), (BIAS_LD16, False), (BIAS_LD32, False),
+                             (BIAS_TMA, False), (BIAS_NONE, True))]
+
+
+def varlen_work_tiles(cu_seqlens_q, cu_seqlens_k, h: int, h_k: int, window_left: int,
+                      window_right: int, bottom_right: bool = True, window: bool = True):
+    """Mirror of the VARLEN kernel's work decomposition (bwd_sm90.cu: work_tile,
+    query_tile_range, the producer's skip): yields (w, sequence, kv_head, n0, m_first, m_count)
+    for every work tile handed to the consumers, in index order. Window sides are Params values
+    (unbounded: total_q + total_k); ``window``: the WINDOW template flag."""
+    cq = [int(x) for x in cu_seqlens_q]
+    ck = [int(x) for x in cu_seqlens_k]
+    nseq = len(cq) - 1
+    num_n = -(-max(ck[z + 1] - ck[z] for z in range(nseq)) // BN)
+    for w in range(num_n * h_k * nseq):
+        n0 = (w % num_n) * BN
+        kv_head = (w // num_n) % h_k
+        z = w // num_n // h_k
+        s_q, s_k = cq[z + 1] - cq[z], ck[z + 1] - ck[z]
+        if n0 >= s_k:          # skipped by the producer
+            continue
+        diag = s_k - s_q if bottom_right else 0
+        n_rows = min(BN, s_k - n0)
+        i_lo, i_hi = 0, s_q - 1
+        if window:
+            i_lo = max(0, n0 - diag - window_right)
+            i_hi = min(s_q - 1, n0 + n_rows - 1 - diag + window_left)
+        m_count = i_hi // BM - i_lo // BM + 1 if i_hi >= i_lo else 0
+        yield w, z, kv_head, n0, i_lo // BM, m_count
+
+
+def why_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: float,
+                has_alibi: bool, deterministic: bool, cc: int, smem_optin: int,
+                tensors=()) -> Optional[str]:
+    """Why the Hopper backward kernel cannot run this call (None when it can). ``tensors``:
+    (shape, element strides) of q, k, v and dout. Base pointers are checked at launch."""
+    if softcap > 0 or has_alibi:
+        return "softcap / alibi_slopes (not in the Hopper backward yet)"
+    if not scale > 0:
+        return f"scale {scale} <= 0"
+    if deterministic:
+        return "deterministic=True (the Hopper backward adds dQ with atomics)"
+    return sm90_common_unsupported(dtype_name, d, d_v, HEAD_DIMS, cc=cc,
+                                         smem_need=smem_bytes(d), smem_optin=smem_optin,
+                                         tensors=tensors)
+
+
+def bias_unsupported(strides, s_k: int, ptr: int, itemsize: int) -> Optional[str]:
+    """Why the BIAS variant cannot read this bias operand (None when it can): ``strides`` are
+    its element strides over (b, h, s_q, s_k), 0 where broadcast (params.broadcast_strides). It
+    needs the layout of the forward's pair loads (operands.bias_pair_ok): a unit key stride (the
+    warp's loads of 8 consecutive keys coalesce), even s_k and even strides (dbias is written as
+    8-byte pairs of keys into an accumulator with the bias's shape), an aligned pair."""
+    if strides[3] != 1:
+        return "bias layout: key stride %d (the Hopper backward needs 1)" % strides[3]
+    if s_k % 2:
+        return f"bias with odd seqlen_k {s_k} (the Hopper backward writes dbias in key pairs)"
+    if any(x % 2 for x in strides[:3]) or ptr % (2 * itemsize):
+        return f"bias layout: strides {tuple(strides)} / address not in aligned pairs"
+    return None
