@@ -22,9 +22,9 @@ Threads: a call large enough (b·h·s_q·s_k >= 2^20 scores) is cut into (batch,
 (and query-row ranges in the forward when there are fewer blocks than threads) run by a pool of
 ``num_threads()`` threads (``CUPYFLASH_CPU_THREADS``, default the cores this process may use),
 with BLAS limited to one thread for the duration of the call (threadpoolctl; the limit is
-process-wide, so BLAS calls of other threads meanwhile run single-threaded too). Results do not
-depend on the thread count except for dbias of a bias broadcast over batch or heads, whose
-per-block sums are added in a fixed order.
+process-wide, so BLAS calls of other threads meanwhile run single-threaded too). A given thread
+count gives the same result on every run (blocks that share a broadcast bias add their dbias in a
+fixed order); another thread count agrees to rounding.
 
 GQA is handled without repeating K/V: q is viewed as [b, h_k, g, s_q, d] and the g query heads
 of a group are stacked as extra rows of one matmul against their shared K/V block.
