@@ -38,6 +38,10 @@ def info() -> int:
     print(f"python      {sys.version.split()[0]}")
     print(f"numpy       {np.__version__}")
     print(f"ml_dtypes   {ml_dtypes.__version__}")
+    from cupyflash import cpu
+
+    print(f"cpu         {cpu.num_threads()} threads for the CPU implementation "
+          "(CUPYFLASH_CPU_THREADS to change), BLAS one thread each")
     cp = _interop.cupy_module()
     if cp is None:
         print("cupy        not importable: NumPy inputs run on the CPU implementation")
