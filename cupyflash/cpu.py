@@ -18,7 +18,7 @@ Dtypes: float64 inputs are computed in float64 and give float64 out and lse; flo
 The backward returns dq, dk, dv in the dtypes of q, k, v, and dbias (reduced to
 ``opts.bias.shape``, accumulated in float64) in the bias's own dtype.
 
-Threads: a call large enough (b·h·s_q·s_k >= 2^20 scores) is cut into (batch, kv head) blocks
+Threads: a call large enough (b·h·s_q·s_k >= 2^15 scores) is cut into (batch, kv head) blocks
 (and query-row ranges in the forward when there are fewer blocks than threads) run by a pool of
 ``num_threads()`` threads (``CUPYFLASH_CPU_THREADS``, default the cores this process may use),
 with BLAS limited to one thread for the duration of the call (threadpoolctl; the limit is
@@ -157,9 +157,12 @@ def _scores_tile(qb, kb, opts, i0, i1, j0, j1, s_q, s_k, b, h, cdt):
 # and ufunc loops), with BLAS limited to one thread for the duration of the call
 # (threadpoolctl). A busy core then slows one block, not every product.
 
-#: Score elements (b · h · s_q · s_k) under which a call runs inline, on the calling thread with
-#: the BLAS settings untouched: there the pool's start-up costs more than it saves.
-_PARALLEL_MIN_SCORES = 1 << 20
+#: Score elements (b · h · s_q · s_k) under which a call runs on the calling thread (the pool's
+#: hand-off, about 1 ms on 2 cores, would cost more than it saves).
+_PARALLEL_MIN_SCORES = 1 << 15
+#: m·n·k under which OpenBLAS runs a product on one thread (SMP_THRESHOLD_MIN 65536 times
+#: GEMM_MULTITHREAD_THRESHOLD 4): a call whose products are all smaller leaves BLAS untouched.
+_BLAS_THREADED_MNK = 65536 * 4
 
 _pool = None
 _pool_size = 0
@@ -246,13 +249,17 @@ def _split(n, parts):
     return [(edges[i], edges[i + 1]) for i in range(parts) if edges[i] < edges[i + 1]]
 
 
-def _plan_threads(b, h, s_q, s_k, threads):
-    """Threads for a call: 0 (inline, BLAS untouched) for a small problem unless ``threads`` is
-    given, else ``threads`` or :func:`num_threads`."""
+def _plan_threads(b, h, h_k, s_q, s_k, d, block_k, threads):
+    """Threads for a call: ``threads`` when given; else for a small problem 0 (inline, BLAS
+    untouched) when BLAS would run each product on one thread anyway, or 1 (inline, BLAS limited
+    to one thread: threaded BLAS on small products is what collapses on shared cores); else
+    :func:`num_threads`."""
     if threads is not None:
         return max(1, int(threads))
     if b * h * s_q * s_k < _PARALLEL_MIN_SCORES:
-        return 0
+        rows = (h // max(h_k, 1)) * _block_q(b, h, s_q, block_k)
+        mnk = rows * min(s_k, block_k) * d
+        return 0 if mnk < _BLAS_THREADED_MNK else 1
     return num_threads()
 
 
@@ -335,7 +342,7 @@ def forward(q, k, v, opts: Options, *, block_k=128, threads=None):
     lse = np.full((b, h, s_q), -np.inf, dtype=cdt)
     if b == 0 or h == 0 or s_q == 0:
         return out, lse
-    threads = _plan_threads(b, h, s_q, s_k, threads)
+    threads = _plan_threads(b, h, h_k, s_q, s_k, max(d, d_v), block_k, threads)
 
     def run(item):
         (b0, b1), (k0, k1), (r0, r1) = item
@@ -434,7 +441,7 @@ def backward(dout, q, k, v, out, lse, opts: Options, *, block_k=128, threads=Non
     dbias = None if opts.bias is None else np.zeros(opts.bias.shape, dtype=np.float64)
 
     if b and h and s_q and s_k:
-        threads = _plan_threads(b, h, s_q, s_k, threads)
+        threads = _plan_threads(b, h, h_k, s_q, s_k, max(d, d_v), block_k, threads)
 
         def run(item):
             (b0, b1), (k0, k1), _ = item

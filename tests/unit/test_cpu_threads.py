@@ -129,3 +129,18 @@ def test_error_in_a_block_propagates(rng, parallel_always, monkeypatch):
     with pytest.raises(FloatingPointError, match="boom"):
         cpu.forward(q, k, v, opts, threads=2)
     assert cpu._limit_depth == 0
+
+
+@pytest.mark.parametrize("shape, expected", [
+    ((1, 3, 2, 2, 4), 0),          # tiny products: BLAS would not thread them, left untouched
+    ((1, 64, 4, 4, 32), 0),
+    ((1, 128, 1, 1, 256), 1),      # few scores but a product BLAS would thread: one thread, limited
+    ((1, 256, 8, 8, 64), "all"),   # enough scores for the pool
+    ((1, 4096, 8, 2, 64), "all"),
+], ids=str)
+def test_thread_plan(monkeypatch, shape, expected):
+    monkeypatch.setenv("CUPYFLASH_CPU_THREADS", "5")
+    b, s, h, h_k, d = shape
+    got = cpu._plan_threads(b, h, h_k, s, s, d, 128, None)
+    assert got == (5 if expected == "all" else expected)
+    assert cpu._plan_threads(b, h, h_k, s, s, d, 128, 3) == 3     # an explicit count wins
