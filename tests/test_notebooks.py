@@ -6,7 +6,6 @@ so in their first cell); the others run where matplotlib (the notebooks extra) i
 Outputs must be stripped in git; every cell has an id (nbformat 4.5); only the public API is used.
 """
 import json
-import os
 import re
 from pathlib import Path
 
