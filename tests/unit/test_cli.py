@@ -131,3 +131,25 @@ def test_module_entry_point_runs_as_a_process():
                           capture_output=True, text=True, cwd=ROOT, timeout=120,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert done.returncode == 2 and "--batch" in done.stderr
+
+
+def test_bench_on_a_gpu_gets_the_gpu_sweep_defaults(monkeypatch):
+    from cupyflash import _bench
+
+    seen = {}
+    monkeypatch.setattr(_interop, "gpu_available", lambda: True)
+    monkeypatch.setattr(_bench, "main", lambda args: seen.update(vars(args)) or 0)
+    assert _run(["bench"]) == 0
+    defaults = {a.dest: a.default for a in _bench_parser_actions()}
+    for name in ("dtype", "head_dim", "seqlen", "causal", "direction", "rep"):
+        assert seen[name] == defaults[name], name
+    assert _run(["bench", "--seqlen", "1024", "--rep", "2"]) == 0
+    assert seen["seqlen"] == [1024] and seen["rep"] == 2
+
+
+def _bench_parser_actions():
+    from cupyflash import _bench
+
+    p = argparse.ArgumentParser()
+    _bench.add_arguments(p)
+    return p._actions
