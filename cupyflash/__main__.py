@@ -4,8 +4,9 @@ info  versions, the GPU and its compute capability, the kernel sources and cache
 demo  one real-size random problem (GPU when present, else the CPU implementation), checked
       against the float64 reference on a slice; prints time, memory and max error.
 precompile  compile every kernel variant for this GPU into CuPy's disk cache (parallel).
-bench a sweep over FlashAttention's benchmark shapes beside the peers (plain CuPy; PyTorch SDPA
-      with --peers benchmarks.peers): table, JSON and a PNG plot.
+bench on a GPU: a sweep over FlashAttention's benchmark shapes beside the peers (plain CuPy;
+      PyTorch SDPA with --peers benchmarks.peers): table, JSON and a PNG plot. Without one (or
+      with --device cpu): the CPU implementation beside textbook NumPy, time and peak memory.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 import cupyflash as cf
-from cupyflash import _interop, reference
+from cupyflash import _checks, _interop, reference
 
 
 def _kernel_dir() -> str:
@@ -37,6 +38,10 @@ def info() -> int:
     print(f"python      {sys.version.split()[0]}")
     print(f"numpy       {np.__version__}")
     print(f"ml_dtypes   {ml_dtypes.__version__}")
+    from cupyflash import cpu
+
+    print(f"cpu         {cpu.num_threads()} threads for the CPU implementation "
+          "(CUPYFLASH_CPU_THREADS to change), BLAS one thread each")
     cp = _interop.cupy_module()
     if cp is None:
         print("cupy        not importable: NumPy inputs run on the CPU implementation")
@@ -94,11 +99,24 @@ def _max_err_on_slice(out, q, k, v, rows: slice) -> float:
     return float(np.max(np.abs(np.asarray(out[:1, rows, :2], np.float64) - ref)))
 
 
+#: demo's default problem per device (batch, seqlen, heads, head_dim)
+DEMO_SIZES = {"gpu": (4, 4096, 16, 128), "cpu": (1, 2048, 8, 64)}
+
+
+def _no_gpu(command: str) -> int:
+    print(f"python -m cupyflash {command}: error: --device gpu but no usable CUDA GPU (CuPy "
+          "missing or no device); use --device cpu or auto", file=sys.stderr)
+    return 2
+
+
 def demo(args) -> int:
     """A random problem at a real size; checked against the reference on a slice."""
+    if args.device == "gpu" and not _interop.gpu_available():
+        return _no_gpu("demo")
     on_gpu = args.device != "cpu" and _interop.gpu_available()
-    b, s, h, d = (args.batch, args.seqlen, args.heads, args.head_dim) if args.seqlen else (
-        (4, 4096, 16, 128) if on_gpu else (1, 2048, 8, 64))
+    given = (args.batch, args.seqlen, args.heads, args.head_dim)
+    b, s, h, d = (x if x is not None else default
+                  for x, default in zip(given, DEMO_SIZES["gpu" if on_gpu else "cpu"]))
     dtype = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16, "fp32": np.float32}[
         args.dtype or ("bf16" if on_gpu else "fp32")]
     rng = np.random.default_rng()
@@ -128,7 +146,7 @@ def demo(args) -> int:
         extra = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     flops = 4 * b * h * s * s * d
-    rows = slice(s - 64, s)
+    rows = slice(max(0, s - 64), s)
     err = _max_err_on_slice(out, q, k, v, rows)
     scores_bytes = b * h * s * s * 4
     print(f"time        {ms:.2f} ms  ({flops / ms / 1e9:.1f} TFLOP/s)" if on_gpu else
@@ -178,31 +196,153 @@ def precompile(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, GPU, kernels and cache directory")
-    p = sub.add_parser("demo", help="a real-size problem checked against the reference")
-    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"))
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seqlen", type=int, default=0, help="0: a default size for the device")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p = sub.add_parser("precompile", help="compile every kernel variant for this GPU (disk cache)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--elems", default="", help="only these element tags, e.g. bf16_t,f16_t,f32x3_t")
-    p.add_argument("--head-dims", default="", help="only these head-dim buckets, e.g. 64,128")
-    p.add_argument("--general", action="store_true", help="only the GENERAL (bias/mask/varlen) variants")
+def _int_in(low: int, high=None, what="an int"):
+    """argparse type: an int in [low, high] (high None: unbounded), else a clear usage error."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if n < low or (high is not None and n > high):
+            bound = f">= {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"{text!r}: {what} must be {bound}")
+        return n
+    parse.__name__ = "int"
+    return parse
+
+
+def _int_list(low: int, high=None):
+    """argparse type: comma-separated ints, each in [low, high]."""
+    one = _int_in(low, high)
+
+    def parse(text: str) -> str:
+        if text:
+            for part in text.split(","):
+                one(part.strip())
+        return text
+    parse.__name__ = "list of ints"
+    return parse
+
+
+def _bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+
+
+_bool.__name__ = "bool"
+
+#: help and validation of the ``bench`` options that _bench.add_arguments defines (dest -> ...)
+_BENCH_HELP = {
+    "dtype": "element types to time (GPU default: bf16; CPU default: fp32)",
+    "head_dim": "head dims to time (GPU default: 64 128; CPU default: 64)",
+    "seqlen": "sequence lengths to time (GPU default: 512 ... 16384, batch·seqlen = 16384; "
+              "CPU default: 1024 4096)",
+    "causal": "causal settings to time, e.g. --causal false true (GPU default: both; CPU: false)",
+    "direction": "fwd and/or bwd (GPU default: both; CPU default: fwd)",
+    "rep": "timed repeats per case, median reported (GPU default: 20; CPU default: 3)",
+    "json": "where to write the results as JSON (default: %(default)s)",
+    "png": "where to write the plot, GPU only (default: %(default)s; needs matplotlib)",
+}
+_BENCH_TYPES = {"head_dim": _int_in(1, _checks.MAX_HEAD_DIM, "head dim"),
+                "seqlen": _int_in(1, None, "seqlen"), "rep": _int_in(1, None, "rep"),
+                "causal": _bool}
+#: options whose default depends on where bench runs: set after parsing (GPU: _bench's own)
+_BENCH_PER_DEVICE = ("dtype", "head_dim", "seqlen", "causal", "direction", "rep")
+
+
+def _bench_parser(p) -> dict:
+    """The bench options: _bench's own, each given help and validation, plus --device, --batch
+    and --heads; returns _bench's defaults of the options whose CPU default differs."""
     from cupyflash import _bench
 
-    _bench.add_arguments(sub.add_parser("bench", help="TFLOP/s beside the peers: table, JSON, PNG"))
+    _bench.add_arguments(p)
+    gpu_defaults = {}
+    for action in p._actions:
+        if action.dest in _BENCH_TYPES:
+            action.type = _BENCH_TYPES[action.dest]
+        if action.dest in _BENCH_HELP:
+            action.help = _BENCH_HELP[action.dest]
+        if action.dest in _BENCH_PER_DEVICE:
+            gpu_defaults[action.dest] = action.default
+            action.default = None
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="auto (default): the GPU when CuPy sees one, else the CPU implementation "
+                        "beside textbook NumPy; cpu; gpu (an error without one)")
+    p.add_argument("--batch", type=_int_in(1, None, "batch"), default=None,
+                   help="CPU only: batch size (default: 1; the GPU sweep uses 16384 / seqlen)")
+    p.add_argument("--heads", type=_int_in(1, None, "heads"), default=None,
+                   help="CPU only: query heads (default: 8; the GPU sweep uses 2048 / head_dim)")
+    return gpu_defaults
+
+
+def bench(args, gpu_defaults: dict) -> int:
+    """GPU sweep (_bench) or, without a GPU or with --device cpu, the CPU bench (_cpubench)."""
+    if args.device == "gpu" and not _interop.gpu_available():
+        return _no_gpu("bench")
+    on_gpu = args.device != "cpu" and _interop.gpu_available()
+    from cupyflash import _cpubench
+
+    defaults = gpu_defaults if on_gpu else _cpubench.DEFAULTS
+    for name in _BENCH_PER_DEVICE + ("batch", "heads"):
+        if getattr(args, name, None) is None and name in defaults:
+            setattr(args, name, defaults[name])
+    if on_gpu:
+        from cupyflash import _bench
+
+        return _bench.main(args)
+    return _cpubench.main(args)
+
+
+def build_parser():
+    """The ``python -m cupyflash`` parser; returns (parser, _bench's GPU defaults)."""
+    parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version",
+                        version=f"cupyflash {cf.__version__} (numpy {np.__version__})")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("info", help="versions, GPU, kernels and cache directory")
+    p = sub.add_parser("demo", help="a real-size problem checked against the reference")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="auto (default): the GPU when CuPy sees one, else the CPU; cpu; "
+                        "gpu (an error without one)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+                   help="element type (default: bf16 on the GPU, fp32 on the CPU)")
+    size = "default: %d on the GPU, %d on the CPU"
+    p.add_argument("--batch", type=_int_in(1, None, "batch"),
+                   help="batch size (" + size % (DEMO_SIZES["gpu"][0], DEMO_SIZES["cpu"][0]) + ")")
+    p.add_argument("--seqlen", type=_int_in(1, None, "seqlen"),
+                   help="sequence length ("
+                        + size % (DEMO_SIZES["gpu"][1], DEMO_SIZES["cpu"][1]) + ")")
+    p.add_argument("--heads", type=_int_in(1, None, "heads"),
+                   help="heads ("
+                        + size % (DEMO_SIZES["gpu"][2], DEMO_SIZES["cpu"][2]) + ")")
+    p.add_argument("--head-dim", type=_int_in(1, _checks.MAX_HEAD_DIM, "head dim"),
+                   help="head dim, 1..%d (" % _checks.MAX_HEAD_DIM
+                        + size % (DEMO_SIZES["gpu"][3], DEMO_SIZES["cpu"][3]) + ")")
+    p = sub.add_parser("precompile", help="compile every kernel variant for this GPU (disk cache)")
+    p.add_argument("--workers", type=_int_in(1, None, "workers"), default=os.cpu_count() or 1,
+                   help="compiler processes in parallel (default: the cores, %(default)s)")
+    p.add_argument("--elems", default="", help="only these element tags, e.g. bf16_t,f16_t,f32x3_t")
+    p.add_argument("--head-dims", default="", type=_int_list(1, _checks.MAX_HEAD_DIM),
+                   help="only these head-dim buckets, e.g. 64,128")
+    p.add_argument("--general", action="store_true", help="only the GENERAL (bias/mask/varlen) variants")
+    gpu_defaults = _bench_parser(sub.add_parser(
+        "bench", help="GPU: TFLOP/s beside the peers (table, JSON, PNG); "
+                      "CPU: time and memory beside textbook NumPy"))
+    return parser, gpu_defaults
+
+
+def main(argv=None) -> int:
+    parser, gpu_defaults = build_parser()
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
     if args.command == "bench":
-        return _bench.main(args)
+        return bench(args, gpu_defaults)
     if args.command == "precompile":
         return precompile(args)
     return demo(args)

@@ -35,6 +35,23 @@ def _shape(x) -> tuple:
     return tuple(int(n) for n in x.shape)
 
 
+_ARRAY_HINT = "a NumPy or CuPy array (wrap a list with numpy.asarray)"
+
+
+def check_flag(name: str, value) -> bool:
+    """``value`` is a Python bool or numpy.bool_ (not 1, "no" or None): TypeError otherwise."""
+    if not isinstance(value, (bool, np.bool_)):
+        fail(TypeError, name, repr(value), "True or False")
+    return bool(value)
+
+
+def check_present(named: dict) -> None:
+    """No array of ``named`` (name -> value) is None: a TypeError naming the first that is."""
+    for name, x in named.items():
+        if x is None:
+            fail(TypeError, name, "None", _ARRAY_HINT)
+
+
 @dataclass(frozen=True)
 class Dims:
     """Problem sizes of one dense call (bshd order inside the package)."""
@@ -129,8 +146,7 @@ def check_like(name: str, x, shape: tuple, dtype=None) -> None:
 
 def check_window(window, causal) -> tuple:
     """(left, right) with UNBOUNDED for None or -1; causal sets right = 0."""
-    if not isinstance(causal, (bool, np.bool_)):
-        fail(TypeError, "causal", repr(causal), "True or False")
+    check_flag("causal", causal)
     if window is None:
         left = right = UNBOUNDED
     else:
@@ -196,27 +212,38 @@ def check_alibi(alibi_slopes, dims: Dims, xp):
     """
     if alibi_slopes is None:
         return None
+    if (isinstance(alibi_slopes, np.ma.MaskedArray) or not hasattr(alibi_slopes, "dtype")
+            or not hasattr(alibi_slopes, "shape")):
+        fail(TypeError, "alibi_slopes", f"{type(alibi_slopes).__module__}.{type(alibi_slopes).__qualname__}",
+             _ARRAY_HINT + " of shape (heads,) or (batch, heads)")
     shape = tuple(np.shape(alibi_slopes))
     accepted = f"shape ({dims.heads},) or ({dims.batch}, {dims.heads}), float"
     if shape not in ((dims.heads,), (dims.batch, dims.heads)):
         fail(ValueError, "alibi_slopes", f"shape {shape}", accepted)
-    dt = np.dtype(getattr(alibi_slopes, "dtype", np.float64))
+    dt = np.dtype(alibi_slopes.dtype)
     if dt.kind not in "fiu":
         fail(TypeError, "alibi_slopes", f"dtype {dt}", accepted)
+    if xp is np and hasattr(alibi_slopes, "get") and not isinstance(alibi_slopes, np.ndarray):
+        alibi_slopes = alibi_slopes.get()  # CuPy slopes for a call on the CPU
     slopes = xp.asarray(alibi_slopes).astype(np.float64 if xp is np else np.float32)
     return xp.ascontiguousarray(slopes.reshape(-1 if len(shape) == 2 else 1, dims.heads))
 
 
 def make_options(dims: Dims, xp, *, causal=False, causal_align="bottom_right", window=None,
                  bias=None, mask=None, softcap=None, alibi_slopes=None, scale=None,
-                 deterministic=False, allow_tf32=False) -> Options:
-    """Validate the option keywords of the public API into one ``Options``."""
+                 deterministic=False, allow_tf32=False, dtype=None) -> Options:
+    """Validate the option keywords of the public API into one ``Options``.
+
+    ``dtype``: the inputs' dtype, when known; allow_tf32=True is refused for any but float32.
+    """
     if causal_align not in CAUSAL_ALIGNS:
         fail(ValueError, "causal_align", repr(causal_align), '"bottom_right" (FlashAttention >= 2.1) or "top_left"')
     left, right = check_window(window, causal)
-    for name, flag in (("deterministic", deterministic), ("allow_tf32", allow_tf32)):
-        if not isinstance(flag, (bool, np.bool_)):
-            fail(TypeError, name, repr(flag), "True or False")
+    check_flag("deterministic", deterministic)
+    check_flag("allow_tf32", allow_tf32)
+    if allow_tf32 and dtype is not None and np.dtype(dtype) != np.float32:
+        fail(ValueError, "allow_tf32", f"True with dtype {np.dtype(dtype)}",
+             "True only for float32 inputs (TF32 is a float32 mode); False for other dtypes")
     bias4 = None
     if bias is not None:
         bias4 = broadcast_4d("bias", bias, dims, "a float dtype (" + _DTYPE_NAMES + ")", ACCEPTED_DTYPES)
@@ -238,17 +265,27 @@ def make_options(dims: Dims, xp, *, causal=False, causal_align="bottom_right", w
     )
 
 
-def check_cu_seqlens(name: str, cu, total: int, host_values) -> np.ndarray:
-    """cu_seqlens: int32 (batch + 1,), starting at 0, non-decreasing, last == total tokens.
+INT32_MAX = 2**31 - 1
 
-    ``host_values`` is the array's values on the host (NumPy), read by the caller.
+
+def check_cu_seqlens(name: str, cu, total: int, host_values) -> np.ndarray:
+    """cu_seqlens: integers (batch + 1,), starting at 0, non-decreasing, last == total tokens.
+
+    Any integer dtype is accepted when every value fits in int32 (the kernels read int32: the
+    caller converts). ``host_values`` is the array's values on the host (NumPy), read by the
+    caller. Returns the values as int64.
     """
-    accepted = f"an int32 array (batch + 1,) starting at 0, non-decreasing, ending at {total}"
-    if np.dtype(cu.dtype) != np.int32:
+    accepted = (f"an integer array (batch + 1,) of values that fit in int32, starting at 0, "
+                f"non-decreasing, ending at {total}")
+    if np.dtype(cu.dtype).kind not in "iu":
         fail(TypeError, name, f"dtype {np.dtype(cu.dtype)}", accepted)
     if cu.ndim != 1 or cu.shape[0] < 1:
         fail(ValueError, name, f"shape {_shape(cu)}", accepted)
-    vals = np.asarray(host_values, dtype=np.int64)
+    host = np.asarray(host_values)
+    if host.size and (int(host.max()) > INT32_MAX or int(host.min()) < -INT32_MAX - 1):
+        fail(ValueError, name, f"values up to {int(host.max())} (dtype {host.dtype}), beyond int32",
+             accepted)
+    vals = host.astype(np.int64)
     if vals[0] != 0 or np.any(np.diff(vals) < 0) or vals[-1] != total:
         shown = vals if vals.size <= 8 else f"[{vals[0]}, {vals[1]}, ..., {vals[-1]}] (non-decreasing: {bool(np.all(np.diff(vals) >= 0))})"
         fail(ValueError, name, f"values {shown}", accepted)

@@ -15,7 +15,8 @@ import numpy as np
 
 from ._checks import fail
 
-_ARRAY_KINDS = "a NumPy or CuPy array, or an object with __cuda_array_interface__ or __dlpack__"
+_ARRAY_KINDS = ("a NumPy or CuPy array, or an object with __cuda_array_interface__ or __dlpack__ "
+                "(lists and other array-likes are not taken: wrap them with numpy.asarray)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,6 +44,10 @@ def gpu_available() -> bool:
 def _kind(name: str, x) -> str:
     """"numpy" | "cupy" | "cai" | "dlpack-cpu" | "dlpack-gpu" for one argument, else TypeError."""
     if isinstance(x, np.ndarray):
+        if isinstance(x, np.ma.MaskedArray):
+            fail(TypeError, name, "a numpy.ma.MaskedArray (its mask would be ignored)",
+                 "a plain NumPy array: x.filled(value) for q, k, v or bias; "
+                 "the attention mask as mask= (True = attend)")
         return "numpy"
     cp = cupy_module()
     if cp is not None and isinstance(x, cp.ndarray):

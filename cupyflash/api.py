@@ -6,6 +6,7 @@ launcher (_gpu), and hand the results back in the caller's array kind and layout
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable, Literal, Optional, Tuple, Union
 
 import numpy as np
 
@@ -15,6 +16,14 @@ from . import _interop
 from ._interop import resolve
 
 _LSE_DTYPE = np.float32
+
+#: What the array arguments take: numpy.ndarray, cupy.ndarray, or an object with
+#: __cuda_array_interface__ or __dlpack__ (lists and other array-likes are refused).
+Array = Any
+Window = Optional[Tuple[Optional[int], Optional[int]]]
+Layout = Literal["bshd", "bhsd"]
+Device = Literal["auto", "cpu", "gpu"]
+CausalAlign = Literal["bottom_right", "top_left"]
 
 _CAUSAL_PICTURE = """
     Causal masks (``1`` = attend) for seqlen_q = 2, seqlen_k = 5, and seqlen_q = 5, seqlen_k = 2::
@@ -251,9 +260,12 @@ def _forward_bshd(backend, qb, kb, vb, dims, opts, dtype, layout):
     return out_user, lse
 
 
-def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None, bias=None,
-              mask=None, softcap=None, alibi_slopes=None, scale=None, layout="bshd",
-              return_lse=False, device="auto", allow_tf32=False):
+def attention(q: Array, k: Array, v: Array, *, causal: bool = False,
+              causal_align: CausalAlign = "bottom_right", window: Window = None,
+              bias: Optional[Array] = None, mask: Optional[Array] = None,
+              softcap: Optional[float] = None, alibi_slopes: Optional[Array] = None,
+              scale: Optional[float] = None, layout: Layout = "bshd", return_lse: bool = False,
+              device: Device = "auto", allow_tf32: bool = False) -> Union[Array, Tuple[Array, Array]]:
     """Exact attention ``softmax(scale * q kᵀ + bias) v`` in O(N) memory.
 
     Parameters
@@ -292,7 +304,12 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         Where NumPy inputs run ("auto": the GPU when usable). GPU arrays always run on their GPU
         unless "cpu" is asked for.
     allow_tf32 : bool
-        float32 inputs only: plain TF32 tensor-core products (faster, about 1e-3 relative error).
+        float32 inputs only (ValueError for another dtype): plain TF32 tensor-core products on
+        the GPU (faster, about 1e-3 relative error); no effect on the CPU.
+
+    Array arguments take NumPy or CuPy arrays (or __cuda_array_interface__ / DLPack objects);
+    lists, None in place of q, k or v, and NumPy masked arrays are refused with a TypeError.
+    Flags (causal, return_lse, allow_tf32, deterministic) take True or False only.
 
     Returns
     -------
@@ -303,6 +320,8 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     Scores are built as ``s = scale·q kᵀ``; ``softcap·tanh(s/softcap)``; ``+ bias``;
     ``- slope·|diag - j|``; then the causal / window / mask masks.
     """
+    if return_lse.__class__ is not bool:
+        ck.check_flag("return_lse", return_lse)
     key = None
     if bias is None and mask is None and alibi_slopes is None:
         t = _fast_array_type
@@ -330,7 +349,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
             opts = ck.make_options(dims, backend.xp, causal=causal, causal_align=causal_align,
                                    window=window, bias=backend.take(bias), mask=backend.take(mask),
                                    softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
-                                   allow_tf32=allow_tf32)
+                                   allow_tf32=allow_tf32, dtype=dtype)
         out, lse = _forward_bshd(backend, qb, kb, vb, dims, opts, dtype, layout)
         if known is None and not (backend.on_host and backend.where == "gpu"):
             _remember(key, (backend, dims, opts))  # (host inputs on the GPU follow the current device)
@@ -342,6 +361,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
 
     if known is not None:
         return _on_device(known[0], body)
+    ck.check_present({"q": q, "k": k, "v": v})
     ck.check_layout(layout)
     return _run(device, {"q": q, "k": k, "v": v, "bias": bias, "mask": mask}, body)
 
@@ -384,10 +404,13 @@ def _backward_bshd(backend, doutb, qb, kb, vb, outb, lse, dims, opts, layout):
     return (*grads, dbias)
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, causal_align="bottom_right",
-                       window=None, bias=None, mask=None, softcap=None, alibi_slopes=None,
-                       scale=None, layout="bshd", deterministic=False, device="auto",
-                       allow_tf32=False):
+def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array, *,
+                       causal: bool = False, causal_align: CausalAlign = "bottom_right",
+                       window: Window = None, bias: Optional[Array] = None,
+                       mask: Optional[Array] = None, softcap: Optional[float] = None,
+                       alibi_slopes: Optional[Array] = None, scale: Optional[float] = None,
+                       layout: Layout = "bshd", deterministic: bool = False,
+                       device: Device = "auto", allow_tf32: bool = False) -> Tuple[Array, ...]:
     """Gradients of ``attention`` (same options) from the forward's ``out`` and ``lse``.
 
     Parameters
@@ -409,6 +432,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, causal_align="b
 
     P is never stored: it is recomputed from q, k and lse, block by block.
     """
+    ck.check_present({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
     ck.check_layout(layout)
 
     def body(backend):
@@ -418,7 +442,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, causal_align="b
         opts = ck.make_options(dims, backend.xp, causal=causal, causal_align=causal_align,
                                window=window, bias=backend.take(bias), mask=backend.take(mask),
                                softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
-                               deterministic=deterministic, allow_tf32=allow_tf32)
+                               deterministic=deterministic, allow_tf32=allow_tf32, dtype=dtype)
         dq, dk, dv, dbias = _backward_bshd(backend, doutb, qb, kb, vb, outb, lse_, dims, opts, layout)
         grads = tuple(backend.give_back(g) for g in (dq, dk, dv))
         return grads if bias is None else grads + (backend.give_back(dbias),)
@@ -427,7 +451,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, causal_align="b
                          "bias": bias, "mask": mask}, body)
 
 
-def attention_vjp(q, k, v, **options):
+def attention_vjp(q: Array, k: Array, v: Array, **options: Any) -> Tuple[Array, Callable[..., Tuple[Array, ...]]]:
     """Forward now, backward later: ``out, vjp = attention_vjp(q, k, v, **options)``.
 
     ``options`` are ``attention``'s keywords (``return_lse`` excepted). ``vjp(dout,
@@ -460,12 +484,14 @@ def _varlen_setup(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for name, cu, n in (("cu_seqlens_q", cu_seqlens_q, total.seqlen_q),
                         ("cu_seqlens_k", cu_seqlens_k, total.seqlen_k)):
         if cu is None or not hasattr(cu, "dtype"):
-            ck.fail(TypeError, name, type(cu).__name__, "an int32 array (batch + 1,)")
+            ck.fail(TypeError, name, type(cu).__name__, "an integer array (batch + 1,)")
         cu = backend.take(cu)
         host = cu if isinstance(cu, np.ndarray) else cu.get()
         bounds.append(ck.check_cu_seqlens(name, cu, n, host))
     cq, ckk = bounds
-    cu_dev = (backend.take(cu_seqlens_q), backend.take(cu_seqlens_k))
+    # any integer dtype whose values fit: the kernels read int32
+    cu_dev = tuple(backend.take(cu).astype(np.int32, copy=False)
+                   for cu in (cu_seqlens_q, cu_seqlens_k))
     if cq.size != ckk.size:
         ck.fail(ValueError, "cu_seqlens_k", f"{ckk.size - 1} sequences while cu_seqlens_q has {cq.size - 1}",
                 "the same number of sequences in both")
@@ -491,18 +517,22 @@ def _seq_dims(dims, nq, nk):
     return dataclasses.replace(dims, batch=1, seqlen_q=nq, seqlen_k=nk)
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
-                     causal=False, causal_align="bottom_right", window=None, softcap=None,
-                     alibi_slopes=None, scale=None, return_lse=False, device="auto",
-                     allow_tf32=False):
+def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array,
+                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None, *,
+                     causal: bool = False, causal_align: CausalAlign = "bottom_right",
+                     window: Window = None, softcap: Optional[float] = None,
+                     alibi_slopes: Optional[Array] = None, scale: Optional[float] = None,
+                     return_lse: bool = False, device: Device = "auto",
+                     allow_tf32: bool = False) -> Union[Array, Tuple[Array, Array]]:
     """Attention over packed sequences of different lengths, no padding.
 
     Parameters
     ----------
     q : (total_q, heads, head_dim); k : (total_k, heads_k, head_dim); v : (total_k, heads_k,
         head_dim_v): the sequences one after another.
-    cu_seqlens_q, cu_seqlens_k : int32 (batch + 1,): sequence i is rows cu[i]:cu[i+1]; starts at
-        0, non-decreasing, ends at total. Same kind (NumPy / GPU) as q.
+    cu_seqlens_q, cu_seqlens_k : integer (batch + 1,): sequence i is rows cu[i]:cu[i+1]; starts
+        at 0, non-decreasing, ends at total. Same kind (NumPy / GPU) as q. Any integer dtype
+        whose values fit in int32 (np.cumsum's int64 included; converted to int32).
     max_seqlen_q, max_seqlen_k : int or None: the longest sequence (computed when None).
     alibi_slopes : (heads,) or (batch, heads).
     Other keywords as ``attention``; causal and window apply per sequence (bottom-right aligned
@@ -517,13 +547,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     heads x sequences; tiles past a sequence's end exit at once); on the CPU one dense call per
     sequence.
     """
+    ck.check_flag("return_lse", return_lse)
+    ck.check_present({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
+                      "cu_seqlens_k": cu_seqlens_k})
 
     def body(backend):
         qb, kb, vb, dtype, cq, ckk, dims, cu_dev = _varlen_setup(
             backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         opts = ck.make_options(dims, backend.xp, causal=causal, causal_align=causal_align,
                                window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                               scale=scale, allow_tf32=allow_tf32)
+                               scale=scale, allow_tf32=allow_tf32, dtype=dtype)
         xp = backend.xp
         out = xp.empty((dims.seqlen_q, dims.heads, dims.head_dim_v), dtype)
         lse = xp.empty((dims.heads, dims.seqlen_q), np.float64 if dtype == np.float64 else _LSE_DTYPE)
@@ -544,17 +577,23 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                          "cu_seqlens_k": cu_seqlens_k}, body)
 
 
-def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                              max_seqlen_q=None, max_seqlen_k=None, *, causal=False,
-                              causal_align="bottom_right", window=None, softcap=None,
-                              alibi_slopes=None, scale=None, deterministic=False, device="auto",
-                              allow_tf32=False):
+def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, lse: Array,
+                              cu_seqlens_q: Array, cu_seqlens_k: Array,
+                              max_seqlen_q: Optional[int] = None,
+                              max_seqlen_k: Optional[int] = None, *, causal: bool = False,
+                              causal_align: CausalAlign = "bottom_right", window: Window = None,
+                              softcap: Optional[float] = None,
+                              alibi_slopes: Optional[Array] = None, scale: Optional[float] = None,
+                              deterministic: bool = False, device: Device = "auto",
+                              allow_tf32: bool = False) -> Tuple[Array, Array, Array]:
     """Gradients of ``attention_varlen`` (same options).
 
     dout, out : (total_q, heads, head_dim_v); lse : (heads, total_q) from
     ``attention_varlen(..., return_lse=True)``. Returns (dq, dk, dv) shaped like q, k, v.
     On the GPU one launch set for all sequences; on the CPU one dense backward per sequence.
     """
+    ck.check_present({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse,
+                      "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k})
 
     def body(backend):
         qb, kb, vb, dtype, cq, ckk, dims, cu_dev = _varlen_setup(
@@ -567,7 +606,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                       np.float64 if dtype == np.float64 else _LSE_DTYPE)
         opts = ck.make_options(dims, backend.xp, causal=causal, causal_align=causal_align,
                                window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                               scale=scale, deterministic=deterministic, allow_tf32=allow_tf32)
+                               scale=scale, deterministic=deterministic, allow_tf32=allow_tf32,
+                               dtype=dtype)
         if backend.where == "gpu":
             from .gpu import bwd as _gpu_bwd  # imports CuPy: only on the GPU path
 

@@ -147,7 +147,10 @@ def _packed(rng, lens_q=(3, 4), lens_k=(5, 2)):
 
 
 BAD_VARLEN = [
-    ("cu-int64", lambda cq, ck_: dict(cu_seqlens_q=cq.astype(np.int64)), TypeError, "cu_seqlens_q"),
+    ("cu-float", lambda cq, ck_: dict(cu_seqlens_q=cq.astype(np.float64)), TypeError, "cu_seqlens_q"),
+    ("cu-bool", lambda cq, ck_: dict(cu_seqlens_q=np.array([0, 1, 1], bool)), TypeError, "cu_seqlens_q"),
+    ("cu-int64-beyond-int32", lambda cq, ck_: dict(cu_seqlens_q=np.array([0, 3, 2**31 + 7], np.int64)),
+     ValueError, "cu_seqlens_q"),
     ("cu-2d", lambda cq, ck_: dict(cu_seqlens_q=cq[None]), ValueError, "cu_seqlens_q"),
     ("cu-not-monotone", lambda cq, ck_: dict(cu_seqlens_k=np.array([0, 8, 7], np.int32)), ValueError, "cu_seqlens_k"),
     ("cu-last-not-total", lambda cq, ck_: dict(cu_seqlens_q=np.array([0, 3, 6], np.int32)), ValueError, "cu_seqlens_q"),
@@ -196,7 +199,7 @@ def test_window_normalization(window, causal, expected):
 def test_options_resolve_defaults():
     dims = ck.Dims(2, 5, 7, 4, 2, 16, 8)
     opts = ck.make_options(dims, np, causal=True, causal_align="top_left", softcap=None,
-                           alibi_slopes=[0.5, 0.25, 0.125, 1.0])
+                           alibi_slopes=np.array([0.5, 0.25, 0.125, 1.0]))
     assert opts.scale == pytest.approx(0.25)
     assert opts.causal and not opts.bottom_right and opts.softcap == 0.0
     assert opts.alibi_slopes.shape == (1, 4) and opts.alibi_slopes.dtype == np.float64
