@@ -16,7 +16,7 @@ UNBOUNDED = -1
 class Options:
     """Attention options after validation.
 
-    Scores, in this order (design.md §1)::
+    Scores, in this order (docs/semantics.md §2)::
 
         s = scale * q @ k.T                       # [b, h, s_q, s_k]
         s = softcap * tanh(s / softcap)           # when softcap > 0

@@ -53,7 +53,7 @@ def _dtype_is_float64(x) -> bool:
 
 
 def _backend(device, arrays: dict, q):
-    """Resolve the backend; float64 always computes on the CPU implementation (design.md §1)."""
+    """Resolve the backend; float64 always computes on the CPU implementation (docs/semantics.md §4)."""
     backend = resolve(ck.check_device(device), arrays)
     if backend.where == "gpu" and _dtype_is_float64(q):
         backend = backend.as_cpu()

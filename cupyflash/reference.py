@@ -1,7 +1,7 @@
 """float64 materialized attention: the tests' ground truth.
 
 Deliberately simple and deliberately independent of ``_options`` / ``_checks``: it takes the
-public keyword names (design.md §1) and computes everything in float64 with the full
+public keyword names (docs/semantics.md §1) and computes everything in float64 with the full
 [b, h, s_q, s_k] score matrix, so it can catch bugs in the validation and in every backend.
 
 Layout is "bshd" throughout:

@@ -281,7 +281,7 @@ __device__ __forceinline__ void red_add_f32(float* addr, float v) {
     asm volatile("red.global.add.f32 [%0], %1;" :: "l"(addr), "f"(v) : "memory");
 }
 
-// One score through the design.md §1 pipeline, in base-2 units: s = scale·qk, softcap
+// One score through the docs/semantics.md §2 pipeline, in base-2 units: s = scale·qk, softcap
 // c·tanh(s/c), ALiBi −slope·|diag − col| with diag = row + diag_offset. Masks (and a bias) are
 // applied by the caller. *ds_dqk receives
 // d s / d(qk) in natural units: scale, times 1 − tanh²(s/c) under softcap.
@@ -305,7 +305,7 @@ __device__ __forceinline__ float score_log2(float qk, const Params& p, float slo
 // Shared by flash_fwd (fwd.cu) and flash_bwd_dbias (bwd.cu)
 // =============================================================================================
 
-// Scores of one S tile moved to base-2 units in place, in design.md §1 order: scale·qk or softcap
+// Scores of one S tile moved to base-2 units in place, in docs/semantics.md §2 order: scale·qk or softcap
 // c·tanh(scale·qk / c), + bias (HAS_BIAS; BT = the bias element type), − ALiBi slope·|diag − j|.
 // Each step is one pass over the registers behind a block-uniform branch (a step that is off
 // costs nothing per score). bias_gmem: the [s_q, s_k] bias plane of this (batch, head) with

@@ -456,7 +456,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     // Whether a work tile can have rows that see no key: with a causal / window band, or a packed
     // sequence without keys. A dense call without a band has s_k > 0 (the launcher answers s_k = 0
     // itself, _gpu._empty), so every tile sees keys; that path is then compiled out (code in the
-    // consumers' tile-to-tile path cost time even untaken: docs/hopper.md step 19).
+    // consumers' tile-to-tile path cost time even untaken: docs/hopper.md, "Dead paths compiled out").
     constexpr bool SOME_EMPTY = WINDOW || VARLEN;
     // Whether a work tile's rows see any key (so that it has key tiles to load and run)
     auto sees_keys = [](const WorkTile& wt) { return !SOME_EMPTY || wt.n_tiles > 0; };
@@ -466,7 +466,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     // there it interleaved O's rescale with the exp2s); a basic block ending between them keeps
     // the order (tests/test_sass_sm90.py). On the H200 that gained up to 2.6 % at hd 128 (most
     // with 176-key tiles) and lost 1.6-5.5 % at hd 64, whose consumers are bound by instruction
-    // issue, and 2-9 % at hd 256 (docs/hopper.md step 22): hd 128 only.
+    // issue, and 2-9 % at hd 256 (docs/hopper.md, "The softmax beside its own P·V"): hd 128 only.
     constexpr bool SOFTMAX_BESIDE_PV = D == 128;
     // MAXFREE: inside the key-tile loop, P = exp2(s·sl2 − shift) against the running max m of
     // the tiles before, without the tile's own row max (its FMNMX and quad shuffles) and without
@@ -841,7 +841,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     //      as 16-byte stores, 0.7 key-tile steps; benchmarks/fwd_trace.py on the H200). The host
     //      sends an out whose base is not 16-byte aligned (no tensor map) to the portable kernel,
     //      so these variants carry no second epilogue (code never run that cost time at each
-    //      tile boundary: docs/hopper.md steps 19-20)
+    //      tile boundary: docs/hopper.md, "Dead paths compiled out")
     auto store_tile = [&]() {
         const int row0 = wt.m0 + cw * WG_ROWS + row_in_wg;
         if constexpr (L::O_SMEM) {
@@ -931,8 +931,8 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
         issue_pv(kv_it, p_frag);
         pass_turn();
         // O_SMEM: the previous tile's TMA store has read o_smem before store_tile overwrites it;
-        // waited for here, where the warps wait for the product anyway (+0.4 % at s <= 2k: call 3
-        // of docs/runs/2026-12-01-session14.log)
+        // waited for here, where the warps wait for the product anyway (+0.4 % at s <= 2k on the
+        // H200)
         if constexpr (L::O_SMEM) {
             if (t == 0) bulk_wait_read<0>();
             named_bar_sync(WG_BAR + cw, 128);     // (thread 0's wait holds the warpgroup)

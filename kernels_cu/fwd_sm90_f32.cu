@@ -59,7 +59,7 @@ constexpr int CONV_BAR = 8;          // named barrier of the 96 converter thread
 // 168·384 (the total may not grow: setmaxnreg.inc only takes what the block's warps gave back).
 // 56 / 224 by default; WIDE (hd 128 with O_RN and the window masks, which spill 56 B at 224):
 // 40 / 232 (the TMA thread and converters fit 40 without spills, but hd 64 timed -3 to +2 % with
-// it against 56 / 224, call 3 of docs/runs/2026-11-30-session5.log). NC = 1 keeps the launch
+// it against 56 / 224 on the H200). NC = 1 keeps the launch
 // allocation: 256 threads x 255 registers fit as they are.
 template <int NC, bool WIDE> struct Regs;
 template <bool WIDE> struct Regs<2, WIDE> {
@@ -482,7 +482,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     // O += P V of ring position kv, part 0 issued (the last wgmma group): with PV_PARTS = 2 wait
     // for it, add it and issue part 1 (the same P, the next D / 2 rows of Vᵀ) into the same
     // accumulator. (Issuing part 0 before the next S, so that part 1 follows it while S runs,
-    // timed 0-5 % slower at hd 128: call 4 of docs/runs/2026-11-30-session5.log)
+    // timed 0-5 % slower at hd 128 on the H200)
     auto pv_next = [&](int kv) {
 #pragma unroll
         for (int part = 1; part < PV_PARTS; ++part) {

@@ -5,7 +5,7 @@ The FlashAttention-style backward (bwd_sm90.cu and bwd.cu) computes S, P, dP in 
 16-bit inputs, D = rowsum(dO ∘ O) from the forward's 16-bit O, rounds dS·scale to the input dtype
 for the tensor-core product dQ = dS K, and rounds dQ once at the end. The tests compare the max
 error with 2x that of a naive computation in the input dtype (tests/test_gpu_bias_varlen.py
-_naive, tests/test_gpu_backward.py _naive_bwd) plus a floor (design.md §4).
+_naive, tests/test_gpu_backward.py _naive_bwd) plus a floor (docs/semantics.md §9).
 
     python lab/dq_rounding_model.py                 # failure rates of that criterion by shape
     python lab/dq_rounding_model.py --seed 8935658706994320244

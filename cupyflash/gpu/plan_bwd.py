@@ -395,7 +395,7 @@ def use_dbias_kernel(forced: Optional[bool], deterministic: bool, hopper_dbias: 
     """Whether an eligible call (``dbias_by_kernel``) takes the dbias-kernel path before trying the
     float32 accumulator: ``forced`` (TUNING.dbias_kernel) when not None; else in deterministic mode (no
     slabs, same bits every run) and where the Hopper dbias kernel covers the call
-    (``hopper_dbias``; measured on the H200, session 9: the whole bias backward 1.15-1.48x faster
+    (``hopper_dbias``; measured on the H200: the whole bias backward 1.15-1.48x faster
     than with the accumulator, and dbias is then the only extra memory). The portable
     flash_bwd_dbias is slower than the accumulator (0.57-0.78x), so elsewhere the accumulator is
     tried first and the kernel runs only when it does not fit."""

@@ -41,7 +41,7 @@ SM90_TILES_NC2 = {64: (128, 2, 2)}
 #: hd 64 causal / window calls of at most SM90_FEW_ROWS_SQ queries without softcap, varlen or
 #: bias: one consumer, 64-key tiles and three blocks per SM (Sm90Variant.blocks_per_sm), so
 #: the many short work tiles' boundaries (the lone first S, the masked softmax, the epilogue)
-#: run beside the other blocks' key-tile loops. H200, sm90_tune.py (docs/hopper.md step 21):
+#: run beside the other blocks' key-tile loops. H200, sm90_tune.py (docs/hopper.md, "One consumer, several blocks per SM"):
 #: causal 512 / 1k / 2k 268 / 311 / 351 TFLOP/s against two consumers' 218 / 290 / 335 and
 #: three's 187 / 251 / 340; at 4k three consumers lead (400 against 374).
 SM90_TILES_FEW_ROWS = {64: (64, 2, 1)}
@@ -53,11 +53,11 @@ SM90_SMEM_PER_SM = 228 * 1024
 
 
 #: hd 128 with key tiles of 176 (FlashAttention-3's width) where query rows see at least
-#: SM90_WIDE_MIN_KEYS keys on average (sm90_keys): on the H200 (sm90_tune, session 16, 11
+#: SM90_WIDE_MIN_KEYS keys on average (sm90_keys): on the H200 (sm90_tune, 11
 #: interleaved rounds, 176 against 128) non-causal 4k -1.2 %, 6k / 8k / 16k +2.5 / +1.8 / +1.4 %;
 #: causal 4k / 6k -3.5 / -1.6 %, 8k +0.1 %, 12k / 16k +1.5 / +1.8 %: the mean keys per row, 6k
 #: on, separate them (docs/hopper.md, steps 8 and 33). Calls without softcap or bias only:
-#: those variants spill at 176. Since session 18 causal / window calls only: dense calls
+#: those variants spill at 176. Causal / window calls only: dense calls
 #: without a band take the max-free softmax on 128-key tiles (SM90_MAXFREE_MIN_KEYS), 13-16 %
 #: faster than 176 at 8k / 16k.
 SM90_TILES_WIDE = {128: (176, 2, 2)}
@@ -66,10 +66,10 @@ SM90_WIDE_MIN_KEYS = 6144
 
 #: The max-free softmax (MAXFREE: the key-tile loop's softmax against the running max of the
 #: tiles before, without the tile's own row max or O's rescale while each lane's row sums of the
-#: tile stay at most 256, i.e. no P above 256; docs/hopper.md step 36) for dense hd 128 calls
+#: tile stay at most 256, i.e. no P above 256; docs/hopper.md, "Max-free softmax") for dense hd 128 calls
 #: without a band, softcap, varlen or bias, on 128-key tiles (its second P buffer leaves no
 #: registers at 176), where query rows see at least SM90_MAXFREE_MIN_KEYS keys. On the H200
-#: (benchmarks/sm90_tune.py, bf16, FA shapes, interleaved rounds, session 18 calls 5-6), TFLOP/s
+#: (benchmarks/sm90_tune.py, bf16, FA shapes, interleaved rounds), TFLOP/s
 #: of 128-key tiles without / with it and of 176-key tiles: 512 512.5 / 518.8, 1k 581.6 / 610.0,
 #: 2k 593.8 / 651.7 / 581.8, 4k 619.6 / 708.0 / 607.5, 6k 618.2 / 691.4 / 633.2, 8k 625.9 /
 #: 730.9 / 631.4, 16k 632.9 / 724.4 / 640.7. From 1k on (512's +1.2 % is inside the rounds'
@@ -264,7 +264,7 @@ def sm90_keys(s_q: int, s_k: int, window_left: int, window_right: int,
 
 #: The split tail (sm90_split), in key-tile steps of one work tile: what a piece costs besides
 #: its key tiles (the first S, the last P·V alone, the epilogue: ~0.9 step at hd 128 on the H200,
-#: docs/hopper.md step 14) and, per partial, the merge of a split tile (write, read, rescale).
+#: docs/hopper.md, "Where the time goes") and, per partial, the merge of a split tile (write, read, rescale).
 SM90_SPLIT_BOUNDARY = 1.0
 SM90_SPLIT_MERGE = 0.25
 
@@ -278,7 +278,7 @@ SM90_SPLIT_MAX_PARTS = 16
 
 
 #: at least this many key tiles per piece (H200, hd 128, b 1, h 16, s 512: two pieces of two
-#: key tiles ran 0.92x the whole tiles; docs/hopper.md step 34)
+#: key tiles ran 0.92x the whole tiles; docs/hopper.md, "Split tail")
 SM90_SPLIT_MIN_KEYS = 4
 
 
@@ -298,7 +298,7 @@ def sm90_split(work: int, grid: int, n: int, *, force: bool = False) -> Optional
     (key-tile steps, c the boundary): whole (F + 1)·(n + c), split F·(n + c) + ceil(n / p) + c
     + merge·(p − 1); split when that gains SM90_SPLIT_MIN_GAIN. (Pieces are drawn from the
     dynamic counter: pieces of unequal sizes, or more than one round of them, ran slower than
-    the whole tiles on the H200, docs/hopper.md step 34.) ``force``: split whatever the model
+    the whole tiles on the H200, docs/hopper.md, "Split tail".) ``force``: split whatever the model
     says, into at least two pieces per tile of two or more key tiles, the last full wave when
     work is a multiple of grid (tests). Returns int32 [pieces, 4]: tail tile r (work tile work −
     R + r), the piece's first key tile within the tile, its key tiles, and 64 · (the tile's

@@ -3,7 +3,7 @@
 In its turn a consumer issues S = Q Kᵀ of key tile j + 1 and O += P V of tile j, waits for S
 (``wgmma.wait_group 1``), runs the softmax of j + 1 and only then waits for P V
 (``wgmma.wait_group 0``). The source says so, but ptxas may hoist a wait within a basic block:
-until session 13 it put the P V wait (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) before the softmax's first
+an earlier version put the P V wait (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) before the softmax's first
 exp2 in every variant, so the softmax never ran beside the consumer's own product. At hd 128
 (SOFTMAX_BESIDE_PV) a wait on the next V stage between them ends the basic block; this test reads
 the SASS (NVRTC cubin, disassembled by nvdisasm from the ``nvidia-cuda-nvdisasm`` wheel of the

@@ -12,7 +12,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32)}
-# Error floor of the 16-bit criterion (design.md §4): a quarter ulp of 1 in each dtype
+# Error floor of the 16-bit criterion (docs/semantics.md §9): a quarter ulp of 1 in each dtype
 FLOOR = {"float16": 1e-4, "bfloat16": 1e-3}
 
 
@@ -36,7 +36,7 @@ def rounding_floor(dtype_name: str, ref) -> float:
 
 
 def grad_tolerance(dtype_name: str, ref, naive_err: float) -> float:
-    """The 16-bit bound of a gradient check (design.md §4, FlashAttention's criterion): twice
+    """The 16-bit bound of a gradient check (docs/semantics.md §9, FlashAttention's criterion): twice
     the naive computation's max error plus a floor, the larger of FLOOR scaled by max(1,
     max|ref|) and rounding_floor."""
     sc = max(1.0, float(np.abs(ref).max()) if np.size(ref) else 0.0)
@@ -97,7 +97,7 @@ def keep_mask(s_q, s_k, wl, wr, bottom_right):
 
 def naive_attention(q, k, v, do, dtype, scale, keep, bias=None, softcap=0.0, slopes=None, diag=None,
                     bias_dtype=None, o_saved=None):
-    """Attention and its gradients computed the naive way in ``dtype`` (design.md §4's
+    """Attention and its gradients computed the naive way in ``dtype`` (docs/semantics.md §9's
     comparison), like PyTorch's same-dtype math: each matmul takes dtype operands, accumulates in
     float32 and rounds its result to dtype (what cuBLAS does for float16 / bfloat16; CuPy's
     batched matmul has no bfloat16 kernel, so the float32 matmul of the dtype values is rounded
@@ -111,10 +111,10 @@ def naive_attention(q, k, v, do, dtype, scale, keep, bias=None, softcap=0.0, slo
     rowsum(dO ∘ O) then uses it, as FlashAttention's backward (and ours) does, instead of this
     function's own O. The two O are different roundings of the same values, and where one key
     dominates some 2000 rows a dbias element sums their D errors: the kernel's and a
-    self-computed naive's then differ by chance, not by method (docs/hopper.md, session 15).
+    self-computed naive's then differ by chance, not by method (docs/hopper.md).
     That sum is the same for every backward given that out, and the naive's own roundings (dP
     to dtype) can cancel it by chance, so test_gpu_bias_varlen.check_grad allows it per element:
-    |float64 gradient given that out (reference.attention_backward's out=) − exact| (session 16).
+    |float64 gradient given that out (reference.attention_backward's out=) − exact|.
     Returns (out, lse) without do, else (out, lse, dq, dk, dv, dbias); dbias in the bias's 4-D
     shape and bias_dtype (None without a bias)."""
     f32 = cp.float32

@@ -3,7 +3,7 @@
 out and lse come from the GPU forward (cupyflash.gpu.fwd.forward); dq, dk, dv are poisoned with
 NaN before the call; inputs and dout are fresh random normal draws.
 
-Criterion (design.md §4, FlashAttention's own test), per gradient g in (dq, dk, dv):
+Criterion (docs/semantics.md §9, FlashAttention's own test), per gradient g in (dq, dk, dv):
 - float16 / bfloat16: max|g − ref| <= 2 · max|g_naive − ref| + floor · max(1, max|ref|), where
   g_naive is the materialized backward done in the input dtype (every matmul takes dtype
   operands, accumulates in float32 and rounds its result to the dtype; softmax in float32, P

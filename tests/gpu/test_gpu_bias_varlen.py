@@ -3,7 +3,7 @@
 Launcher-level tests (cupyflash.gpu.fwd.forward / forward_varlen, cupyflash.gpu.bwd.backward /
 backward_varlen) with every output poisoned with NaN before the call, and a few API-level ones.
 
-Criterion (design.md §4, as tests/gpu/test_gpu_forward.py and test_gpu_backward.py):
+Criterion (docs/semantics.md §9, as tests/gpu/test_gpu_forward.py and test_gpu_backward.py):
 - float16 / bfloat16: max|x − ref| <= 2·max|x_naive − ref| + floor·max(1, max|ref|) for out, lse,
   dq, dk, dv, dbias, where x_naive is the materialized computation in the input dtype (matmuls
   round to the dtype, softmax in float32, P and dS rounded to the dtype before their products;
@@ -150,7 +150,7 @@ def check_grad(dtype_name, w, got, ref, naive=None, given=None):
     ``given``, the float64 gradient of a backward handed the forward's stored out (D = rowsum(dO
     ∘ out)), adds |given − ref| to the bound element by element: the part of the error that out's
     rounding puts into every backward given it (a dbias element of a key-only bias sums it over
-    ~2000 rows: docs/hopper.md, session 16)."""
+    ~2000 rows: docs/hopper.md)."""
     assert not np.isnan(got).any(), f"NaN in {w} (unwritten or NaN-producing)"
     dev = np.abs(got - ref)
     sc = max(1.0, np.abs(ref).max() if ref.size else 0.0)

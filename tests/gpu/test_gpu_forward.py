@@ -1,6 +1,6 @@
 """GPU forward kernel (cupyflash.gpu.fwd.forward) against the float64 reference.
 
-Criterion (design.md §4, FlashAttention's own test): for float16 / bfloat16 the max abs error of
+Criterion (docs/semantics.md §9, FlashAttention's own test): for float16 / bfloat16 the max abs error of
 out (and lse) vs reference.attention in float64 is at most 2x the max abs error of the naive
 computation done in the input dtype (Q Kᵀ and P V as matmuls in the dtype, softmax in float32,
 P rounded to the dtype, like PyTorch's naive attention), plus a floor: 1e-4 (float16) /

@@ -108,8 +108,7 @@ def test_rising_scores(rng, dtype, causal, ramp):
     keeps rising from key tile to key tile, by a little (6) or by more than 2^8 (40), so O and l
     are rescaled mid-row by large factors; random inputs alone move m mostly in the first key
     tile. The max-free softmax (MAXFREE, hd 128 × 128 keys) takes its exact path there, and with
-    40 the max-free P overflows first. (A kernel that skips O's rescale fails every case:
-    session 6, call 2.)"""
+    40 the max-free P overflows first. (A kernel that skips O's rescale fails every case.)"""
     sm90(rng, dtype, 1, 300, 1500, 2, 1, 64, causal=causal, key_ramp=ramp)
     sm90(rng, dtype, 1, 257, 2048, 2, 2, 128, causal=causal, key_ramp=ramp)
 

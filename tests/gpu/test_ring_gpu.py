@@ -2,7 +2,7 @@
 float16), simulated ranks on two GPUs, and two processes over NCCL (launched with
 ``python -m cupyflash.distributed.run``) when two GPUs are present.
 
-Criterion (design.md §4, as tests/test_gpu_backward.py): against the float64 reference on the
+Criterion (docs/semantics.md §9, as tests/test_gpu_backward.py): against the float64 reference on the
 whole sequence, max|x - ref| <= 2 * max|x_naive - ref| + floor for out, lse, dq, dk, dv, where
 x_naive is the materialized computation in the input dtype on the whole sequence
 (gpu_util.naive_attention) and the floor is gpu_util.grad_tolerance's. World size 1 must give

@@ -50,7 +50,7 @@ def test_floor_is_small():
 
 
 def test_check_grad_given_out_part():
-    """check_grad's given-out allowance (session 16, CUPYFLASH_SEED=11078482371635623096: a
+    """check_grad's given-out allowance (CUPYFLASH_SEED=11078482371635623096: a
     key-only float16 dbias element 14.3984 against 14.3475, naive 14.3516): the part D's stored
     out puts into every backward (model: 14.3937) is allowed element by element, no more."""
     from test_gpu_bias_varlen import check_grad

@@ -106,7 +106,7 @@ def assert_lse_close(lse, want, rtol, atol):
 def naive32(p):
     """The same attention done naively in float32 (materialized), forward and backward.
 
-    Its error against the float64 reference is the yardstick of design.md §4.
+    Its error against the float64 reference is the yardstick of docs/semantics.md §9.
     """
     f = np.float32
     q, k, v, dout, kw = p["q"], p["k"], p["v"], p["dout"], p["kw"]
@@ -150,7 +150,7 @@ def naive32(p):
 
 
 def assert_close_f32(got, want, naive, name, magnitude=None):
-    """max |got − want| <= 2 · max |naive32 − want| + 1e-5 · (1 + magnitude)  (design.md §4).
+    """max |got − want| <= 2 · max |naive32 − want| + 1e-5 · (1 + magnitude)  (docs/semantics.md §9).
 
     magnitude defaults to max |want|; for a sum that cancels (dbias reduced over many
     elements) pass the max of the summed |terms| instead.

@@ -53,7 +53,7 @@ SHAPES = [(4, 4), (3, 6), (6, 3), (1, 5), (5, 1)]
 
 def loop_attention(q, k, v, scale=None, causal=False, causal_align="bottom_right", window=None,
                    bias=None, mask=None, softcap=None, alibi_slopes=None):
-    """The semantics of design.md §1, one score at a time with Python floats."""
+    """The score semantics of docs/semantics.md §2, one score at a time with Python floats."""
     b, s_q, h, d = q.shape
     s_k, h_k, d_v = k.shape[1], k.shape[2], v.shape[3]
     scale = 1 / math.sqrt(d) if scale is None else scale
