@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -214,7 +215,10 @@ def run_case(c, rng):
 
 
 def test_fuzz():
-    print(f"\nfuzz: CUPYFLASH_FUZZ_SEED={SEED} CUPYFLASH_FUZZ_CASES={CASES}")
+    # straight to the terminal, past pytest's capture: a run cut off by a time limit still shows
+    # the seed and every failing case found so far
+    say = lambda line: print(line, file=sys.__stderr__, flush=True)  # noqa: E731
+    say(f"\nfuzz: CUPYFLASH_FUZZ_SEED={SEED} CUPYFLASH_FUZZ_CASES={CASES}")
     rng = random.Random(SEED)
     failures = []
     for i in range(CASES):
@@ -222,4 +226,5 @@ def test_fuzz():
         fails = run_case(c, rng)
         if fails:
             failures.append(f"case {i} {c}: " + "; ".join(fails))
+            say(f"fuzz seed {SEED}: " + failures[-1])
     assert not failures, f"seed {SEED}: {len(failures)} of {CASES} cases failed\n" + "\n".join(failures)
