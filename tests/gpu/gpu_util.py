@@ -96,7 +96,7 @@ def keep_mask(s_q, s_k, wl, wr, bottom_right):
 
 
 def naive_attention(q, k, v, do, dtype, scale, keep, bias=None, softcap=0.0, slopes=None, diag=None,
-                    bias_dtype=None, o_saved=None):
+                    bias_dtype=None, o_saved=None, acc=None):
     """Attention and its gradients computed the naive way in ``dtype`` (docs/semantics.md §9's
     comparison), like PyTorch's same-dtype math: each matmul takes dtype operands, accumulates in
     float32 and rounds its result to dtype (what cuBLAS does for float16 / bfloat16; CuPy's
@@ -117,7 +117,7 @@ def naive_attention(q, k, v, do, dtype, scale, keep, bias=None, softcap=0.0, slo
     |float64 gradient given that out (reference.attention_backward's out=) − exact|.
     Returns (out, lse) without do, else (out, lse, dq, dk, dv, dbias); dbias in the bias's 4-D
     shape and bias_dtype (None without a bias)."""
-    f32 = cp.float32
+    f32 = cp.float32 if acc is None else acc   # acc=float64 with dtype float64: the float64 reference
     rnd = lambda x: x.astype(dtype).astype(f32)  # noqa: E731
     mm = lambda a, b: rnd(cp.matmul(a, b))       # noqa: E731
     h, h_k = q.shape[2], k.shape[2]
