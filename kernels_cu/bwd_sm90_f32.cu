@@ -371,16 +371,15 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
         }
         mbar_init(kv_raw, 1);                            // TMA thread's expect_tx arrival (+ bytes)
         mbar_init(kv_full, 1);                           // converter leader
-        mbar_init(kv_empty, Shape<D>::T ? CONSUMER_WARPS : 2);   // per consumer (T: per consumer warp)
+        mbar_init(kv_empty, Shape<D>::T ? 32 * CONSUMER_WARPS : 2);   // per consumer (T: per consumer thread)
         for (int s = 0; s < RAW_STAGES; ++s) {
             mbar_init(raw_full + 8 * s, 1);              // TMA thread (+ bytes)
             mbar_init(raw_empty + 8 * s, 1);             // converter leader (T: r_full, TMA thread + bytes)
         }
         mbar_init(nat_full, 1);                          // converter leader
-        // T: one arrival per consumer thread (each after its own reads of the rows); otherwise
-        // one per consumer warp (per thread, ptxas spilled 112 B in the hd 64 variant)
-        mbar_init(nat_empty, Shape<D>::T ? 32 * CONSUMER_WARPS : CONSUMER_WARPS);
-        mbar_init(t_full, Shape<D>::T ? CONSUMER_WARPS : 1);   // converter leader (T: r_empty, per consumer warp)
+        // one arrival per consumer thread, each after its own reads of the rows
+        mbar_init(nat_empty, 32 * CONSUMER_WARPS);
+        mbar_init(t_full, Shape<D>::T ? 32 * CONSUMER_WARPS : 1);   // converter leader (T: r_empty, per consumer thread)
         mbar_init(t_empty, 2);                           // one arrival per consumer
         mbar_fence_init();
     }
@@ -645,8 +644,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 }
             }
             if (last_raw_read) {
-                __syncwarp();                                  // every lane's fragments loaded
-                if (t % 32 == 0) mbar_arrive(r_empty);
+                mbar_arrive(r_empty);                          // this lane's fragments loaded
             }
 #pragma unroll
             for (int i = 0; i < NT; ++i) step_acc[i] = 0.f;
@@ -811,12 +809,9 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     wgmma_rs_tf32<BM>(dq_acc, kt_big + 4 * kk, desc_at(desc_lo(smem + L::DSB), off));
                 }
                 wgmma_commit();
-                // the tile's last reads of K, V by this warp are done (K, V are only loaded into
+                // the tile's last reads of K, V by this thread are done (K, V are only loaded into
                 // registers): the next tile's K, V may land
-                if (st == wt.steps - 1) {
-                    __syncwarp();
-                    if (t % 32 == 0) mbar_arrive(kv_empty);
-                }
+                if (st == wt.steps - 1) mbar_arrive(kv_empty);
                 wgmma_wait<0>();
                 fence_regs<NS>(dq_acc);
                 fence_regs<NT>(kt_big);
@@ -978,8 +973,11 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                         split_tf32(ds, ds_bigf[4 * kk + e], ds_smallf[4 * kk + e]);
                     }
                 }
-                __syncwarp();                                  // every lane of the warp has read the rows
-                if (t % 32 == 0) mbar_arrive(nat_empty);       // Sᵀ, dPᵀ done: Q, dO parts and rows free
+                // this thread has read its rows (lse, D) and its Sᵀ, dPᵀ are done: Q, dO parts and
+                // rows free. One arrival per thread: racecheck orders the next write of the rows
+                // only after each reader's own arrival. (s_q > 0 holds in every step; as a branch it
+                // keeps ptxas's schedule: unconditional, the hd 64 non-window variant spills 112 B.)
+                if (p.s_q > 0) mbar_arrive(nat_empty);
 
                 // ---- dS big / small -> this consumer's dS tile [BM queries, 64 keys] (keys
                 //      contiguous in slot order, 128-byte swizzle, panels of 32 keys): the B operand of
