@@ -51,6 +51,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--shape", type=int, nargs=4, default=[1, 4096, 8, 64])
     ap.add_argument("--loads", default="quiet,busy2,blas1")
+    ap.add_argument("--threads", default="",
+                    help="also time cupyflash with these CUPYFLASH_CPU_THREADS, e.g. 2,4")
     args = ap.parse_args(argv)
     rng = np.random.default_rng()
     q, k, v = (rng.standard_normal(args.shape, np.float32) for _ in range(3))
@@ -63,8 +65,23 @@ def main(argv=None):
         finally:
             cpu._PARALLEL_MIN_SCORES = old
 
+    def with_threads(n):
+        def fn():
+            old = os.environ.get("CUPYFLASH_CPU_THREADS")
+            os.environ["CUPYFLASH_CPU_THREADS"] = str(n)
+            try:
+                return cf.attention(q, k, v, device="cpu")
+            finally:
+                if old is None:
+                    del os.environ["CUPYFLASH_CPU_THREADS"]
+                else:
+                    os.environ["CUPYFLASH_CPU_THREADS"] = old
+        return fn
+
     book = lambda: textbook(q, k, v)
     impls = {"cupyflash": ours, "inline": inline, "textbook": book}
+    for n in filter(None, args.threads.split(",")):
+        impls[f"t{int(n)}"] = with_threads(int(n))
     for fn in impls.values():
         fn()  # warm-up
     rows = {}
@@ -84,7 +101,8 @@ def main(argv=None):
         print(f"# {load}: " + "  ".join(f"{n} {sorted(round(x) for x in t)}" for n, t in times.items()),
               file=sys.stderr, flush=True)
     base = rows.get("quiet")
-    print(f"shape {tuple(args.shape)} float32, {os.cpu_count()} cores, median of {args.reps}, "
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(f"shape {tuple(args.shape)} float32, {cores} cores, median of {args.reps}, "
           f"CUPYFLASH_CPU_THREADS={os.environ.get('CUPYFLASH_CPU_THREADS', '(default)')}")
     print(f"{'load':>6} | " + " | ".join(f"{n + ' ms':>12} {'slowdown':>8}" for n in impls)
           + f" | {'textbook/cupyflash':>18}")
