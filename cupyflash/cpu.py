@@ -20,7 +20,8 @@ The backward returns dq, dk, dv in the dtypes of q, k, v, and dbias (reduced to
 
 Threads: a call large enough (b·h·s_q·s_k >= 2^15 scores) is cut into (batch, kv head) blocks
 (and query-row ranges in the forward when there are fewer blocks than threads) run by a pool of
-``num_threads()`` threads (``CUPYFLASH_CPU_THREADS``, default the cores this process may use),
+``num_threads()`` threads (``CUPYFLASH_CPU_THREADS``, default the cores this process may use
+plus up to four: see ``num_threads``),
 with BLAS limited to one thread for the duration of the call (threadpoolctl; the limit is
 process-wide, so BLAS calls of other threads meanwhile run single-threaded too). A given thread
 count gives the same result on every run (blocks that share a broadcast bias add their dbias in a
@@ -155,7 +156,9 @@ def _scores_tile(qb, kb, opts, i0, i1, j0, j1, s_q, s_k, b, h, cdt):
 # every product. Instead the work is split into independent (batch, kv-head[, query-row])
 # blocks run by a pool of ``num_threads()`` Python threads (NumPy releases the GIL inside matmul
 # and ufunc loops), with BLAS limited to one thread for the duration of the call
-# (threadpoolctl). A busy core then slows one block, not every product.
+# (threadpoolctl). A busy core then slows one block, not every product. The pool has spare
+# threads (``num_threads``) so that a fair scheduler leaves the call more than its share of
+# contended cores.
 
 #: Score elements (b · h · s_q · s_k) under which a call runs on the calling thread (the pool's
 #: hand-off, about 1 ms on 2 cores, would cost more than it saves).
@@ -175,7 +178,13 @@ _controller = None
 
 def num_threads() -> int:
     """Threads the CPU implementation uses: ``CUPYFLASH_CPU_THREADS`` when set (>= 1), else the
-    cores this process may run on."""
+    cores this process may run on plus as many again, at most four more (2 cores: 4 threads).
+
+    The spare threads are for shared machines: a fair scheduler gives every runnable thread an
+    equal share, so beside two busy processes on 2 cores, 2 threads get half the cores (2x
+    slower) and 4 threads two thirds (1.5x). Measured on two cores (1x4096x8x64 float32,
+    lab/cpu_contention.py, medians of 5): beside two busy loops 2 threads slowed 1.97x, 3 threads
+    1.51x, 4 threads 1.56x, textbook NumPy 2.05x; quiet, 4 threads were no slower than 2."""
     env = os.environ.get("CUPYFLASH_CPU_THREADS", "").strip()
     if env:
         try:
@@ -185,6 +194,11 @@ def num_threads() -> int:
         if n < 1:
             raise ValueError(f"CUPYFLASH_CPU_THREADS: got {env!r}; accepted: an int >= 1")
         return n
+    return _cores() + min(_cores(), 4)
+
+
+def _cores() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux

@@ -96,6 +96,14 @@ def test_env_variable_sets_threads(monkeypatch):
     assert cpu.num_threads() >= 1
 
 
+@pytest.mark.parametrize("cores, threads", [(1, 2), (2, 4), (4, 8), (16, 20)],
+                         ids=lambda x: str(x))
+def test_default_threads_are_cores_plus_up_to_four_spares(monkeypatch, cores, threads):
+    monkeypatch.delenv("CUPYFLASH_CPU_THREADS", raising=False)
+    monkeypatch.setattr(cpu, "_cores", lambda: cores)
+    assert cpu.num_threads() == threads
+
+
 def test_blas_limited_only_during_a_threaded_call(rng, parallel_always):
     threadpoolctl = pytest.importorskip("threadpoolctl")
     blas = [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
