@@ -376,7 +376,10 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             mbar_init(raw_full + 8 * s, 1);              // TMA thread (+ bytes)
             mbar_init(raw_empty + 8 * s, 1);             // converter leader (T: r_full, TMA thread + bytes)
         }
-        mbar_init(nat_full, 1);                          // converter leader
+        // converter leader (Q, dO parts) + each row writer after its own writes: racecheck
+        // orders a read after the writer's own arrival, not after a named barrier and another
+        // thread's arrival
+        mbar_init(nat_full, 1 + BM);
         // one arrival per consumer thread, each after its own reads of the rows
         mbar_init(nat_empty, 32 * CONSUMER_WARPS);
         mbar_init(t_full, Shape<D>::T ? 32 * CONSUMER_WARPS : 1);   // converter leader (T: r_empty, per consumer thread)
@@ -525,6 +528,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                             float* rows_step = rows_smem + (q_it & 1) * 2 * BM;   // [2][BM]
                             rows_step[cu] = lse_row == -CF_INF ? CF_INF : lse_row * CF_LOG2E;
                             rows_step[BM + cu] = dsum_row;
+                            mbar_arrive(nat_full);             // this thread's rows written
                         }
                         release(nat_full, 0);
                     } else {
@@ -539,6 +543,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                         if (cu < BM) {
                             rows_smem[cu] = lse_row == -CF_INF ? CF_INF : lse_row * CF_LOG2E;
                             rows_smem[BM + cu] = dsum_row;
+                            mbar_arrive(nat_full);             // this thread's rows written
                         }
                         release(nat_full, 0);
                         if (st == 0) {
