@@ -51,7 +51,10 @@
 // atomic (non-deterministic) dQ, TMA-compatible strides; dense or (VARLEN) packed sequences;
 // (BIAS) an additive bias with dbias, in the layouts _gpu_bwd_sm90.bias_unsupported accepts. A
 // boolean mask, deterministic dbias and other bias layouts run bwd.cu.
-#include "bwd.cu"
+#include "common/bwd_pre_dq.cuh"
+#include "common/mma.cuh"
+#include "common/params.cuh"
+#include "common/types.cuh"
 #include "sm90.cuh"
 #include "wgmma.cuh"
 

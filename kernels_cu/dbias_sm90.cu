@@ -54,7 +54,9 @@
 // d = d_v in {64, 128}; the bias in q's 16-bit type (BIAS_F32 = false) or float32 (true) with a
 // full query dimension and strides TMA accepts; any scale; GQA / MQA; causal / window. Not:
 // softcap, ALiBi, a boolean mask (the portable kernel applies those).
-#include "common.cuh"
+#include "common/mma.cuh"
+#include "common/params.cuh"
+#include "common/types.cuh"
 #include "sm90.cuh"
 #include "wgmma.cuh"
 

@@ -47,7 +47,9 @@
 // stored (queries); and (BIAS) an additive bias broadcast to [b, h, s_q, s_k] with a unit key
 // stride, even s_k and even strides (pairs of columns per load), prefetched into L2 while
 // S = Q Kᵀ runs and loaded after it (holding it in registers across the product spills).
-#include "common.cuh"
+#include "common/mma.cuh"
+#include "common/params.cuh"
+#include "common/types.cuh"
 #include "sm90.cuh"
 #include "wgmma.cuh"
 

@@ -70,7 +70,7 @@ class BwdVariant(KernelVariant):
         return 16 * self.nw // self.wd
 
     template = "flash_bwd"
-    file = "bwd.cu"
+    file = "portable/bwd.cu"
 
     def template_args(self) -> tuple:
         b = cpp_bool
@@ -328,7 +328,7 @@ class DbiasVariant(KernelVariant):
     nbuf: int = 1  # 2: the next (batch, head) pair's tiles load while this one is computed
 
     template = "flash_bwd_dbias"
-    file = "bwd.cu"
+    file = "portable/bwd.cu"
 
     def template_args(self) -> tuple:
         return (self.elem, str(self.d), str(self.bm), str(self.bn), str(self.nbuf))

@@ -66,7 +66,7 @@ class Variant(KernelVariant):
     general: int = 0     # GENERAL bits: GEN_VARLEN (1), GEN_BIAS_MASK (2); window, score_mod set
 
     template = "flash_fwd"
-    file = "fwd.cu"
+    file = "portable/fwd.cu"
 
     def template_args(self) -> tuple:
         b = cpp_bool
