@@ -30,7 +30,7 @@ PARAMS_FIELDS = (
     + [("dq_accum_slab", np.int64)]
     + [(n, np.int32) for n in ("num_n_blocks", "bn", "deterministic", "dq_slabs")]
     + [("scale", np.float32)]
-    # Hopper forward only (kernels_cu/fwd_sm90.cu); then the TMA descriptors, see below
+    # Hopper forward only (kernels_cu/hopper/fwd.cu); then the TMA descriptors, see below
     + [("sched", np.uint64)]
     # Hopper forward SPLIT variants: the grid's last partial wave split along the keys
     + [(n, np.uint64) for n in ("split_table", "split_ws", "split_count")]

@@ -70,7 +70,7 @@ struct Params {
     int deterministic;      // 1: dQ parts added in program order into dq_slabs slabs; 0: float atomics
     int dq_slabs;           // deterministic: flash_bwd's gridDim.x; block x adds key tiles x, x + dq_slabs, ...
     float scale;            // scale in natural units (the dS multiplier)
-    // ---- Hopper kernels only (kernels_cu/fwd_sm90.cu, bwd_sm90.cu) ----
+    // ---- Hopper kernels only (kernels_cu/hopper/fwd.cu, hopper/bwd.cu) ----
     unsigned int* sched;    // [2] Hopper fwd / bwd work-tile counter, blocks finished: zero before and after
     // Hopper forward, SPLIT variants: the work tiles from split_first on (the grid's last partial
     // wave) run as split_pieces pieces, each a range of the tile's key tiles, whose partial O, m, l

@@ -46,7 +46,7 @@ template <typename E, int BM> struct DsPitch {
 };
 
 // Copy a [ROWS, D] tile (rows < rows_valid, columns < cols_valid) from global to shared memory
-// with NT threads; the rest of the tile is zero-filled. (Same scheme as fwd.cu's load_tile.)
+// with NT threads; the rest of the tile is zero-filled. (Same scheme as portable/fwd.cu's load_tile.)
 template <int ROWS, int D, int PITCH, int NT, typename S>
 __device__ __forceinline__ void copy_tile(S* tile_smem,              // [ROWS, PITCH]
                                           const S* tile_gmem,        // [rows_valid, ., cols_valid]

@@ -1,4 +1,4 @@
-// cupyflash: Hopper (sm_90a) dbias kernel: bwd.cu's flash_bwd_dbias (same math, same output)
+// cupyflash: Hopper (sm_90a) dbias kernel: portable/bwd.cu's flash_bwd_dbias (same math, same output)
 // with TMA loads and wgmma products. The launcher (cupyflash/_gpu_dbias_sm90.py) runs it after
 // the main backward kernels, which then write no dbias, instead of flash_bwd_dbias wherever it
 // covers the call:
@@ -57,8 +57,9 @@
 #include "common/mma.cuh"
 #include "common/params.cuh"
 #include "common/types.cuh"
-#include "sm90.cuh"
-#include "wgmma.cuh"
+#include "hopper/sched.cuh"
+#include "hopper/sm90.cuh"
+#include "hopper/wgmma.cuh"
 
 namespace sm90d {
 
