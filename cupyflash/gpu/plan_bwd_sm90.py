@@ -139,8 +139,8 @@ def variants():
 
 def varlen_work_tiles(cu_seqlens_q, cu_seqlens_k, h: int, h_k: int, window_left: int,
                       window_right: int, bottom_right: bool = True, window: bool = True):
-    """Mirror of the VARLEN kernel's work decomposition (hopper/bwd.cu: work_tile,
-    query_tile_range, the producer's skip): yields (w, sequence, kv_head, n0, m_first, m_count)
+    """Mirror of the VARLEN kernel's work decomposition (hopper/sched.cuh: key_tile,
+    query_tile_range; hopper/bwd.cu: the producer's skip): yields (w, sequence, kv_head, n0, m_first, m_count)
     for every work tile handed to the consumers, in index order. Window sides are Params values
     (unbounded: total_q + total_k); ``window``: the WINDOW template flag."""
     cq = [int(x) for x in cu_seqlens_q]

@@ -130,7 +130,7 @@ def why_unsupported(dtype_name: str, d: int, d_v: int, *, cc: int, smem_optin: i
 
 def work_tiles(s_q: int, s_k: int, b: int, h: int, sum_b: bool, sum_h: bool, window_left: int,
                window_right: int, diag_offset: int, window: bool):
-    """Mirror of the kernel's work decomposition (hopper/dbias.cu: dbias_tile, pair_of): yields
+    """Mirror of the kernel's work decomposition (hopper/sched.cuh: dbias_tile, pair_of): yields
     (w, m0, n0, pb, ph, pairs, need_mask) per work tile in index order; ``pairs`` lists the
     (batch, head) pairs summed into the tile in the kernel's order (empty: stored as zeros).
     ``sum_b`` / ``sum_h``: dbias is summed over the batch / heads (dbias_stride_b / _h = 0).

@@ -37,7 +37,7 @@
 // cores. The consumers load from global memory only a bias in the BIAS_LD* variants; BIAS_TMA
 // stages the step's bias tile [BM, BN] into the Q / dO ring slot (bias_smem, by the TMA thread).
 // VARLEN (packed sequences): work tiles (key tile of the longest sequence, kv head, sequence z);
-// each reads its sequence's first rows and lengths from cu_seqlens (WorkTile: s_q, s_k, diag,
+// each reads its sequence's first rows and lengths from cu_seqlens (KeyTile: s_q, s_k, diag,
 // q_row, k_row). The tensor maps cover the packed [1, total, h, d] tensors, so a TMA box may take
 // in rows of the next sequence: those keys are masked (P = 0), those query rows get lse = +inf
 // (P = 0, dS = 0) and D = 0, dK / dV rows past the sequence's s_k are not stored, and the dQ bulk
@@ -143,11 +143,11 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 // every reader has taken the slot's previous index
                 if (tile_i >= TILE_RING) mbar_wait(tile_empty + 8 * ts, ((tile_i / TILE_RING) - 1) & 1);
                 int w;
-                WorkTile wt;
+                KeyTile wt;
                 do {   // varlen: tiles whose keys start past their sequence's end are skipped here,
                        // so the readers (consumers, ROWS_WARP) never see them
                     w = sched_draw(p.sched, drawn);
-                    if (w < num_work) wt = work_tile<WINDOW, VARLEN, BIAS>(p, w);
+                    if (w < num_work) wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS>(p, w);
                 } while (VARLEN && w < num_work && !wt.keys);
                 tile_smem[ts] = w < num_work ? w : -1;
                 mbar_arrive(tile_full + 8 * ts);     // publishes tile_smem[ts] (release)
@@ -208,9 +208,9 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             for (int tile_i = 0;; ++tile_i) {
                 const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING);
                 if (w < 0) break;
-                const WorkTile wt = work_tile<WINDOW, VARLEN, BIAS>(p, w);
+                const KeyTile wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS>(p, w);
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
-                    const int head = step_head(p, wt, st), m0 = step_m0(wt, st);
+                    const int head = step_head(p, wt, st), m0 = step_m0<BM>(wt, st);
                     const int s = q_it % NBUF;
                     const i64 bh_row = head_rows<VARLEN>(p, wt, head);   // row 0 of the sequence's head
                     if (q_it >= NBUF) mbar_wait(qdo_empty + 8 * s, ((q_it / NBUF) - 1) & 1);
@@ -288,7 +288,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     for (int tile_i = 0;; ++tile_i) {
         const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING);
         if (w < 0) break;
-        const WorkTile wt = work_tile<WINDOW, VARLEN, BIAS>(p, w);
+        const KeyTile wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS>(p, w);
         const int n0 = wt.n0;
         const int key0 = n0 + cw * 64 + row_in_wg;         // this lane's keys: key0, key0 + 8
         // VARLEN's mask values, kept in shared memory (hd 128 has no registers to spare): nk =
@@ -311,7 +311,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
         if (wt.steps > 0) mbar_wait(kv_full + 8 * kb, (kv_it / KVBUF) & 1);   // K, V of the tile landed
 
         for (int st = 0; st < wt.steps; ++st, ++q_it) {
-            const int m0 = step_m0(wt, st);
+            const int m0 = step_m0<BM>(wt, st);
             const int s = q_it % NBUF;
             const u32 q_tile = q_smem + s * L::Q_TILE, do_tile = do_smem + s * L::Q_TILE;
             const float* lse_smem = rows_smem + s * 2 * BM;   // [BM] lse·log2 e of the step
@@ -320,7 +320,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             if constexpr (BIAS_LD) {   // bias blocks: this step's into L1 (loaded after Sᵀ),
                                        // the next step's into L2
                 fetch_bias(wt.batch, head, m0, n0, true);
-                if (st + 1 < wt.steps) fetch_bias(wt.batch, step_head(p, wt, st + 1), step_m0(wt, st + 1), n0, false);
+                if (st + 1 < wt.steps) fetch_bias(wt.batch, step_head(p, wt, st + 1), step_m0<BM>(wt, st + 1), n0, false);
             }
 
             // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ  [64 keys, BM], fp32: two groups, so Pᵀ can start

@@ -1,7 +1,7 @@
 // cupyflash: the Hopper backwards' shared parts (namespace sm90b): constants, shared-memory
-// layout, the key-tile work tile and its steps (query head, first row, row arrays), the dQ
-// accumulator's rows and swizzle, and the float32 reductions into global memory (bulk reduce,
-// red.global.add.v2). hopper/bwd.cu; hopper/bwd_f32.cu uses its reductions.
+// layout, the dQ accumulator's rows and swizzle, and the float32 reductions into global memory
+// (bulk reduce, red.global.add.v2). hopper/bwd.cu (its work tile: hopper/sched.cuh's key_tile);
+// hopper/bwd_f32.cu uses the reductions.
 #pragma once
 
 #include "common/params.cuh"
@@ -63,72 +63,6 @@ struct Layout {
     static constexpr int BYTES = BARS + 8 * (2 * KVBUF + 2 * NBUF + 2 + 2 * TILE_RING);
 };
 
-// Query tiles a key tile [n0, n0 + n_rows) of a sequence (s_q, s_k, diag(i) = i + diag) meets:
-// rows i with i + diag - left <= j <= i + diag + right for some key j of the tile (mirror of
-// _gpu_bwd.query_tiles)
-template <bool WINDOW>
-__device__ __forceinline__ void query_tile_range(const Params& p, int s_q, int s_k, int diag, int n0,
-                                                 int* m_first, int* m_count) {
-    const int n_rows = min(BN, s_k - n0);
-    int i_lo = 0, i_hi = s_q - 1;
-    if (WINDOW) {
-        i_lo = max(0, n0 - diag - p.window_right);
-        i_hi = min(s_q - 1, n0 + n_rows - 1 - diag + p.window_left);
-    }
-    *m_first = i_lo / BM;
-    *m_count = i_hi >= i_lo ? i_hi / BM - i_lo / BM + 1 : 0;
-}
-
-// Work tile w = n_block + num_n · (kv_head + h_k · batch): key tiles fastest. VARLEN: "batch" is
-// packed sequence z (p.b sequences: rows cu_seqlens[z] .. cu_seqlens[z + 1] of the [1, total, h, d]
-// tensors; p.s_q / p.s_k are the totals, num_n = p.num_n_blocks covers the longest sequence's keys,
-// so tiles whose keys start past their sequence's s_k have no keys: the producer skips them).
-// With a bias whose dbias sums over the batch (DBIAS_SCHED_B), w = batch + b · (n_block + num_n ·
-// kv_head): the blocks adding into one dbias tile run together, so its float32 lines stay in L2
-// between their additions
-struct WorkTile {
-    int n0, kv_head, batch;   // keys n0 .. n0 + BN (of the sequence) of kv head kv_head in batch `batch`
-    int s_q, s_k, diag;       // this sequence's lengths; diag(i) = i + diag
-    int q_row, k_row;         // first packed row of the sequence in q / dO and in k / v (0 dense)
-    int tma_b;                // batch coordinate of the tensor maps and strides (0 varlen)
-    int m_first, m_count;     // the query tiles that see them
-    int steps;                // m_count x the query heads of the group
-    bool keys;                // the tile has keys (varlen: n0 < this sequence's s_k)
-};
-template <bool WINDOW, bool VARLEN, int BIAS>
-__device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
-    const int num_n = VARLEN ? p.num_n_blocks : (p.s_k + BN - 1) / BN;
-    WorkTile wt;
-    if (BIAS && (p.dbias_mode & DBIAS_SCHED_B)) {
-        wt.batch = w % p.b;
-        wt.n0 = ((w / p.b) % num_n) * BN;
-        wt.kv_head = w / p.b / num_n;
-    } else {
-        wt.n0 = (w % num_n) * BN;
-        wt.kv_head = (w / num_n) % p.h_k;
-        wt.batch = w / num_n / p.h_k;
-    }
-    set_sequence<VARLEN>(p, wt);
-    wt.keys = !VARLEN || wt.n0 < wt.s_k;   // dense tiles always have keys
-    query_tile_range<WINDOW>(p, wt.s_q, wt.s_k, wt.diag, wt.n0, &wt.m_first, &wt.m_count);
-    wt.steps = wt.keys ? wt.m_count * p.h_per_hk : 0;
-    return wt;
-}
-// query head and first query row (of the sequence) of step st of a work tile
-__device__ __forceinline__ int step_head(const Params& p, const WorkTile& wt, int st) {
-    return wt.kv_head * p.h_per_hk + st / wt.m_count;
-}
-__device__ __forceinline__ int step_m0(const WorkTile& wt, int st) {
-    return (wt.m_first + st % wt.m_count) * BM;
-}
-// Index of the sequence's row 0 of query head `head` in the [b, h, s_q] row arrays (lse, D, the
-// dQ accumulator's rows); VARLEN: [h, total_q] (p.s_q = total_q)
-template <bool VARLEN>
-__device__ __forceinline__ i64 head_rows(const Params& p, const WorkTile& wt, int head) {
-    if constexpr (VARLEN) return (i64)head * p.s_q + wt.q_row;
-    return ((i64)wt.batch * p.h + head) * p.s_q;
-}
-
 // cu_seqlens[z], read again where it is used (an L1 hit) rather than held in a register across
 // a tile's steps: the hd 128 consumers have none to spare
 __device__ __forceinline__ int ld_seq(const int* a) {
@@ -136,7 +70,7 @@ __device__ __forceinline__ int ld_seq(const int* a) {
 }
 // The work tile's accumulator rows [s_q, D] of query head `head` and (*s_q) the sequence's s_q
 template <bool VARLEN, int D>
-__device__ __forceinline__ float* dq_rows(const Params& p, const WorkTile& wt, int head, int* s_q) {
+__device__ __forceinline__ float* dq_rows(const Params& p, const KeyTile& wt, int head, int* s_q) {
     if constexpr (VARLEN) {
         const int q_row = ld_seq(p.cu_seqlens_q + wt.batch);
         *s_q = ld_seq(p.cu_seqlens_q + wt.batch + 1) - q_row;

@@ -1,10 +1,11 @@
 // cupyflash: work-tile scheduling of the persistent Hopper kernels: the per-stream work-tile
 // counter (sched_draw, sched_finish), the ring through which a producer hands work-tile indices
 // to its consumers (take_tile), the longest-first order of a causal grid's last tiles
-// (longest_first_tail), a work tile's sequence (set_sequence: dense or varlen), and the
-// forward's work tile (FwdTile, fwd_work_tile: both Hopper forwards). The backward's key-tile
-// work tile is in hopper/bwd_parts.cuh (the 16-bit backward's; the float32 backward keeps its
-// dense copy in hopper/bwd_f32.cu), the dbias kernel's plane tile in hopper/dbias.cu.
+// (longest_first_tail), a work tile's sequence (set_sequence: dense or varlen), and the work tiles
+// themselves: the forwards' query tile (FwdTile, fwd_work_tile), the 16-bit backward's key tile
+// (KeyTile, key_tile, its steps step_head / step_m0, head_rows) and the dbias kernel's plane tile
+// (DbiasTile, dbias_tile, pair_of). The float32 backward keeps its own dense key tile
+// (hopper/bwd_f32.cu).
 #pragma once
 
 #include "common/params.cuh"
@@ -160,4 +161,112 @@ __device__ __forceinline__ FwdTile fwd_work_tile(const Params& p, int w) {
         wt.n_tiles = k_count;
     }
     return wt;
+}
+
+// Query tiles a key tile [n0, n0 + n_rows) of a sequence (s_q, s_k, diag(i) = i + diag) meets:
+// rows i with i + diag - left <= j <= i + diag + right for some key j of the tile (mirror of
+// _gpu_bwd.query_tiles)
+template <int BN, int BM, bool WINDOW>
+__device__ __forceinline__ void query_tile_range(const Params& p, int s_q, int s_k, int diag, int n0,
+                                                 int* m_first, int* m_count) {
+    const int n_rows = min(BN, s_k - n0);
+    int i_lo = 0, i_hi = s_q - 1;
+    if (WINDOW) {
+        i_lo = max(0, n0 - diag - p.window_right);
+        i_hi = min(s_q - 1, n0 + n_rows - 1 - diag + p.window_left);
+    }
+    *m_first = i_lo / BM;
+    *m_count = i_hi >= i_lo ? i_hi / BM - i_lo / BM + 1 : 0;
+}
+
+// The 16-bit backward's work tile w (BN keys; steps of BM query rows) = n_block + num_n ·
+// (kv_head + h_k · batch): key tiles fastest. VARLEN: "batch" is
+// packed sequence z (p.b sequences: rows cu_seqlens[z] .. cu_seqlens[z + 1] of the [1, total, h, d]
+// tensors; p.s_q / p.s_k are the totals, num_n = p.num_n_blocks covers the longest sequence's keys,
+// so tiles whose keys start past their sequence's s_k have no keys: the producer skips them).
+// With a bias whose dbias sums over the batch (DBIAS_SCHED_B), w = batch + b · (n_block + num_n ·
+// kv_head): the blocks adding into one dbias tile run together, so its float32 lines stay in L2
+// between their additions
+struct KeyTile {
+    int n0, kv_head, batch;   // keys n0 .. n0 + BN (of the sequence) of kv head kv_head in batch `batch`
+    int s_q, s_k, diag;       // this sequence's lengths; diag(i) = i + diag
+    int q_row, k_row;         // first packed row of the sequence in q / dO and in k / v (0 dense)
+    int tma_b;                // batch coordinate of the tensor maps and strides (0 varlen)
+    int m_first, m_count;     // the query tiles that see them
+    int steps;                // m_count x the query heads of the group
+    bool keys;                // the tile has keys (varlen: n0 < this sequence's s_k)
+};
+template <int BN, int BM, bool WINDOW, bool VARLEN, int BIAS>
+__device__ __forceinline__ KeyTile key_tile(const Params& p, int w) {
+    const int num_n = VARLEN ? p.num_n_blocks : (p.s_k + BN - 1) / BN;
+    KeyTile wt;
+    if (BIAS && (p.dbias_mode & DBIAS_SCHED_B)) {
+        wt.batch = w % p.b;
+        wt.n0 = ((w / p.b) % num_n) * BN;
+        wt.kv_head = w / p.b / num_n;
+    } else {
+        wt.n0 = (w % num_n) * BN;
+        wt.kv_head = (w / num_n) % p.h_k;
+        wt.batch = w / num_n / p.h_k;
+    }
+    set_sequence<VARLEN>(p, wt);
+    wt.keys = !VARLEN || wt.n0 < wt.s_k;   // dense tiles always have keys
+    query_tile_range<BN, BM, WINDOW>(p, wt.s_q, wt.s_k, wt.diag, wt.n0, &wt.m_first, &wt.m_count);
+    wt.steps = wt.keys ? wt.m_count * p.h_per_hk : 0;
+    return wt;
+}
+// query head and first query row (of the sequence) of step st of a work tile
+__device__ __forceinline__ int step_head(const Params& p, const KeyTile& wt, int st) {
+    return wt.kv_head * p.h_per_hk + st / wt.m_count;
+}
+template <int BM>
+__device__ __forceinline__ int step_m0(const KeyTile& wt, int st) {
+    return (wt.m_first + st % wt.m_count) * BM;
+}
+// Index of the sequence's row 0 of query head `head` in the [b, h, s_q] row arrays (lse, D, the
+// dQ accumulator's rows); VARLEN: [h, total_q] (p.s_q = total_q)
+template <bool VARLEN>
+__device__ __forceinline__ i64 head_rows(const Params& p, const KeyTile& wt, int head) {
+    if constexpr (VARLEN) return (i64)head * p.s_q + wt.q_row;
+    return ((i64)wt.batch * p.h + head) * p.s_q;
+}
+
+// The dbias kernel's work tile w: the [BM, BN] dbias tile (m0, n0) of plane (pb, ph), query tiles fastest, then key tiles,
+// then planes (pb · planes_h + ph). The plane sums nb·nh pairs: every batch entry where dbias is
+// summed over the batch (dbias_stride_b = 0), else pb alone; likewise heads.
+struct DbiasTile {
+    int m0, n0;        // first query row and first key of the tile
+    int pb, ph;        // the plane: dbias (and bias) batch and head coordinates
+    int pairs;         // (batch, head) pairs summed into the tile; 0: no row keeps a key of it
+    bool need_mask;    // WINDOW: the tile crosses a band edge (P masked per element)
+};
+__device__ __forceinline__ int num_planes(const Params& p) {
+    return (p.dbias_stride_b ? p.b : 1) * (p.dbias_stride_h ? p.h : 1);
+}
+template <int BM, int BN, bool WINDOW>
+__device__ __forceinline__ DbiasTile dbias_tile(const Params& p, int w) {
+    const int num_m = (p.s_q + BM - 1) / BM, num_n = (p.s_k + BN - 1) / BN;
+    DbiasTile wt;
+    wt.m0 = (w % num_m) * BM;
+    wt.n0 = ((w / num_m) % num_n) * BN;
+    const int plane = w / num_m / num_n, planes_h = p.dbias_stride_h ? p.h : 1;
+    wt.pb = plane / planes_h;
+    wt.ph = plane % planes_h;
+    const int nb = p.dbias_stride_b ? 1 : p.b, nh = p.dbias_stride_h ? 1 : p.h;
+    wt.pairs = nb * nh;
+    wt.need_mask = false;
+    if (WINDOW) {   // row i keeps key j when diag(i) − left <= j <= diag(i) + right
+        const int m_last = min(wt.m0 + BM, p.s_q) - 1, n_last = min(wt.n0 + BN, p.s_k) - 1;
+        if (n_last < wt.m0 + p.diag_offset - p.window_left || wt.n0 > m_last + p.diag_offset + p.window_right)
+            wt.pairs = 0;
+        wt.need_mask = wt.n0 + BN - 1 > wt.m0 + p.diag_offset + p.window_right ||
+                       wt.n0 < wt.m0 + BM - 1 + p.diag_offset - p.window_left;
+    }
+    return wt;
+}
+// (batch, query head) of pair `it` of the tile's plane (batch outer, head inner)
+__device__ __forceinline__ void pair_of(const Params& p, const DbiasTile& wt, int it, int* batch, int* head) {
+    const int nh = p.dbias_stride_h ? 1 : p.h;
+    *batch = p.dbias_stride_b ? wt.pb : it / nh;
+    *head = p.dbias_stride_h ? wt.ph : it % nh;
 }
