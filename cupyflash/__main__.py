@@ -81,15 +81,15 @@ def _forward_kernels(cc: int) -> str:
     why = plan_fwd_sm90.why_unsupported("bfloat16", 128, 128, scale=1.0, softcap=0.0,
                                         has_alibi=False, cc=cc, smem_optin=SM90_SMEM_MAX)
     if why is not None:
-        return "portable kernel (fwd.cu, mma.sync) for every call"
+        return "portable kernel (portable/fwd.cu, mma.sync) for every call"
     f32 = ("; float32 (dense, head dim "
-           f"{' / '.join(map(str, plan_fwd_sm90.SM90_F32_HEAD_DIMS))}, no softcap): fwd_sm90_f32.cu "
+           f"{' / '.join(map(str, plan_fwd_sm90.SM90_F32_HEAD_DIMS))}, no softcap): hopper/fwd_f32.cu "
            "(3xTF32 on wgmma)" if TUNING.sm90_float32_auto else
-           "; float32: the portable kernel (fwd_sm90_f32.cu only with kernel='sm90')")
-    return ("Hopper kernel (fwd_sm90.cu: TMA + wgmma) for float16 / bfloat16, head dim "
+           "; float32: the portable kernel (hopper/fwd_f32.cu only with kernel='sm90')")
+    return ("Hopper kernel (hopper/fwd.cu: TMA + wgmma) for float16 / bfloat16, head dim "
             f"{' / '.join(map(str, plan_fwd_sm90.SM90_HEAD_DIMS))} = head_dim_v, no ALiBi / mask (a bias at "
             f"head dim {' / '.join(map(str, plan_fwd_sm90.SM90_BIAS_HEAD_DIMS))} in the layouts docs/hopper.md "
-            "lists), TMA-aligned strides (dense and varlen); the portable kernel (fwd.cu) "
+            "lists), TMA-aligned strides (dense and varlen); the portable kernel (portable/fwd.cu) "
             "otherwise" + f32)
 
 

@@ -126,7 +126,7 @@ def cupy_peer(q, k, v, causal, direction, max_bytes=24e9):
 
 def portable_peer(q, k, v, causal, direction):
     """cupyflash's portable (mma.sync) kernels, forced through the launchers: shown beside
-    "cupyflash" on a Hopper card, where the planner runs fwd_sm90.cu / bwd_sm90.cu instead."""
+    "cupyflash" on a Hopper card, where the planner runs hopper/fwd.cu / hopper/bwd.cu instead."""
     import cupy as cp
 
     from .gpu import bwd as _gpu_bwd

@@ -1,5 +1,5 @@
 # Question: Is one kernels_cu/ tree's float32 Hopper backward faster than another's under the same launcher?
-"""A/B timing of the float32 Hopper backward (kernels_cu/bwd_sm90_f32.cu) built from several
+"""A/B timing of the float32 Hopper backward (kernels_cu/hopper/bwd_f32.cu) built from several
 kernels_cu/ directories in one process (this tree's launcher), interleaved round by round so that
 clock drift hits every tree alike; SDPA's memory-efficient float32 backward in the same rotation
 (--memeff). Each cell first compares every tree's dq, dk, dv with the first tree's (norm-wise

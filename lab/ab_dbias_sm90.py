@@ -1,6 +1,6 @@
 # Question: Is the Hopper dbias kernel faster than the portable one on (1, h, s, s) bf16 bias shapes at hd 128?
-"""A/B of the two dbias kernels: flash_bwd_dbias (bwd.cu, portable) against flash_bwd_dbias_sm90
-(dbias_sm90.cu, Hopper), on issue 6's benchmark shapes: bias (1, h, s, s) bf16, hd 128, 16 heads,
+"""A/B of the two dbias kernels: flash_bwd_dbias (portable/bwd.cu, portable) against flash_bwd_dbias_sm90
+(hopper/dbias.cu, Hopper), on issue 6's benchmark shapes: bias (1, h, s, s) bf16, hd 128, 16 heads,
 16k tokens (batch = 16k / s). One device call:
 
     python lab/ab_dbias_sm90.py [--seqlens 1024 8192] [--rounds 5] [--rep 10]

@@ -1,5 +1,5 @@
 # Question: How fast is the float32 forward: Hopper 3xTF32, portable 3xTF32 and SDPA's memory-efficient backend?
-"""float32 attention forward on the H200: the Hopper 3xTF32 kernel (fwd_sm90_f32.cu, forced with
+"""float32 attention forward on the H200: the Hopper 3xTF32 kernel (hopper/fwd_f32.cu, forced with
 kernel="sm90"), the portable mma.sync 3xTF32 kernel, and PyTorch SDPA's memory-efficient backend
 on float32 (when torch imports), FlashAttention's shapes (16k tokens, hidden 2048), tensors
 stored bhsd (SDPA's layout; cupyflash takes the bshd views of them) unless --layout bshd.

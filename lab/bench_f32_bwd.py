@@ -1,7 +1,7 @@
 # Question: How fast is the float32 backward: Hopper 3xTF32, portable 3xTF32 and SDPA's memory-efficient backend?
-"""float32 attention backward on the H200: the Hopper 3xTF32 backward (bwd_sm90_f32.cu, forced with
+"""float32 attention backward on the H200: the Hopper 3xTF32 backward (hopper/bwd_f32.cu, forced with
 kernel="sm90"; hd 64 and 128: other head dims print the refusal), the portable 3xTF32 backward
-(bwd.cu) and PyTorch SDPA's memory-efficient backend on float32 (when torch imports);
+(portable/bwd.cu) and PyTorch SDPA's memory-efficient backend on float32 (when torch imports);
 FlashAttention's shapes (16k tokens, hidden 2048), tensors stored bhsd.
 
     python lab/bench_f32_bwd.py                          # hd 64, s 1k / 4k / 16k, both

@@ -98,7 +98,7 @@ def wgmma_mat(a, b, parts):
     return tot
 def ordinary(nq=512, nk=128, d=128, mag=1.0, trials=4):
     """Many keys, random normal Q, K (times mag: larger = more peaked P), V, dO. Forward's S = Q Kᵀ
-    in one accumulator (fwd_sm90_f32.cu) -> lse (float64), O = P V (float64); D in
+    in one accumulator (hopper/fwd_f32.cu) -> lse (float64), O = P V (float64); D in
     flash_bwd_pre's fp32 order. Backward: Sᵀ = K Qᵀ with 1 or 4 accumulators, P = exp(scale·Sᵀ −
     lse), dPᵀ = V dOᵀ in 4 (the kernel's), dS = P(dP − D)·scale in fp32; dV, dK, dQ products in
     float64 (their own 3xTF32 rounding is the same for both choices). Errors against float64, as

@@ -1,7 +1,7 @@
 # Question: Is a 16-bit backward's dq error above 2x the naive one a kernel bug or the criterion's statistics (CPU model of the roundings)?
 """CPU model of the 16-bit backward's dq rounding, against the tests' naive computation.
 
-The FlashAttention-style backward (bwd_sm90.cu and bwd.cu) computes S, P, dP in float32 from the
+The FlashAttention-style backward (hopper/bwd.cu and portable/bwd.cu) computes S, P, dP in float32 from the
 16-bit inputs, D = rowsum(dO ∘ O) from the forward's 16-bit O, rounds dS·scale to the input dtype
 for the tensor-core product dQ = dS K, and rounds dQ once at the end. The tests compare the max
 error with 2x that of a naive computation in the input dtype (tests/test_gpu_bias_varlen.py

@@ -1,6 +1,6 @@
 # Question: How accurate are the float32 backward kernels against float64 at long sequences?
-"""Accuracy of the float32 backward at long sequences: the Hopper kernel (bwd_sm90_f32.cu, forced
-with kernel="sm90") and the portable one (bwd.cu) against reference.py's float64 backward, per
+"""Accuracy of the float32 backward at long sequences: the Hopper kernel (hopper/bwd_f32.cu, forced
+with kernel="sm90") and the portable one (portable/bwd.cu) against reference.py's float64 backward, per
 gradient: norm-wise relative error ||g - ref|| / ||ref|| and max error / max(1, max|ref|) (the GPU
 tests' float32 criterion: <= 5e-5). Inputs standard normal, scale 1/sqrt(d), one batch, two heads.
 

@@ -9,7 +9,7 @@ copy with lab/ab_fwd_kernels.py in one process, cuDNN in the rotation:
     python lab/fwd_tile_probe.py --out /tmp/probe            # the trees, and the command
     python lab/fwd_tile_probe.py --out /tmp/probe --run -- --seqlens 512 1024 16384
 
-Probes (each a textual patch of fwd_sm90.cu; a patch whose anchor is gone stops the script):
+Probes (each a textual patch of hopper/fwd.cu; a patch whose anchor is gone stops the script):
 - ``nostore``: the epilogue (O / l, its stores, lse) never executes (a return on a condition
   that is true at run time): what the epilogue costs.
 - ``static``: the producer takes work tiles i, i + grid, ... instead of drawing each from the
@@ -44,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: probe name -> [(anchor, replacement)] in kernels_cu/fwd_sm90.cu
+#: probe name -> [(anchor, replacement)] in the Hopper forward's sources (FILES below)
 PROBES = {
     "nostore": [(
         "    auto store_tile = [&]() {\n",
@@ -148,7 +148,7 @@ __device__ __forceinline__ long long cf_globaltimer() {{
 """
 
 PROBES["trace"] = [
-    ('#include "wgmma.cuh"\n', '#include "wgmma.cuh"\n' + _TRACE_DEFS),
+    ('#include "hopper/wgmma.cuh"\n', '#include "hopper/wgmma.cuh"\n' + _TRACE_DEFS),
     # producer
     ("            tma_prefetch_desc(&p.tma_q);\n", "            CF_CLOCK(0);\n            tma_prefetch_desc(&p.tma_q);\n"),
     ("            if (p.sched) sched_finish(p.sched);", "            CF_CLOCK(1);\n            if (p.sched) sched_finish(p.sched);"),
@@ -213,6 +213,24 @@ def patched(source: str, patches) -> str:
     return source
 
 
+#: the Hopper forward's sources the probes patch (kernels_cu/...): the entry and its headers
+FILES = ["hopper/fwd.cu", "hopper/softmax.cuh", "hopper/epilogue.cuh", "hopper/sched.cuh"]
+
+
+def patched_tree(tree: Path, patches) -> None:
+    """Applies each (anchor, replacement) of ``patches`` to the one file of FILES under ``tree``
+    that holds the anchor exactly once (ValueError otherwise, as ``patched``)."""
+    texts = {f: (tree / f).read_text() for f in FILES}
+    for anchor, replacement in patches:
+        where = [f for f, t in texts.items() if anchor in t]
+        if len(where) != 1:
+            raise ValueError(f"anchor found in {len(where)} files, expected one: {anchor!r}")
+        texts[where[0]] = patched(texts[where[0]], [(anchor, replacement)])
+    for f, t in texts.items():
+        if t != (tree / f).read_text():
+            (tree / f).write_text(t)
+
+
 def make_trees(out: Path, kernels: Path = ROOT / "kernels_cu", probes=None) -> list:
     """Writes out/base/kernels_cu (a copy) and out/<probe>/kernels_cu for each of ``probes``
     (default: every probe); returns the kernels_cu paths, base first."""
@@ -223,8 +241,7 @@ def make_trees(out: Path, kernels: Path = ROOT / "kernels_cu", probes=None) -> l
             shutil.rmtree(tree)
         shutil.copytree(kernels, tree)
         if name != "base":
-            f = tree / "fwd_sm90.cu"
-            f.write_text(patched(f.read_text(), PROBES[name]))
+            patched_tree(tree, PROBES[name])
         trees.append(tree)
     return trees
 

@@ -10,7 +10,7 @@ tile), so that a work tile's fixed cost splits into its parts:
 Consumer intervals (each consumer warpgroup's lane 0): Q wait (q_full), turn wait before the
 first S, first S (issue to done), first softmax, the key-tile loop (per key tile), turn wait
 plus last P·V, the epilogue (O / l, stores), and the whole tile (stored to stored). Producer:
-q_empty wait, the draw (atomicAdd and work_tile), the Q issue, and how long after the draw the
+q_empty wait, the draw (atomicAdd and fwd_work_tile), the Q issue, and how long after the draw the
 consumer saw Q land. ``--epilogue``: the parts of the epilogue of a variant that stages O
 (probe epitrace; steps in the printout use a nominal 2900 cycles). Needs the GPU.
 """

@@ -16,9 +16,11 @@ from cupy_backends.cuda.libs import nvrtc
 KDIR = pathlib.Path(__file__).resolve().parents[1] / "kernels_cu"
 
 SRC = r'''
-#include "common.cuh"
-#include "sm90.cuh"
-#include "wgmma.cuh"
+#include "common/mma.cuh"
+#include "common/params.cuh"
+#include "common/types.cuh"
+#include "hopper/sm90.cuh"
+#include "hopper/wgmma.cuh"
 
 __device__ __forceinline__ void jit_frag(u32 addr, u32* big, u32* small) {
     float2 a, b;   // A(r, c), A(r, c + 4) adjacent and A(r + 8, ...) after the d-slot relabelling

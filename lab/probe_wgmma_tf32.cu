@@ -9,9 +9,11 @@
 // panels, B [N, 32] panels, K-major, 128-byte swizzle), MODE 1 A from registers. Each warpgroup
 // keeps at most two groups in flight. Clock counts per warpgroup go to clocks[block·WGS + wg].
 // Shared memory: zeros (the rates do not depend on the values).
-#include "common.cuh"
-#include "sm90.cuh"
-#include "wgmma.cuh"
+#include "common/mma.cuh"
+#include "common/params.cuh"
+#include "common/types.cuh"
+#include "hopper/sm90.cuh"
+#include "hopper/wgmma.cuh"
 
 template <int N, int MODE, int WGS>
 __global__ void __launch_bounds__(128 * WGS, 1)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Question: in one GPU run, do the float32 Hopper forward's variants compile and pass their tests, and how fast are they?
-# The float32 Hopper forward (kernels_cu/fwd_sm90_f32.cu) on an H200, in one call from the
+# The float32 Hopper forward (kernels_cu/hopper/fwd_f32.cu) on an H200, in one call from the
 # checkout, under 150 s in all (each step has its own time limit; a hang costs only its step):
 #   1. compile the planned float32 Hopper variants and the portable float32 ones (16 processes)
 #   2. one small forced case (a hang or a wrong layout shows here in seconds)

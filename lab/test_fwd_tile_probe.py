@@ -15,13 +15,18 @@ import fwd_tile_probe  # noqa: E402
 def test_trees_are_the_base_plus_one_patch(tmp_path):
     trees = fwd_tile_probe.make_trees(tmp_path)
     assert [t.parent.name for t in trees] == ["base", *fwd_tile_probe.PROBES]
-    base = (trees[0] / "fwd_sm90.cu").read_text()
-    assert base == (fwd_tile_probe.ROOT / "kernels_cu" / "fwd_sm90.cu").read_text()
+    src = fwd_tile_probe.ROOT / "kernels_cu"
+    files = sorted(p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file())
+    base = {f: (trees[0] / f).read_text() for f in files}
+    assert base == {f: (src / f).read_text() for f in files}
     for tree, name in zip(trees[1:], fwd_tile_probe.PROBES):
-        got = (tree / "fwd_sm90.cu").read_text()
-        assert got != base and got == fwd_tile_probe.patched(base, fwd_tile_probe.PROBES[name])
-        others = sorted(p.name for p in tree.iterdir() if p.name != "fwd_sm90.cu")
-        assert all((tree / o).read_bytes() == (trees[0] / o).read_bytes() for o in others)
+        got = {f: (tree / f).read_text() for f in files}
+        assert got != base
+        expect = dict(base)
+        for anchor, replacement in fwd_tile_probe.PROBES[name]:
+            (f,) = [f for f in fwd_tile_probe.FILES if anchor in expect[f]]
+            expect[f] = fwd_tile_probe.patched(expect[f], [(anchor, replacement)])
+        assert got == expect
 
 
 def test_a_missing_anchor_stops_the_probe():

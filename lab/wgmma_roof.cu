@@ -3,7 +3,7 @@
 // lab/wgmma_roof.py. Not part of the package's kernels (nothing in cupyflash/ loads it).
 //
 // One block per SM of NC warpgroups, each repeating `iters` times the products of one key-tile
-// step of kernels_cu/fwd_sm90.cu at hd 128 × 128 keys, with no softmax, no loads and no
+// step of kernels_cu/hopper/fwd.cu at hd 128 × 128 keys, with no softmax, no loads and no
 // synchronization between the warpgroups, on random 16-bit data in shared memory (the card's
 // clock under load depends on the data: zeros run faster):
 //   MODE 0  S = Q Kᵀ only: 8 k-steps of m64n128k16, Q [64, 128] and K [128, 128] in shared
@@ -14,9 +14,11 @@
 //   MODE 3  S = Q Kᵀ at N = 256 (m64n256k16, K [256, 128]): the widest product, the GEMM roof
 // Clock counts of each warpgroup go to clocks[block·NC + wg]; the host times the whole grid with
 // CUDA events and counts 2·64·N·16 FLOPs per product.
-#include "common.cuh"
-#include "sm90.cuh"
-#include "wgmma.cuh"
+#include "common/mma.cuh"
+#include "common/params.cuh"
+#include "common/types.cuh"
+#include "hopper/sm90.cuh"
+#include "hopper/wgmma.cuh"
 
 template <int MODE, int NC>
 __global__ void __launch_bounds__(128 * NC, 1)

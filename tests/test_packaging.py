@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _source_kernels():
-    return sorted(p.name for p in (ROOT / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh"))
+    """Every .cu / .cuh under kernels_cu/ (common/, portable/, hopper/), as paths from kernels_cu/."""
+    root = ROOT / "kernels_cu"
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.suffix in (".cu", ".cuh"))
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,9 @@ def test_wheel_contains_every_kernel_source(wheel):
     kernels = _source_kernels()
     assert kernels, "kernels_cu/ holds no .cu / .cuh file"
     names = wheel.namelist()
-    shipped = sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("cupyflash/kernels_cu/"))
+    prefix = "cupyflash/kernels_cu/"
+    shipped = sorted(n[len(prefix):] for n in names
+                     if n.startswith(prefix) and n.endswith((".cu", ".cuh")))
     assert shipped == kernels
     assert "cupyflash/__init__.py" in names and "cupyflash/api.py" in names
 

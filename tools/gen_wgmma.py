@@ -1,6 +1,6 @@
-"""Generate kernels_cu/wgmma.cuh: the sm_90a warpgroup matrix-product wrappers.
+"""Generate kernels_cu/hopper/wgmma.cuh: the sm_90a warpgroup matrix-product wrappers.
 
-    python tools/gen_wgmma.py            # rewrite kernels_cu/wgmma.cuh
+    python tools/gen_wgmma.py            # rewrite kernels_cu/hopper/wgmma.cuh
     python tools/gen_wgmma.py --check    # exit 1 when the file is stale (tests/test_plan_sm90.py)
 
 A wgmma.m64nNk16 instruction names each of its N/2 fp32 accumulator registers as a separate asm
@@ -12,7 +12,7 @@ this generator. Each wrapper is a specialization of
     wgmma_rs<E, N>(float* d, const u32* a, u64 b_desc)                 // A in registers
 
 for E in {f16_t, bf16_t} and the N the Hopper forward uses (key-tile widths for S = Q Kᵀ, head
-dims for O += P V), and the float32 forward's (kernels_cu/fwd_sm90_f32.cu) TF32 products, k = 8:
+dims for O += P V), and the float32 forward's (kernels_cu/hopper/fwd_f32.cu) TF32 products, k = 8:
 
     wgmma_ss_tf32<N>(float* d, u64 a_desc, u64 b_desc, int accumulate) // A, B K-major in smem
     wgmma_rs_tf32<N>(float* d, const u32* a, u64 b_desc)               // A in registers
@@ -26,7 +26,7 @@ NS = (64, 80, 96, 112, 128, 144, 160, 176, 192, 256)   # S = Q Kᵀ widths (BN) 
 NS_TT = (64,)   # dQ = dS K in the Hopper backward: dSᵀ and K both stored MN-major
 NS_TF32 = (32, 64, 96, 128)   # float32 forward: key-tile widths (S) and head dims (O)
 TYPES = (("f16_t", "f16"), ("bf16_t", "bf16"))
-OUT = Path(__file__).resolve().parent.parent / "kernels_cu" / "wgmma.cuh"
+OUT = Path(__file__).resolve().parent.parent / "kernels_cu" / "hopper/wgmma.cuh"
 
 
 def _acc(n):

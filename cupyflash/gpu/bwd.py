@@ -1,7 +1,7 @@
 """GPU backward dispatcher and the portable backward's launch (CuPy).
 
 ``backward(dout, q, k, v, out, lse, dq, dk, dv, opts, dbias=None) -> str`` is the launcher the
-API calls: plan_bwd.py plans the portable kernels (kernels_cu/bwd.cu); on compute capability 9.0
+API calls: plan_bwd.py plans the portable kernels (kernels_cu/portable/bwd.cu); on compute capability 9.0
 the Hopper main kernel (bwd_sm90.py; float32: bwd_sm90_f32.py) replaces flash_bwd where it covers
 the call. With a bias or mask it runs the GENERAL variant (``flash_bwd<..., true, true, true>``)
 and writes dbias (``dbias_plan`` says how dS is reduced to the bias's shape), except that on
@@ -84,7 +84,7 @@ def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
     """Strides, pointers, ALiBi slopes into the plan's Params; D and dQ accumulator allocated;
     ``extra(prm)`` writes the GENERAL fields; the three kernels launched in order, or
     ``hopper(prm)`` launches them with the Hopper main kernel (None: it could not).
-    ``hopper_accum=False``: the Hopper kernels add dQ into dq (bwd_sm90_f32.cu), so the
+    ``hopper_accum=False``: the Hopper kernels add dQ into dq (hopper/bwd_f32.cu), so the
     accumulator is allocated only if ``hopper`` falls back. ``after(prm)`` launches more
     kernels reading the same Params (the 0-d array; flash_bwd_dbias or flash_bwd_dbias_sm90)
     after the main kernels, while D is alive."""
@@ -141,13 +141,13 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, for
     bias_f32) from operands.bias_operand for a call with a bias (no mask): the BIAS variant then runs
     where the bias layout allows it (bwd_sm90.bias_unsupported)."""
 
-    if name == "float32":   # bwd_sm90_f32.cu: dense calls without a bias only
+    if name == "float32":   # hopper/bwd_f32.cu: dense calls without a bias only
         if varlen is None and bias_operand is None:
             return bwd_sm90_f32.launcher(plan, name, dout, q, k, v, opts, dev_id, smem,
                                               num_sms, forced)
         if forced:
             raise ValueError("kernel='sm90': the Hopper backward cannot run this call: float32 "
-                             "with a bias or packed sequences (bwd_sm90_f32.cu is dense only)")
+                             "with a bias or packed sequences (hopper/bwd_f32.cu is dense only)")
         return None
     cc = device.info(dev_id)[0]
     why = plan_bwd_sm90.why_unsupported(
@@ -227,8 +227,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
     "auto" (the planner: the Hopper main kernel, bwd_sm90, on compute capability 9.0 where
     it covers the call, else the portable one), "portable", "sm90" (ValueError where it cannot
     run), or a BwdVariant to force (tuning, benchmarks); anything else is a ValueError. On
-    float32 the Hopper main kernel is bwd_sm90_f32.cu (bwd_sm90_f32.py: 3xTF32, hd 64 / 128, dense,
-    no softcap / ALiBi / bias / mask, not deterministic); other float32 calls run bwd.cu.
+    float32 the Hopper main kernel is hopper/bwd_f32.cu (bwd_sm90_f32.py: 3xTF32, hd 64 / 128, dense,
+    no softcap / ALiBi / bias / mask, not deterministic); other float32 calls run portable/bwd.cu.
     With ``opts.bias`` / ``opts.mask`` the GENERAL variant runs (a bias without a mask: the Hopper
     kernel's BIAS variant on compute capability 9.0 where it covers the call); ``dbias`` (a CuPy
     array of opts.bias's 4-D shape, any float dtype) then receives dS summed over the bias's
@@ -336,7 +336,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
                         (b if dplan.shape[0] > 1 else 1) * (h if dplan.shape[1] > 1 else 1))
                 fn(grid, (by_kernel.threads, 1, 1), (rec,), shared_mem=by_kernel.smem_bytes)
 
-    # float32: the Hopper kernel (bwd_sm90_f32.cu) adds dQ into dq, no accumulator
+    # float32: the Hopper kernel (hopper/bwd_f32.cu) adds dQ into dq, no accumulator
     res = _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, extra=extra,
                            hopper=hopper, hopper_accum=name != "float32", after=after)
     if dplan is not None:

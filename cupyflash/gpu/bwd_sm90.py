@@ -1,4 +1,4 @@
-"""Hopper (sm_90a) backward main kernel (flash_bwd_sm90, kernels_cu/bwd_sm90.cu): launch. Variants,
+"""Hopper (sm_90a) backward main kernel (flash_bwd_sm90, kernels_cu/hopper/bwd.cu): launch. Variants,
 coverage and shared memory: plan_bwd_sm90.py.
 """
 from __future__ import annotations

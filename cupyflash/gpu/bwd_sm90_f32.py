@@ -1,4 +1,4 @@
-"""Hopper (sm_90a) float32 backward (flash_bwd_sm90_f32, kernels_cu/bwd_sm90_f32.cu): launch.
+"""Hopper (sm_90a) float32 backward (flash_bwd_sm90_f32, kernels_cu/hopper/bwd_f32.cu): launch.
 Variants, coverage and shared memory: plan_bwd_sm90_f32.py.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ def launch(variant: Sm90F32BwdVariant, prm, q, k, v, dout, dev_id,
 
 
 def launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, forced):
-    """``hopper(prm)`` for bwd._fill_and_launch with bwd_sm90_f32.cu where it covers the
+    """``hopper(prm)`` for bwd._fill_and_launch with hopper/bwd_f32.cu where it covers the
     float32 call, else None; ``forced`` (kernel="sm90") turns every refusal into a ValueError
     naming the reason. ``hopper(prm)`` returns None (nothing launched: the portable kernel runs)
     where a base address or dq / dk / dv row is misaligned, unless forced."""

@@ -2,10 +2,13 @@
 compiled kernels, for every variant class (variants.KernelVariant).
 
 Sources live in ``kernels_cu/``: inside the package (``cupyflash/kernels_cu``, where a wheel puts
-them) or, for a source tree / editable install, next to the package. Compilation is lazy and per
-variant (``cupy.RawModule(name_expressions=[...])``); CuPy's disk cache keys on source text and
-options but not on ``-I`` headers, so a hash of every file in kernels_cu/ goes into the options as
-``-DCUPYFLASH_SRC_HASH=...``: an edited header never runs stale code.
+them) or, for a source tree / editable install, next to the package. Its layout: ``common/``
+(headers every kernel shares), ``portable/`` (the mma.sync entries), ``hopper/`` (the sm_90a
+entries and their headers); an entry includes headers by their path from kernels_cu/ (one ``-I``).
+Compilation is lazy and per variant (``cupy.RawModule(name_expressions=[...])``); CuPy's disk
+cache keys on source text and options but not on ``-I`` headers, so a hash of every .cu / .cuh
+under kernels_cu/ goes into the options as ``-DCUPYFLASH_SRC_HASH=...``: an edited header never
+runs stale code.
 
 ``program(variants)`` gives (source, options, name expressions) and is shared with the NVRTC
 compile harness (tests/compile/), which compiles the planners' variants without a GPU.
@@ -27,7 +30,7 @@ _here = Path(__file__).resolve().parents[1]   # the cupyflash package
 def kernels_dir() -> Path:
     """kernels_cu/: the packaged copy first, then the source tree's."""
     for cand in (_here / "kernels_cu", _here.parent / "kernels_cu"):
-        if (cand / "fwd.cu").is_file():
+        if (cand / "portable" / "fwd.cu").is_file():
             return cand
     raise FileNotFoundError(
         f"cupyflash kernel sources not found (looked in {_here / 'kernels_cu'} and "
@@ -36,21 +39,25 @@ def kernels_dir() -> Path:
 
 @lru_cache(maxsize=None)
 def source_hash() -> str:
-    """sha256 over every file in kernels_cu/ (name and contents), 16 hex digits."""
+    """sha256 over every .cu / .cuh under kernels_cu/, recursively (path from kernels_cu/ and
+    contents), 16 hex digits."""
     h = hashlib.sha256()
-    for f in sorted(kernels_dir().iterdir()):
+    root = kernels_dir()
+    for f in sorted(root.rglob("*")):
         if f.is_file() and f.suffix in (".cu", ".cuh"):
-            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 
 @lru_cache(maxsize=None)
 def _source(name: str) -> str:
+    """The text of kernels_cu/<name> (name: a path from kernels_cu/, e.g. "portable/fwd.cu")."""
     return (kernels_dir() / name).read_text()
 
 
 def base_options() -> tuple:
-    """NVRTC options shared by CuPy's RawModule and the compile harness (no -arch)."""
+    """NVRTC options shared by CuPy's RawModule and the compile harness (no -arch). Sources include
+    headers by their path from kernels_cu/ ("common/params.cuh"): one -I."""
     return ("-std=c++17", f"-I{kernels_dir()}", f"-DCUPYFLASH_SRC_HASH=0x{source_hash()}ULL",
             f"-DCUPYFLASH_PARAMS_NBYTES={PARAMS_NBYTES}")  # checked against sizeof(Params)
 

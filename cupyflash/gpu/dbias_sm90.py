@@ -1,4 +1,4 @@
-"""Hopper (sm_90a) dbias kernel (flash_bwd_dbias_sm90, kernels_cu/dbias_sm90.cu): launch. Variants,
+"""Hopper (sm_90a) dbias kernel (flash_bwd_dbias_sm90, kernels_cu/hopper/dbias.cu): launch. Variants,
 coverage and work decomposition: plan_dbias_sm90.py.
 """
 from __future__ import annotations

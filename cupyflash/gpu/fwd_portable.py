@@ -1,4 +1,4 @@
-"""Portable forward kernel (flash_fwd in kernels_cu/fwd.cu, mma.sync, sm_80+): launch entries.
+"""Portable forward kernel (flash_fwd in kernels_cu/portable/fwd.cu, mma.sync, sm_80+): launch entries.
 
 ``Launch`` holds everything one shape signature needs at launch time; the dispatcher (fwd.py)
 caches it per signature and the API keeps it for repeated calls. ``launch_plan`` runs a plan made

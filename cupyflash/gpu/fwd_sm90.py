@@ -1,5 +1,5 @@
-"""Hopper forward kernels (flash_fwd_sm90, kernels_cu/fwd_sm90.cu; flash_fwd_sm90_f32,
-kernels_cu/fwd_sm90_f32.cu): coverage check and launch (planning: plan_fwd_sm90.py).
+"""Hopper forward kernels (flash_fwd_sm90, kernels_cu/hopper/fwd.cu; flash_fwd_sm90_f32,
+kernels_cu/hopper/fwd_f32.cu): coverage check and launch (planning: plan_fwd_sm90.py).
 
 ``build`` makes the cached launch entry of a dense call (``_Sm90Launch``: its TMA descriptors
 bake in the base addresses, so finished Params records are kept per pointers and stream; a base

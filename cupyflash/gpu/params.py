@@ -1,4 +1,4 @@
-"""The kernels' one argument, ``struct Params`` (kernels_cu/common.cuh), mirrored as a NumPy
+"""The kernels' one argument, ``struct Params`` (kernels_cu/common/params.cuh), mirrored as a NumPy
 structured dtype, and the pure helpers that fill its sizes, scalars and strides. NumPy only: the
 planners build Params records without a GPU.
 """
@@ -8,7 +8,7 @@ import numpy as np
 
 
 # ------------------------------------------------------------------------------------------
-# Params: mirror of `struct Params` in kernels_cu/common.cuh (same order, same C types).
+# Params: mirror of `struct Params` in kernels_cu/common/params.cuh (same order, same C types).
 # ------------------------------------------------------------------------------------------
 PARAMS_FIELDS = (
     [(n, np.uint64) for n in ("q", "k", "v", "o", "lse", "alibi")]
@@ -24,13 +24,13 @@ PARAMS_FIELDS = (
     + [(f"{t}_stride_{a}", np.int64) for t in ("bias", "mask", "dbias") for a in "bhqk"]
     + [("dbias_slab", np.int64)]
     + [(n, np.int32) for n in ("bias_f32", "dbias_mode", "varlen_bottom_right", "bias_pair")]
-    # backward only (kernels_cu/bwd.cu, planned in plan_bwd.py)
+    # backward only (kernels_cu/portable/bwd.cu, planned in plan_bwd.py)
     + [(n, np.uint64) for n in ("dout", "dq", "dk", "dv", "dsum", "dq_accum")]
     + [(f"{t}_stride_{a}", np.int64) for t in ("do", "dq", "dk", "dv") for a in "bsh"]
     + [("dq_accum_slab", np.int64)]
     + [(n, np.int32) for n in ("num_n_blocks", "bn", "deterministic", "dq_slabs")]
     + [("scale", np.float32)]
-    # Hopper forward only (kernels_cu/fwd_sm90.cu); then the TMA descriptors, see below
+    # Hopper forward only (kernels_cu/hopper/fwd.cu); then the TMA descriptors, see below
     + [("sched", np.uint64)]
     # Hopper forward SPLIT variants: the grid's last partial wave split along the keys
     + [(n, np.uint64) for n in ("split_table", "split_ws", "split_count")]

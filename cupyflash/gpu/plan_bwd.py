@@ -1,4 +1,4 @@
-"""Portable backward planner (pure Python): flash_bwd / flash_bwd_pre / flash_bwd_dq (kernels_cu/bwd.cu)
+"""Portable backward planner (pure Python): flash_bwd / flash_bwd_pre / flash_bwd_dq (kernels_cu/portable/bwd.cu)
 variants, tiles and launch shapes; deterministic dQ slabs; varlen; how dS is reduced into dbias
 (``dbias_plan``, ``hopper_dbias_mode``) and the flash_bwd_dbias kernel's variants.
 
@@ -70,7 +70,7 @@ class BwdVariant(KernelVariant):
         return 16 * self.nw // self.wd
 
     template = "flash_bwd"
-    file = "bwd.cu"
+    file = "portable/bwd.cu"
 
     def template_args(self) -> tuple:
         b = cpp_bool
@@ -110,7 +110,7 @@ class BwdVariant(KernelVariant):
 
 def smem_bytes(elem: str, d: int, bm: int, bn: int, nbuf: int) -> int:
     """flash_bwd's dynamic shared memory: K, V [BN, pitch], NBUF x (Q, dO [BM, pitch]),
-    dSᵀ [BN, BM + pad], NBUF x (lse, D [BM] float32). Mirrors BwdPitch / DsPitch in bwd.cu."""
+    dSᵀ [BN, BM + pad], NBUF x (lse, D [BM] float32). Mirrors BwdPitch / DsPitch in portable/bwd.cu."""
     es = ELEM_SIZE[elem]
     pr = d + 8 if es == 2 else d + 4
     pds = bm + 8 if es == 2 else bm + 4
@@ -253,7 +253,7 @@ def plan_backward_varlen(dtype_name: str, batch: int, total_q: int, total_k: int
 class DbiasPlan(NamedTuple):
     """How flash_bwd reduces dS into dbias for one bias shape (see dbias_plan)."""
 
-    mode: int                     # Params.dbias_mode (DBIAS_* bits of common.cuh), -1: zero
+    mode: int                     # Params.dbias_mode (DBIAS_* bits of common/params.cuh), -1: zero
     slabs: int                    # float32 slabs of the reduced shape
     shape: Tuple[int, ...]        # the bias's 4-D shape (each dimension 1 or full)
     strides: Tuple[int, ...]      # element strides inside one slab, 0 along size-1 dims
@@ -319,7 +319,7 @@ def dbias_plan(bias_shape, b: int, h_k: int, deterministic: bool) -> DbiasPlan:
 
 @dataclass(frozen=True)
 class DbiasVariant(KernelVariant):
-    """One instantiation of flash_bwd_dbias (bwd.cu): dbias planes summed in registers."""
+    """One instantiation of flash_bwd_dbias (portable/bwd.cu): dbias planes summed in registers."""
 
     elem: str
     d: int        # head-dim bucket (covers d and d_v)
@@ -328,7 +328,7 @@ class DbiasVariant(KernelVariant):
     nbuf: int = 1  # 2: the next (batch, head) pair's tiles load while this one is computed
 
     template = "flash_bwd_dbias"
-    file = "bwd.cu"
+    file = "portable/bwd.cu"
 
     def template_args(self) -> tuple:
         return (self.elem, str(self.d), str(self.bm), str(self.bn), str(self.nbuf))
@@ -347,7 +347,7 @@ class DbiasVariant(KernelVariant):
 
     @property
     def smem_bytes(self) -> int:
-        """NBUF x (Q, dO [BM, pitch], K, V [BN, pitch], lse and D [BM] float32); BwdPitch in bwd.cu."""
+        """NBUF x (Q, dO [BM, pitch], K, V [BN, pitch], lse and D [BM] float32); BwdPitch in portable/bwd.cu."""
         es = ELEM_SIZE[self.elem]
         pr = self.d + 8 if es == 2 else self.d + 4
         return self.nbuf * ((2 * self.bm + 2 * self.bn) * pr * es + 2 * self.bm * 4)

@@ -1,9 +1,9 @@
 """Hopper (sm_90a) backward main kernel, planner side (pure Python): variants, coverage, shared
 memory, work decomposition. bwd_sm90.py launches it.
 
-``flash_bwd_sm90<E, D, WINDOW, DQ_BULK, KVBUF, VARLEN, BIAS>`` in kernels_cu/bwd_sm90.cu replaces the portable
-main kernel (flash_bwd in bwd.cu) on compute capability 9.0 wherever it covers the call; the helper
-kernels before it (``flash_bwd_pre_sm90``: D = rowsum(dO ∘ O) with the zeroed dQ accumulator; bwd.cu's
+``flash_bwd_sm90<E, D, WINDOW, DQ_BULK, KVBUF, VARLEN, BIAS>`` in kernels_cu/hopper/bwd.cu replaces the portable
+main kernel (flash_bwd in portable/bwd.cu) on compute capability 9.0 wherever it covers the call; the helper
+kernels before it (``flash_bwd_pre_sm90``: D = rowsum(dO ∘ O) with the zeroed dQ accumulator; portable/bwd.cu's
 ``flash_bwd_pre`` when O's rows are not 16-byte aligned) and after it (``flash_bwd_dq_sm90``: the dQ
 conversion) are compiled into the same module. Coverage (``why_unsupported`` says why not):
 float16 / bfloat16, d = d_v in {64, 128}, no softcap / ALiBi, scale > 0, atomic (not
@@ -20,7 +20,7 @@ loads each tile's K, V (KVBUF buffers: 2 at d = 64, 1 at d = 128, where two do n
 Q / dO tiles of 64 query rows per step through TMA, the next tile's while the consumers finish the
 current one; two consumer warpgroups of 64 keys each keep dK, dV in registers; each step's dQ tile
 goes through shared memory into the float32 accumulator (one cp.reduce.async.bulk .add.f32 by a
-producer warp). The accumulator's rows are chunk-swizzled (bwd_sm90.cu: dq_swizzle), so the dQ
+producer warp). The accumulator's rows are chunk-swizzled (hopper/bwd.cu: dq_swizzle), so the dQ
 conversion is flash_bwd_dq_sm90.
 
 VARLEN (``backward_varlen``): work tiles over (key tile of the longest sequence, kv head,
@@ -44,7 +44,7 @@ NBUF = 2             # Q / dO ring depth
 TILE_RING = 2        # work-tile indices in flight
 
 
-#: BIAS template values (bwd_sm90.cu: sm90b::BIAS_*)
+#: BIAS template values (hopper/bwd.cu: sm90b::BIAS_*)
 BIAS_NONE, BIAS_LD16, BIAS_LD32, BIAS_TMA = 0, 1, 2, 3
 
 
@@ -66,7 +66,7 @@ class Sm90BwdVariant(KernelVariant):
     bias: int = 0          # additive bias (+ dbias): BIAS_NONE, BIAS_LD16 (the inputs' 16-bit type),
                            # BIAS_LD32 (float32), BIAS_TMA (16-bit, staged by TMA)
 
-    file = "bwd_sm90.cu"
+    file = "hopper/bwd.cu"
     arch_options = ("-arch=sm_90a",)
     bn = BN
     bm = BM
@@ -108,7 +108,7 @@ class Sm90BwdVariant(KernelVariant):
 
 
 def smem_bytes(d: int, kvbuf: int = None, bias_tma: bool = False) -> int:
-    """Mirrors sm90b::Layout in bwd_sm90.cu: KVBUF x K, V [128, d]; NBUF x (Q, dO [64, d]); two
+    """Mirrors sm90b::Layout in hopper/bwd.cu: KVBUF x K, V [128, d]; NBUF x (Q, dO [64, d]); two
     dSᵀ [128, 64] buffers (16-bit); the dQ tile [64, d] float32; ``bias_tma``: NBUF x the bias
     tile [64, 128] (16-bit); NBUF x (lse, D [64] floats); the work-tile ring and dQ job (16 + 16
     bytes); the mbarriers; 1024 bytes of slack to align the swizzled panels. ``kvbuf`` defaults
@@ -139,8 +139,8 @@ def variants():
 
 def varlen_work_tiles(cu_seqlens_q, cu_seqlens_k, h: int, h_k: int, window_left: int,
                       window_right: int, bottom_right: bool = True, window: bool = True):
-    """Mirror of the VARLEN kernel's work decomposition (bwd_sm90.cu: work_tile,
-    query_tile_range, the producer's skip): yields (w, sequence, kv_head, n0, m_first, m_count)
+    """Mirror of the VARLEN kernel's work decomposition (hopper/sched.cuh: key_tile,
+    query_tile_range; hopper/bwd.cu: the producer's skip): yields (w, sequence, kv_head, n0, m_first, m_count)
     for every work tile handed to the consumers, in index order. Window sides are Params values
     (unbounded: total_q + total_k); ``window``: the WINDOW template flag."""
     cq = [int(x) for x in cu_seqlens_q]

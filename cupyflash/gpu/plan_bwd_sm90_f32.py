@@ -1,4 +1,4 @@
-"""Hopper (sm_90a) float32 backward (kernels_cu/bwd_sm90_f32.cu): planner side (pure Python):
+"""Hopper (sm_90a) float32 backward (kernels_cu/hopper/bwd_f32.cu): planner side (pure Python):
 variants, shared-memory size, coverage; bwd_sm90_f32.py launches it. The backward dispatcher
 (bwd.py) runs it for float32 calls it covers on
 compute capability 9.0 (docs/f32-backward-design.md).
@@ -23,7 +23,7 @@ THREADS = 384
 HEAD_DIMS = (64, 128)
 
 
-#: keys per work tile, per head dim (sm90bf::Shape in bwd_sm90_f32.cu)
+#: keys per work tile, per head dim (sm90bf::Shape in hopper/bwd_f32.cu)
 BN_OF = {64: 128, 128: 64}
 BN = BN_OF[64]     # the hd 64 kernel's (kept for callers that predate hd 128)
 TILE_RING = 2
@@ -38,7 +38,7 @@ class Sm90F32BwdVariant(KernelVariant):
     window: bool
     elem: str = "f32x3_t"
 
-    file = "bwd_sm90_f32.cu"
+    file = "hopper/bwd_f32.cu"
     arch_options = ("-arch=sm_90a",)
     bm = BM
     threads = THREADS
@@ -70,7 +70,7 @@ class Sm90F32BwdVariant(KernelVariant):
 
 
 def smem_bytes(d: int) -> int:
-    """Mirrors sm90bf::Layout / LayoutT in bwd_sm90_f32.cu. d = 64: k_big, k_small, v_big
+    """Mirrors sm90bf::Layout / LayoutT in hopper/bwd_f32.cu. d = 64: k_big, k_small, v_big
     [128, d]; q / dO big and small, their transposes big and small, two landing stages of raw q
     and dO (twelve [32, d] tiles); dS big and small [32, 64] per consumer; lse / D rows [2, 32].
     d = 128: k, v raw [64, d]; q / dO big (landing) and small, raw copies of q and dO (six [32, d]
@@ -94,7 +94,7 @@ def why_unsupported(dtype_name: str, d: int, d_v: int, *, allow_tf32: bool, scal
                 softcap: float, has_alibi: bool, has_bias: bool, has_mask: bool,
                 deterministic: bool, window_left: int, window_right: int, cc: int,
                 smem_optin: int, tensors=()) -> Optional[str]:
-    """None when bwd_sm90_f32.cu covers the call, else the reason (the planner then runs the
+    """None when hopper/bwd_f32.cu covers the call, else the reason (the planner then runs the
     portable backward; kernel="sm90" raises it)."""
     if allow_tf32:
         return "allow_tf32 (this kernel computes 3xTF32 only; the portable one has the one-pass mode)"

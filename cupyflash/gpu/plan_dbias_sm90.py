@@ -1,8 +1,8 @@
 """Hopper (sm_90a) dbias kernel, planner side (pure Python): coverage, variants, work
 decomposition. dbias_sm90.py launches it.
 
-``flash_bwd_dbias_sm90<E, D, BIAS_F32, STAGES, BIASBUF, WINDOW>`` in kernels_cu/dbias_sm90.cu is
-bwd.cu's ``flash_bwd_dbias`` (dbias summed over the (batch, head) pairs each plane broadcasts
+``flash_bwd_dbias_sm90<E, D, BIAS_F32, STAGES, BIASBUF, WINDOW>`` in kernels_cu/hopper/dbias.cu is
+portable/bwd.cu's ``flash_bwd_dbias`` (dbias summed over the (batch, head) pairs each plane broadcasts
 to, in float32 registers, stored once in the bias's type: extra memory = dbias only) with TMA
 loads and wgmma products. When the backward takes the dbias-kernel path (``plan_bwd.dbias_by_kernel``
 and ``TUNING.dbias_kernel`` / deterministic mode / no room for the float32 accumulator), the launcher
@@ -34,13 +34,13 @@ SMEM_LIMIT = SM90_SMEM_MAX   # the H100 / H200 opt-in limit the rings below are 
 
 
 #: (STAGES, BIASBUF) per (d, float32 bias): half stages of the ring ((Q, K) or (dO, V) of a pair)
-#: and bias tile buffers within SMEM_LIMIT (kernels_cu/dbias_sm90.cu: the arithmetic): at d = 128
+#: and bias tile buffers within SMEM_LIMIT (kernels_cu/hopper/dbias.cu: the arithmetic): at d = 128
 #: the most that fit; at d = 64 two pairs ahead (a fifth half stage would fit, not measured)
 BUFFERS = {(128, False): (3, 1), (128, True): (2, 1), (64, False): (4, 2), (64, True): (4, 1)}
 
 
 def smem_bytes(d: int, bias_f32: bool, stages: int, biasbuf: int) -> int:
-    """Mirrors sm90d::Layout in dbias_sm90.cu: STAGES x ([BM, d] + [BN, d] 16-bit), BIASBUF x the
+    """Mirrors sm90d::Layout in hopper/dbias.cu: STAGES x ([BM, d] + [BN, d] 16-bit), BIASBUF x the
     bias tile [BM, BN] (2 or 4 bytes), the tile ring (16 bytes), the mbarriers, and 1024 bytes of
     slack to align the swizzled panels."""
     half = (BM + BN) * d * 2
@@ -59,7 +59,7 @@ class Sm90DbiasVariant(KernelVariant):
     stages: int        # half stages in the ring
     biasbuf: int       # bias tile buffers
 
-    file = "dbias_sm90.cu"
+    file = "hopper/dbias.cu"
     arch_options = ("-arch=sm_90a",)
     bm = BM
     bn = BN
@@ -130,7 +130,7 @@ def why_unsupported(dtype_name: str, d: int, d_v: int, *, cc: int, smem_optin: i
 
 def work_tiles(s_q: int, s_k: int, b: int, h: int, sum_b: bool, sum_h: bool, window_left: int,
                window_right: int, diag_offset: int, window: bool):
-    """Mirror of the kernel's work decomposition (dbias_sm90.cu: dbias_tile, pair_of): yields
+    """Mirror of the kernel's work decomposition (hopper/sched.cuh: dbias_tile, pair_of): yields
     (w, m0, n0, pb, ph, pairs, need_mask) per work tile in index order; ``pairs`` lists the
     (batch, head) pairs summed into the tile in the kernel's order (empty: stored as zeros).
     ``sum_b`` / ``sum_h``: dbias is summed over the batch / heads (dbias_stride_b / _h = 0).

@@ -3,7 +3,7 @@
 Nothing here touches a GPU: the launchers (fwd.py) pass in the device's shared-memory limit,
 so every decision can be tested on a machine without CUDA (tests/planner/).
 
-The kernel is ``flash_fwd<E, D, BM, BN, NW, WINDOW, SCORE_MOD>`` in kernels_cu/fwd.cu:
+The kernel is ``flash_fwd<E, D, BM, BN, NW, WINDOW, SCORE_MOD>`` in kernels_cu/portable/fwd.cu:
 
 * E: element tag: ``f16_t``, ``bf16_t``, ``f32x3_t`` (float32 at float32 accuracy, 3xTF32
   split products) or ``tf32_t`` (float32 on plain TF32, when ``allow_tf32``).
@@ -45,7 +45,7 @@ _TILES = {
 }
 
 
-#: GENERAL template bits of flash_fwd (common.cuh): varlen alone runs on the plain tiles; a bias
+#: GENERAL template bits of flash_fwd (common/params.cuh): varlen alone runs on the plain tiles; a bias
 #: or mask takes GEN_VARLEN | GEN_BIAS_MASK on the ``general`` tiles.
 GEN_VARLEN, GEN_BIAS_MASK = 1, 2
 GEN_ALL = GEN_VARLEN | GEN_BIAS_MASK
@@ -66,7 +66,7 @@ class Variant(KernelVariant):
     general: int = 0     # GENERAL bits: GEN_VARLEN (1), GEN_BIAS_MASK (2); window, score_mod set
 
     template = "flash_fwd"
-    file = "fwd.cu"
+    file = "portable/fwd.cu"
 
     def template_args(self) -> tuple:
         b = cpp_bool
@@ -96,7 +96,7 @@ class Variant(KernelVariant):
 def smem_bytes(elem: str, d: int, bm: int, bn: int, stages: int = 1) -> int:
     """Dynamic shared memory of flash_fwd: Q [BM, D+pad], K [stages, BN, D+pad], V [BN, D+pad'].
 
-    Mirrors Pitch<E, D> in fwd.cu: 16-bit rows padded by 8 elements, float32 Q/K rows by 8 and
+    Mirrors Pitch<E, D> in portable/fwd.cu: 16-bit rows padded by 8 elements, float32 Q/K rows by 8 and
     V rows by 4 floats.
     """
     es = ELEM_SIZE[elem]

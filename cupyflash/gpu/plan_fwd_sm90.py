@@ -1,5 +1,5 @@
-"""Hopper forward planner (pure Python): the variants of flash_fwd_sm90 (kernels_cu/fwd_sm90.cu,
-16-bit) and flash_fwd_sm90_f32 (kernels_cu/fwd_sm90_f32.cu, float32), why a call is not covered
+"""Hopper forward planner (pure Python): the variants of flash_fwd_sm90 (kernels_cu/hopper/fwd.cu,
+16-bit) and flash_fwd_sm90_f32 (kernels_cu/hopper/fwd_f32.cu, float32), why a call is not covered
 (``why_unsupported``), tile choice, the split tail, and the persistent grid's plan.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .variants import SM90_SMEM_MAX, KernelVariant, cpp_bool, elem_tag, sm90_com
 # ------------------------------------------------------------------------------------------
 # Hopper (sm_90a) forward: flash_fwd_sm90<E, D, BN, STAGES, NC, WINDOW, SOFTCAP, VARLEN, BIAS,
 # SPLIT, MAXFREE> in
-# kernels_cu/fwd_sm90.cu (TMA + wgmma, one producer and NC consumer warpgroups, BM = 64·NC,
+# kernels_cu/hopper/fwd.cu (TMA + wgmma, one producer and NC consumer warpgroups, BM = 64·NC,
 # one Q buffer).
 # Chosen on compute capability 9.0 wherever it covers the call (why_unsupported() is None);
 # everything else runs the portable kernel above.
@@ -102,7 +102,7 @@ class Sm90Variant(KernelVariant):
     split: bool = False     # the grid's last partial wave split along the keys (sm90_split)
     maxfree: bool = False   # the key-tile loop's softmax without the tile's row max (MAXFREE)
 
-    file = "fwd_sm90.cu"
+    file = "hopper/fwd.cu"
     arch_options = ("-arch=sm_90a",)   # wgmma / setmaxnreg need the arch-specific target
 
     @property
@@ -115,7 +115,7 @@ class Sm90Variant(KernelVariant):
 
     @property
     def blocks_per_sm(self) -> int:
-        """Resident blocks per SM of the persistent grid (mirrors fwd_sm90.cu's BlocksPerSm, which
+        """Resident blocks per SM of the persistent grid (mirrors hopper/fwd.cu's BlocksPerSm, which
         the kernel's __launch_bounds__ asks for): with one consumer two, three with 64-key tiles,
         as many as fit in an SM's shared memory; else one."""
         n = (3 if self.bn <= 64 else 2) if self.nc == 1 else 1
@@ -162,7 +162,7 @@ def sm90_o_smem(d: int, bn: int, stages: int, nc: int = 2, varlen: bool = False)
 
 
 def sm90_smem_bytes(d: int, bn: int, stages: int, nc: int = 2, varlen: bool = False) -> int:
-    """Mirrors sm90::Layout in fwd_sm90.cu: the ring (_sm90_ring_bytes) and, where
+    """Mirrors sm90::Layout in hopper/fwd.cu: the ring (_sm90_ring_bytes) and, where
     sm90_o_smem, O [64·nc, d]."""
     o = 2 * d * 64 * nc if sm90_o_smem(d, bn, stages, nc, varlen) else 0
     return _sm90_ring_bytes(d, bn, stages, nc) + o
@@ -170,7 +170,7 @@ def sm90_smem_bytes(d: int, bn: int, stages: int, nc: int = 2, varlen: bool = Fa
 
 # ------------------------------------------------------------------------------------------
 # Hopper float32 forward: flash_fwd_sm90_f32<E, D, BN, STAGES, NC, WINDOW> in
-# kernels_cu/fwd_sm90_f32.cu (3xTF32 on wgmma; E = f32x3_t, or tf32_t with allow_tf32).
+# kernels_cu/hopper/fwd_f32.cu (3xTF32 on wgmma; E = f32x3_t, or tf32_t with allow_tf32).
 # ------------------------------------------------------------------------------------------
 SM90_F32_HEAD_DIMS = (64, 128)
 
@@ -199,7 +199,7 @@ class Sm90F32Variant(KernelVariant):
     window: bool
     qreg: bool = True       # Q small in the consumers' registers (no q_small tile)
 
-    file = "fwd_sm90_f32.cu"
+    file = "hopper/fwd_f32.cu"
     arch_options = ("-arch=sm_90a",)
     softcap = False         # not in the float32 kernel (the planner's checks read these)
     varlen = False
@@ -225,7 +225,7 @@ class Sm90F32Variant(KernelVariant):
 
 
 def sm90_f32_smem_bytes(d: int, bn: int, stages: int, nc: int, qreg: bool = True) -> int:
-    """Mirrors sm90f32::Layout in fwd_sm90_f32.cu: Q big (and small unless qreg) [64·nc, d], per
+    """Mirrors sm90f32::Layout in hopper/fwd_f32.cu: Q big (and small unless qreg) [64·nc, d], per
     stage K big / small, Vᵀ big / small and raw V [bn, d] (float32), 3 + 7·stages mbarriers, the
     work-tile index, and 1024 bytes of slack to align the swizzled panels."""
     q_tiles = 1 if qreg else 2
@@ -348,7 +348,7 @@ def sm90_work_items(first: int, pieces: np.ndarray, n: int) -> np.ndarray:
 
 def sm90_split_ws_bytes(variant, pieces: int) -> int:
     """Bytes of the SPLIT workspace: per piece and consumer, 128 lanes' O [d / 2] and m, l [4]
-    float32 (fwd_sm90.cu's merge_pieces)."""
+    float32 (hopper/fwd.cu's merge_pieces)."""
     return pieces * variant.nc * 128 * (variant.d // 2 + 4) * 4
 
 
@@ -426,7 +426,7 @@ def why_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap:
         return "alibi_slopes (not in the Hopper kernel yet)"
     if not (scale > 0 or softcap > 0):
         return f"scale {scale} <= 0 without softcap"
-    if dtype_name == "float32":   # fwd_sm90_f32.cu
+    if dtype_name == "float32":   # hopper/fwd_f32.cu
         if softcap > 0:
             return "softcap with float32 (not in the float32 Hopper kernel)"
         smem_need = max(sm90_f32_variant("f32x3_t", d, w).smem_bytes

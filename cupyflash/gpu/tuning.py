@@ -23,7 +23,7 @@ from typing import Optional
 class Tuning:
     """The switches (defaults: what the planners do)."""
 
-    #: kernel="auto" runs float32 forwards on the Hopper kernel (fwd_sm90_f32.cu) where it covers
+    #: kernel="auto" runs float32 forwards on the Hopper kernel (hopper/fwd_f32.cu) where it covers
     #: the call. On the H200: 52 of its 53 GPU tests passed (the 53rd, s_k = 4096, is the float32
     #: error growth both kernels share: docs/hopper.md, "Float32 forward"), its errors equal the
     #: portable kernel's at s_k = 256 .. 16k, and it ran 73-97 TFLOP/s against the portable

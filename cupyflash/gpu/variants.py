@@ -66,7 +66,7 @@ BIG_SMEM = 160 * 1024
 
 
 #: Dynamic shared memory per block on compute capability 9.0 (opt-in; H100 / H200), sm90::SMEM_MAX
-#: in fwd_sm90.cu; the default device limit of the planners (precompile, CPU tests)
+#: in hopper/fwd.cu; the default device limit of the planners (precompile, CPU tests)
 SM90_SMEM_MAX = 227 * 1024
 
 

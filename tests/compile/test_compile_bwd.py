@@ -25,7 +25,7 @@ def reports():
         ds = plan_bwd.dbias_variants(SMEM[arch])
         for elem in gpu_variants.ELEMS:   # one program per (arch, element type), flash_bwd_dbias too
             jobs.append((arch,
-                         [v for v in vs + ds if v.elem == elem], "bwd.cu"))
+                         [v for v in vs + ds if v.elem == elem], "portable/bwd.cu"))
     res = gpu_compile.nvrtc_reports(jobs)
     for arch in ARCHS:
         print(f"\n{arch}: registers / spill bytes / shared memory per backward variant")

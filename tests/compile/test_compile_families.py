@@ -28,7 +28,7 @@ def _portable_fwd(arch):
 def _portable_bwd(arch):
     p = plan_bwd.plan_backward("bfloat16", 1, 256, 256, 2, 2, 128, 128, scale=0.1,
                                smem_optin=SMEM[arch])
-    return [p.variant, plan_bwd.dbias_variant("bf16_t", 128, SMEM[arch])]   # both in bwd.cu
+    return [p.variant, plan_bwd.dbias_variant("bf16_t", 128, SMEM[arch])]   # both in portable/bwd.cu
 
 
 #: (family, arch, variants of one source file): the jobs of one nvrtc_reports call

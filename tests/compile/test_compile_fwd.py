@@ -35,7 +35,7 @@ def reports():
         for elem in gpu_variants.ELEMS:
             for flags in ((False, False), (False, True), (True, False), (True, True)):
                 chunk = [v for v in vs if v.elem == elem and (v.window, v.score_mod) == flags]
-                jobs.append((arch, chunk, "fwd.cu"))
+                jobs.append((arch, chunk, "portable/fwd.cu"))
     res = gpu_compile.nvrtc_reports(jobs)
     for arch in ARCHS:
         print(f"\n{arch}: registers / spill bytes per variant")

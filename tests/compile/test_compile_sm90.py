@@ -1,5 +1,5 @@
-"""NVRTC compile harness for the Hopper kernels (kernels_cu/fwd_sm90.cu, bwd_sm90.cu,
-dbias_sm90.cu, ...), sm_90a.
+"""NVRTC compile harness for the Hopper kernels (kernels_cu/hopper/fwd.cu, hopper/bwd.cu,
+hopper/dbias.cu, ...), sm_90a.
 
 Every variant of plan_fwd_sm90.variants() and plan_bwd_sm90.variants() compiles without a GPU (NVRTC
 only), with no register spills (a few bytes allowed in some bias forward variants) and no
@@ -24,7 +24,7 @@ def reports():
     for elem in ("f16_t", "bf16_t"):
         for window in (False, True):
             chunk = [v for v in vs if v.elem == elem and v.window == window]
-            jobs.append(("sm_90a", chunk, "fwd_sm90.cu"))
+            jobs.append(("sm_90a", chunk, "hopper/fwd.cu"))
     res = gpu_compile.nvrtc_reports(jobs)["sm_90a"]
     print("\nsm_90a: registers / spill bytes per Hopper variant")
     for v in vs:
@@ -61,11 +61,11 @@ def test_every_variant_compiles_without_spills(reports):
 
 def test_register_pool_covers_setmaxnreg(reports):
     """setmaxnreg.inc takes only registers the block's own warps gave back, so a block's launch
-    pool (entry registers x threads) must hold producer·128 + consumer·128·NC of fwd_sm90.cu's
-    Regs (else every consumer hangs at regs_acquire), and the blocks_per_sm blocks' pools must
-    fit in the SM's 64K registers."""
+    pool (entry registers x threads) must hold producer·128 + consumer·128·NC of
+    hopper/fwd_layout.cuh's Regs (else every consumer hangs at regs_acquire), and the
+    blocks_per_sm blocks' pools must fit in the SM's 64K registers."""
     import re
-    src = (gpu_compile.kernels_dir() / "fwd_sm90.cu").read_text()
+    src = (gpu_compile.kernels_dir() / "hopper" / "fwd_layout.cuh").read_text()
     regs = {(int(nc), int(blocks or 1)): (int(p), int(c)) for nc, blocks, p, c in re.findall(
         r"struct Regs<(\d)(?:, (\d))?> \{ static constexpr int PRODUCER = (\d+), CONSUMER = (\d+); \}",
         src)}
@@ -117,25 +117,25 @@ def _over_budget(vs, res, budget=lambda v: 0):
 def test_no_ptxas_warnings():
     """ptxas warns when wgmma products get serialized or setmaxnreg is ignored: fail on any."""
     v = plan_fwd_sm90.Sm90Variant("bf16_t", 128, 128, 2, True, True)
-    warnings = _ptxas_warnings(gpu_compile.program([v]), "fwd_sm90.cu")
+    warnings = _ptxas_warnings(gpu_compile.program([v]), "hopper/fwd.cu")
     assert not warnings, "\n".join(warnings)
 
 
 def test_float32_variants_compile_without_spills():
-    """The float32 forward (fwd_sm90_f32.cu, plan_fwd_sm90.f32_variants()): 0 spills, and no ptxas
+    """The float32 forward (hopper/fwd_f32.cu, plan_fwd_sm90.f32_variants()): 0 spills, and no ptxas
     warning in any of them (one program per element type)."""
     vs = plan_fwd_sm90.f32_variants()
-    res = _per_elem_report("float32 Hopper variant", vs, "fwd_sm90_f32.cu",
+    res = _per_elem_report("float32 Hopper variant", vs, "hopper/fwd_f32.cu",
                            plan_fwd_sm90.F32_ELEMS)
     bad = _over_budget(vs, res)
     assert not bad, "\n".join(bad)
-    warnings = _ptxas_warnings(gpu_compile.program(vs), "fwd_sm90_f32.cu")
+    warnings = _ptxas_warnings(gpu_compile.program(vs), "hopper/fwd_f32.cu")
     assert not warnings, "\n".join(warnings)
 
 
 def test_backward_variants_compile_without_spills():
     vs = plan_bwd_sm90.variants()
-    res = _per_elem_report("Hopper backward variant", vs, "bwd_sm90.cu")
+    res = _per_elem_report("Hopper backward variant", vs, "hopper/bwd.cu")
     bad = _over_budget(vs, res, _bwd_spill_budget)
     assert not bad, "\n".join(bad)
 
@@ -151,32 +151,32 @@ def _bwd_spill_budget(v):
 def test_backward_bias_and_varlen_variants_no_ptxas_warnings():
     """No wgmma serialization (or other) ptxas warning in the BIAS and VARLEN backward variants."""
     for v in [x for x in plan_bwd_sm90.variants() if (x.bias or x.varlen) and x.elem == "bf16_t"]:
-        warnings = _ptxas_warnings(gpu_compile.program([v]), "bwd_sm90.cu")
+        warnings = _ptxas_warnings(gpu_compile.program([v]), "hopper/bwd.cu")
         assert not warnings, v.name + ": " + "\n".join(warnings)
 
 
 def test_float32_backward_compiles_without_spills():
-    """The float32 Hopper backward (bwd_sm90_f32.cu, plan_bwd_sm90_f32.variants()):
+    """The float32 Hopper backward (hopper/bwd_f32.cu, plan_bwd_sm90_f32.variants()):
     0 spills and no ptxas warning in its variants and helper kernels."""
     from cupyflash.gpu import plan_bwd_sm90_f32
 
     vs = plan_bwd_sm90_f32.variants()
-    res = gpu_compile.nvrtc_reports([("sm_90a", vs, "bwd_sm90_f32.cu")])["sm_90a"]
+    res = gpu_compile.nvrtc_reports([("sm_90a", vs, "hopper/bwd_f32.cu")])["sm_90a"]
     print("\nsm_90a: registers / spill bytes per float32 Hopper backward variant")
     for n, (regs, spill) in sorted(res.items()):
         print(f"  {n:55s} {regs:4d} regs {spill:6d} B spill")
     assert {v.name_expression for v in vs} <= set(res)
     bad = [f"{n}: {r}" for n, r in res.items() if r[1] > 0]
     assert not bad, "\n".join(bad)
-    warnings = _ptxas_warnings(gpu_compile.program(vs), "bwd_sm90_f32.cu")
+    warnings = _ptxas_warnings(gpu_compile.program(vs), "hopper/bwd_f32.cu")
     assert not warnings, "\n".join(warnings)
 
 
 def test_dbias_kernel_compiles_without_spills():
-    """The Hopper dbias kernel (dbias_sm90.cu, plan_dbias_sm90.variants()): every variant 0 spills
+    """The Hopper dbias kernel (hopper/dbias.cu, plan_dbias_sm90.variants()): every variant 0 spills
     and no ptxas warning (no serialized wgmma; one program per element type)."""
     vs = plan_dbias_sm90.variants()
-    res = _per_elem_report("Hopper dbias variant", vs, "dbias_sm90.cu")
+    res = _per_elem_report("Hopper dbias variant", vs, "hopper/dbias.cu")
     bad = _over_budget(vs, res)
     assert not bad, "\n".join(bad)
     # setmaxnreg.inc waits until the CTA's register pool (entry count x 384 threads, allocated at
@@ -187,5 +187,5 @@ def test_dbias_kernel_compiles_without_spills():
     assert not low, "\n".join(low)
     for e in ("f16_t", "bf16_t"):
         warnings = _ptxas_warnings(gpu_compile.program([v for v in vs if v.elem == e]),
-                                   "dbias_sm90.cu")
+                                   "hopper/dbias.cu")
         assert not warnings, "\n".join(warnings)

@@ -1,4 +1,4 @@
-"""SASS order of the Hopper forward's key-tile loop (kernels_cu/fwd_sm90.cu, sm_90a).
+"""SASS order of the Hopper forward's key-tile loop (kernels_cu/hopper/fwd.cu, sm_90a).
 
 In its turn a consumer issues S = Q Kᵀ of key tile j + 1 and O += P V of tile j, waits for S
 (``wgmma.wait_group 1``), runs the softmax of j + 1 and only then waits for P V
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not installed
 
 
 def _cubin(variants) -> bytes:
-    return gpu_compile.nvrtc_compile(gpu_compile.program(variants), "sm_90a", "fwd_sm90.cu")[2]
+    return gpu_compile.nvrtc_compile(gpu_compile.program(variants), "sm_90a", "hopper/fwd.cu")[2]
 
 
 def loop_waits(sass: str):

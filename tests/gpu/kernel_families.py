@@ -178,7 +178,7 @@ def varlen(rng, dtype, seqs_q, seqs_k, h, h_k, d, *, kernel="auto", backward=Tru
 
 
 CASES = {
-    # Hopper forward and backward (fwd_sm90.cu / bwd_sm90.cu), 16-bit
+    # Hopper forward and backward (hopper/fwd.cu / hopper/bwd.cu), 16-bit
     "sm90_bf16_d128_causal": lambda r: dense(r, "bfloat16", 2, 200, 333, 4, 2, 128, fwd="sm90", bwd="sm90", causal=True),
     "sm90_f16_d64": lambda r: dense(r, "float16", 2, 200, 333, 4, 4, 64, fwd="sm90", bwd="sm90"),
     "sm90_bf16_d64_window": lambda r: dense(r, "bfloat16", 1, 333, 200, 2, 1, 64, fwd="sm90", bwd="sm90", window=(40, 17)),
@@ -190,10 +190,10 @@ CASES = {
     "sm90_bf16_d128_bias16": lambda r: dense(r, "bfloat16", 2, 200, 334, 2, 2, 128, fwd="sm90", bwd="sm90", bias=(2, 2, 200, 334)),
     "sm90_f16_d64_bias32_bcast": lambda r: dense(r, "float16", 2, 200, 334, 2, 1, 64, fwd="sm90", bwd="sm90", bias=(1, 2, 1, 334), bias_dtype="float32"),
     "sm90_bf16_d64_bias_dbiaskernel": lambda r: dense(r, "bfloat16", 2, 200, 334, 4, 2, 64, bias=(1, 1, 200, 334), causal=True),
-    # Hopper float32 (fwd_sm90_f32.cu / bwd_sm90_f32.cu)
+    # Hopper float32 (hopper/fwd_f32.cu / hopper/bwd_f32.cu)
     "sm90_f32_d64_causal": lambda r: dense(r, "float32", 1, 200, 333, 2, 1, 64, fwd="sm90", bwd="sm90", causal=True),
     "sm90_f32_d128_window": lambda r: dense(r, "float32", 1, 333, 200, 2, 2, 128, fwd="sm90", bwd="sm90", window=(50, 20)),
-    # Portable (fwd.cu / bwd.cu), forced
+    # Portable (portable/fwd.cu / portable/bwd.cu), forced
     "portable_bf16_d128_causal": lambda r: dense(r, "bfloat16", 2, 200, 333, 4, 2, 128, fwd="portable", bwd="portable", causal=True),
     "portable_f16_d40_window": lambda r: dense(r, "float16", 1, 333, 200, 2, 1, 40, fwd="portable", bwd="portable", window=(30, 9)),
     "portable_bf16_d256": lambda r: dense(r, "bfloat16", 1, 129, 77, 2, 2, 256, fwd="portable", bwd="portable", causal=True),

@@ -17,8 +17,8 @@ Criterion (docs/semantics.md §9, FlashAttention's own test), per gradient g in 
 Rows that see no key (lse = -inf) must give exactly zero dq; deterministic mode must give
 bit-identical dq, dk, dv over three calls.
 
-These tests force the portable main kernel (bwd.cu), so it stays tested on a Hopper card too;
-tests/gpu/test_gpu_backward_sm90.py runs the Hopper one (bwd_sm90.cu) on the cases it covers.
+These tests force the portable main kernel (portable/bwd.cu), so it stays tested on a Hopper card too;
+tests/gpu/test_gpu_backward_sm90.py runs the Hopper one (hopper/bwd.cu) on the cases it covers.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hopper backward main kernel (kernels_cu/bwd_sm90.cu) against the float64 reference.
+"""Hopper backward main kernel (kernels_cu/hopper/bwd.cu) against the float64 reference.
 
 Same harness and criterion as tests/gpu/test_gpu_backward.py (``run_case``: NaN-poisoned gradients,
 fresh random inputs, max error <= 2x the naive same-dtype backward + floor), with the Hopper

@@ -1,4 +1,4 @@
-"""Float32 Hopper backward (kernels_cu/bwd_sm90_f32.cu, forced with kernel="sm90") against the
+"""Float32 Hopper backward (kernels_cu/hopper/bwd_f32.cu, forced with kernel="sm90") against the
 float64 reference: tests/gpu/test_gpu_backward.py's harness and float32 criterion (NaN-poisoned
 gradients, fresh random inputs, max error / max(1, max|ref|) <= 5e-5); and the planner's choice of
 it for float32 calls it covers. Every case runs at head dim 64 (design S: 128-key work tiles) and
@@ -73,7 +73,7 @@ def test_fully_masked_rows(rng, d):
 
 
 def test_planner_picks_it_where_it_covers_the_call(rng):
-    """kernel=None (the planner): bwd_sm90_f32.cu for float32 hd 64 and 128, the portable
+    """kernel=None (the planner): hopper/bwd_f32.cu for float32 hd 64 and 128, the portable
     backward for other float32 head dims and for allow_tf32."""
     for d in HEAD_DIMS:
         assert run_case(rng, "float32", 2, 97, 203, 4, 2, d, causal=True, kernel=None).startswith(

@@ -15,7 +15,7 @@ benchmarks/f32_error_growth.py); every float32 kernel now adds each step's P V t
 Outputs are poisoned with NaN first; inputs are fresh random normal draws.
 
 These tests force the portable (mma.sync) kernel, so it stays tested on a Hopper card too, where
-the planner would pick fwd_sm90.cu; tests/gpu/test_gpu_forward_sm90.py runs the same cases on that.
+the planner would pick hopper/fwd.cu; tests/gpu/test_gpu_forward_sm90.py runs the same cases on that.
 """
 from __future__ import annotations
 

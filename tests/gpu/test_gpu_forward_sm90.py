@@ -1,4 +1,4 @@
-"""Hopper forward kernel (kernels_cu/fwd_sm90.cu) against the float64 reference.
+"""Hopper forward kernel (kernels_cu/hopper/fwd.cu) against the float64 reference.
 
 Same criterion and harness as tests/gpu/test_gpu_forward.py (``run_case``: NaN-poisoned outputs,
 fresh random inputs, max error <= 2x the naive same-dtype computation + floor), with the Hopper

@@ -1,4 +1,4 @@
-"""Hopper float32 forward kernel (kernels_cu/fwd_sm90_f32.cu, 3xTF32 on wgmma) against the
+"""Hopper float32 forward kernel (kernels_cu/hopper/fwd_f32.cu, 3xTF32 on wgmma) against the
 float64 reference.
 
 Same harness as tests/gpu/test_gpu_forward.py (``run_case``: NaN-poisoned outputs, fresh random

@@ -298,14 +298,14 @@ def test_backward_names_a_bad_kernel_choice(kernel):
         gpu_bwd.backward(*([None] * 9), None, kernel=kernel)
 
 
-def test_dbias_mode_bits_mirror_common_cuh():
-    """plan_bwd's DBIAS_* constants are the values kernels_cu/common.cuh defines."""
+def test_dbias_mode_bits_mirror_params_cuh():
+    """plan_bwd's DBIAS_* constants are the values kernels_cu/common/params.cuh defines."""
     import pathlib
     import re
 
     from cupyflash.gpu import plan_bwd
 
-    src = (pathlib.Path(__file__).parents[2] / "kernels_cu" / "common.cuh").read_text()
+    src = (pathlib.Path(__file__).parents[2] / "kernels_cu" / "common" / "params.cuh").read_text()
     defined = {m[0]: int(m[1]) for m in re.findall(r"#define (DBIAS_\w+) (\d+)", src)}
     assert set(defined) == {"DBIAS_ROWS", "DBIAS_ATOMIC", "DBIAS_SLAB_B", "DBIAS_SLAB_H",
                             "DBIAS_STORE", "DBIAS_SCHED_B"}

@@ -1,4 +1,4 @@
-"""A discrete model of the Hopper dbias kernel's synchronization (kernels_cu/dbias_sm90.cu), run
+"""A discrete model of the Hopper dbias kernel's synchronization (kernels_cu/hopper/dbias.cu), run
 under many random interleavings on the CPU with the machinery of test_sm90_f32_bwd_protocol.py:
 the TMA thread and the two consumers as generators that wait on and arrive at mbarriers where
 the kernel does and read / write tagged shared-memory buffers (the half-stage ring, the bias

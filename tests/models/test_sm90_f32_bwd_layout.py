@@ -1,4 +1,4 @@
-"""CPU (NumPy) models of the float32 Hopper backward (kernels_cu/bwd_sm90_f32.cu), checked
+"""CPU (NumPy) models of the float32 Hopper backward (kernels_cu/hopper/bwd_f32.cu), checked
 without a GPU:
 
 * the shared-memory map (Layout) against its Python mirror and the 232,448-byte limit;
@@ -30,7 +30,7 @@ BM, BN, D = plan_bwd_sm90_f32.BM, plan_bwd_sm90_f32.BN, 64
 
 
 def layout(d):
-    """sm90bf::Layout<D> of bwd_sm90_f32.cu, transcribed (RAWQ, RAWDO: landing stage 0; RAW1:
+    """sm90bf::Layout<D> of hopper/bwd_f32.cu, transcribed (RAWQ, RAWDO: landing stage 0; RAW1:
     stage 1, RAW_STAGE = 2·QT further on)."""
     kvt, qt = BN * d * 4, BM * d * 4
     off, o = {}, 0
@@ -65,7 +65,7 @@ def test_shared_products_with_this_kernels_shapes():
 
 
 def key_of_slot(s):
-    """bwd_sm90_f32.cu's key_of_slot: the key in slot s of the dS tile (8-key k-steps)."""
+    """hopper/bwd_f32.cu's key_of_slot: the key in slot s of the dS tile (8-key k-steps)."""
     return 8 * (s // 8) + (s % 2) * 4 + (s % 8) // 2
 
 
@@ -81,7 +81,7 @@ def test_key_slots_are_a_permutation_inside_each_k_step():
 
 def ds_store_offset(t, kk, e):
     """Consumer lane t's dS store of fragment slot e of query step kk: (byte offset in its dS part,
-    key row, query) as bwd_sm90_f32.cu computes it (swz(q, slot_of_key(kl), DS_PANEL))."""
+    key row, query) as hopper/bwd_f32.cu computes it (swz(q, slot_of_key(kl), DS_PANEL))."""
     row_in_wg = (t // 32) * 16 + (t % 32) // 4
     kl, q = row_in_wg + 8 * (e % 2), 8 * kk + 2 * (t % 4) + e // 2
     sl = slot_of_key(kl)
@@ -181,7 +181,7 @@ def test_dq_product_through_the_ds_tile_and_kt_fragments():
 
 def test_dq_reductions_into_dq():
     """dQᵀ accumulator registers -> red.global.add.v2.f32 straight into the float32 dq rows
-    (bwd_sm90_f32.cu; dq zeroed by flash_bwd_pre_sm90_f32, no accumulator, no conversion): each
+    (hopper/bwd_f32.cu; dq zeroed by flash_bwd_pre_sm90_f32, no accumulator, no conversion): each
     (query, d) element once per consumer, the pairs (dq_acc[i], dq_acc[i + 2]) adjacent columns
     d0, d0 + 1 with d0 even (8-byte aligned, as the launcher requires of dq's rows)."""
     rng = np.random.default_rng(6)
@@ -318,7 +318,7 @@ def _why(dtype="float32", d=64, cc=90, **kw):
 
 
 def test_coverage_rules():
-    """What bwd_sm90_f32.cu accepts: float32, hd 64 or 128 (d = d_v), cc 9.0, no extras."""
+    """What hopper/bwd_f32.cu accepts: float32, hd 64 or 128 (d = d_v), cc 9.0, no extras."""
     assert _why() is None
     assert _why(window_left=10, window_right=0) is None
     assert _why(d=128) is None
@@ -334,7 +334,7 @@ def test_coverage_rules():
 
 
 def test_16_bit_hopper_backward_refuses_float32():
-    """The 16-bit Hopper backward's variants are 16-bit only: float32 goes to bwd_sm90_f32.cu
+    """The 16-bit Hopper backward's variants are 16-bit only: float32 goes to hopper/bwd_f32.cu
     (or the portable kernel)."""
     from cupyflash.gpu import plan_bwd_sm90
     assert all(v.elem in ("f16_t", "bf16_t") for v in plan_bwd_sm90.variants())

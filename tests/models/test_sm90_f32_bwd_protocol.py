@@ -1,4 +1,4 @@
-"""A discrete model of the float32 Hopper backward's synchronization (kernels_cu/bwd_sm90_f32.cu),
+"""A discrete model of the float32 Hopper backward's synchronization (kernels_cu/hopper/bwd_f32.cu),
 run under many random interleavings on the CPU: the roles (TMA thread, converter warps, the two
 consumers) as Python generators that wait on and arrive at mbarriers exactly where the kernel does,
 and read / write tagged shared-memory buffers. It fails on a deadlock, on a wait whose parity

@@ -1,5 +1,5 @@
 """CPU (NumPy) models of the hd 128 path of the float32 Hopper backward (design T in
-kernels_cu/bwd_sm90_f32.cu), checked without a GPU. Every address below is the kernel's own
+kernels_cu/hopper/bwd_f32.cu), checked without a GPU. Every address below is the kernel's own
 expression transcribed (swz, key_of_slot, slot_of_key, t_off, the fragment and accumulator
 positions); the wgmma reads of B go through the descriptor (start + n·128 + 4·k, 128-byte swizzle):
 
@@ -32,7 +32,7 @@ KV_PANEL, Q_PANEL, DS_PANEL = BN * 128, BM * 128, BM * 128
 
 
 def layout_t(d=D):
-    """sm90bf::LayoutT<128> of bwd_sm90_f32.cu, transcribed."""
+    """sm90bf::LayoutT<128> of hopper/bwd_f32.cu, transcribed."""
     kvt, qt, pt = BN * d * 4, BM * d * 4, BN * BM * 4
     off, o = {}, 0
     for name, size in (("KR", kvt), ("VR", kvt), ("QB", qt), ("QS", qt), ("DOB", qt), ("DOS", qt),
@@ -46,7 +46,7 @@ def layout_t(d=D):
 
 
 def kswz(row, col, panel):
-    """bwd_sm90_f32.cu's swz(row, col, panel): byte offset in a [rows, 32·k] swizzled tile."""
+    """hopper/bwd_f32.cu's swz(row, col, panel): byte offset in a [rows, 32·k] swizzled tile."""
     return (col // 32) * panel + row * 128 + ((((col % 32) // 4) ^ (row % 8)) << 4) + 4 * (col % 4)
 
 

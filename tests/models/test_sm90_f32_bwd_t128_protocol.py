@@ -1,5 +1,5 @@
 """The synchronization of the float32 Hopper backward's hd 128 path (design T in
-kernels_cu/bwd_sm90_f32.cu) as a discrete model, run under many random interleavings on the
+kernels_cu/hopper/bwd_f32.cu) as a discrete model, run under many random interleavings on the
 CPU, with tests/models/test_sm90_f32_bwd_protocol.py's machinery (mbarriers, tagged buffers, deadlock /
 parity-alias / overwrite checks) plus the named barriers of the consumers' handoffs (PT_FULL,
 DS_FULL, PT_EMPTY, DS_EMPTY: one side bar.arrive, the other bar.sync, 256 threads = both

@@ -1,5 +1,5 @@
 """CPU (NumPy) model of the float32 Hopper forward's shared-memory index math
-(kernels_cu/fwd_sm90_f32.cu), checked without a GPU:
+(kernels_cu/hopper/fwd_f32.cu), checked without a GPU:
 
 * the 128-byte swizzle as TMA writes it and wgmma reads it (16-byte chunk index XOR the row's
   index mod 8 inside each 1024-byte block: address bits 4-6 XOR bits 7-9);
@@ -62,7 +62,7 @@ def a_frag_pos(t, v):
 
 
 def transpose_items(BN, D, threads=96):
-    """The converters' work items, as fwd_sm90_f32.cu's transpose_v walks them: per item the
+    """The converters' work items, as hopper/fwd_f32.cu's transpose_v walks them: per item the
     lane, 4 (load address, key, column) triples and 4 x 4 (store address, key, column)."""
     KV_PANEL, VT_PANEL = BN * 128, D * 128
     items = BN * D // 16
@@ -193,7 +193,7 @@ def test_3xtf32_split_products():
 
 
 def split_q_addresses(D, BM, cw, kk, t):
-    """QREG: fwd_sm90_f32.cu's split_q, the byte offsets (from q_smem) of lane t's A fragment
+    """QREG: hopper/fwd_f32.cu's split_q, the byte offsets (from q_smem) of lane t's A fragment
     a[e], e = 0..3, of k-step kk in consumer cw's 64 rows."""
     Q_PANEL = BM * 128
     row_in_wg = (t // 32) * 16 + (t % 32) // 4

@@ -15,7 +15,7 @@ def test_every_variant_fits_and_meets_the_kernel_static_asserts(smem):
     vs = plan_bwd.variants(smem)
     assert len(vs) == len(gpu_variants.ELEMS) * len(gpu_variants.HEAD_DIM_BUCKETS) * 5   # 4 flag pairs + GENERAL
     for v in vs:
-        cg = 16 if v.elem in ("f16_t", "bf16_t") else 8   # column granularity (bwd.cu CG)
+        cg = 16 if v.elem in ("f16_t", "bf16_t") else 8   # column granularity (portable/bwd.cu CG)
         wmq = v.bm // 16
         assert v.smem_bytes <= smem, v.name
         assert v.nw % v.wd == 0 and v.bn % 16 == 0, v.name

@@ -1,6 +1,7 @@
 """Planner of the Hopper forward kernel (pure Python, no GPU): coverage, tiles, TMA geometry."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,21 @@ from cupyflash.gpu.tuning import TUNING
 
 ROOT = Path(__file__).resolve().parents[2]
 H200_SMEM = 227 * 1024
+
+
+def _kernel_source(rel: str) -> str:
+    """kernels_cu/<rel> with the kernels_cu/ headers it includes spliced in, each once (the text
+    NVRTC compiles): the mirrors below hold wherever the entry keeps a piece."""
+    seen = set()
+
+    def expand(path: str) -> str:
+        if path in seen:
+            return ""
+        seen.add(path)
+        text = (ROOT / "kernels_cu" / path).read_text()
+        return re.sub(r'#include "([^"]+)"', lambda m: expand(m.group(1)), text)
+
+    return expand(rel)
 
 
 def _unsupported(dtype="bfloat16", d=128, d_v=None, *, scale=0.1, softcap=0.0, has_alibi=False,
@@ -53,7 +69,7 @@ def test_variants_fit_and_are_distinct():
     for v in vs:
         assert v.smem_bytes <= H200_SMEM, v
         assert v.bn % 16 == 0 and v.d % 64 == 0
-        assert v.file == "fwd_sm90.cu" and "-arch=sm_90a" in v.arch_options
+        assert v.file == "hopper/fwd.cu" and "-arch=sm_90a" in v.arch_options
 
 
 @pytest.mark.parametrize("kw,why", [
@@ -63,7 +79,7 @@ def test_variants_fit_and_are_distinct():
     (dict(scale=-0.5, softcap=5.0), None),
     (dict(cc=80), "compute capability 8.0"),
     (dict(cc=120), "compute capability 12.0"),
-    (dict(dtype="float32"), None),                       # fwd_sm90_f32.cu
+    (dict(dtype="float32"), None),                       # hopper/fwd_f32.cu
     (dict(dtype="float32", d=64), None),
     (dict(dtype="float32", d=256), "head dims 256"),
     (dict(dtype="float32", softcap=5.0), "softcap"),
@@ -144,8 +160,8 @@ def test_wgmma_header_is_generated_and_current():
 
 
 def test_smem_layout_mirror():
-    """sm90_smem_bytes mirrors sm90::Layout in fwd_sm90.cu (the kernel traps on a mismatch)."""
-    src = (ROOT / "kernels_cu" / "fwd_sm90.cu").read_text()
+    """sm90_smem_bytes mirrors sm90::Layout in hopper/fwd.cu (the kernel traps on a mismatch)."""
+    src = _kernel_source("hopper/fwd.cu")
     assert "TILE = BARS + 8 * (2 + 5 * STAGES)" in src and "BYTES = TILE + 8" in src and "if (smem_given < L::BYTES + 1024) __trap();" in src
     assert "O_SMEM = !VARLEN && RING_BYTES + NC * O_WG + 1024 <= SMEM_MAX" in src
     assert "constexpr int SMEM_MAX = 227 * 1024;" in src
@@ -221,7 +237,7 @@ def test_backward_variants_fit_and_layout_mirror():
                                                 (True, 0)}
     assert all(v.smem_bytes <= H200_SMEM for v in vs)
     assert {(v.d, v.kvbuf) for v in vs} == {(64, 2), (128, 1)}
-    src = (ROOT / "kernels_cu" / "bwd_sm90.cu").read_text()
+    src = _kernel_source("hopper/bwd.cu")
     for expr in ("V = K + KVBUF * KV_TILE", "Q = V + KVBUF * KV_TILE", "DQ = DS + 2 * DS_TILE",
                  "DQ_PITCH = D * 4;", "BIAS_PANEL = BM * 128;",
                  "BIAS_TILE = BIAS_SMEM ? (BN / PANEL_COLS) * BIAS_PANEL : 0;",
@@ -314,10 +330,10 @@ def test_hd64_consumer_count(s_q, window, softcap, nc, bn, blocks):
 
 
 def test_blocks_per_sm_mirror_the_kernel():
-    """Sm90Variant.blocks_per_sm is fwd_sm90.cu's BlocksPerSm: two blocks with one consumer (three
+    """Sm90Variant.blocks_per_sm is hopper/fwd.cu's BlocksPerSm: two blocks with one consumer (three
     with 64-key tiles) as far as an SM's shared memory holds them (1 KB reserved per block), one
     otherwise; the kernel's __launch_bounds__ asks for that many."""
-    src = (ROOT / "kernels_cu" / "fwd_sm90.cu").read_text()
+    src = _kernel_source("hopper/fwd.cu")
     assert "WANT = NC == 1 ? (BN <= 64 ? 3 : 2) : 1;" in src
     assert "FIT = sm90::SMEM_PER_SM / (sm90::Layout<D, BN, STAGES, NC, VARLEN>::BYTES + 2048);" in src
     assert "constexpr int SMEM_PER_SM = 228 * 1024;" in src
@@ -507,7 +523,7 @@ def test_backward_varlen_tiles_cover_the_band_once(lens, mode):
                 seen[key] = seen.get(key, 0) + 1
     assert all(c == 1 for c in seen.values()), "a pair is visited twice"
     # the model above is the kernel's own mask and tile expressions (kept in step with them)
-    src = (ROOT / "kernels_cu" / "bwd_sm90.cu").read_text()
+    src = _kernel_source("hopper/bwd.cu")
     for expr in ("bool need_mask = VARLEN ? nk < BN : n0 + BN > p.s_k;",
                  "need_mask |= VARLEN ? nrel + BN - 1 > m0 + p.window_right || nrel < m0 + BM - 1 - p.window_left",
                  "const int kt = key - n0, rel = nrel + kt - m0 - col;",
@@ -528,7 +544,7 @@ def test_backward_varlen_tiles_cover_the_band_once(lens, mode):
 
 
 # ---------------------------------------------------------------------------------------------
-# float32 Hopper forward (kernels_cu/fwd_sm90_f32.cu)
+# float32 Hopper forward (kernels_cu/hopper/fwd_f32.cu)
 # ---------------------------------------------------------------------------------------------
 def test_f32_variants_fit_and_are_distinct():
     vs = plan_fwd_sm90.f32_variants()
@@ -537,16 +553,16 @@ def test_f32_variants_fit_and_are_distinct():
     for v in vs:
         assert v.smem_bytes <= H200_SMEM, v
         assert v.bn % 32 == 0 and v.d % 32 == 0 and v.nc in (1, 2) and v.stages >= 1
-        assert v.file == "fwd_sm90_f32.cu" and "-arch=sm_90a" in v.arch_options
+        assert v.file == "hopper/fwd_f32.cu" and "-arch=sm_90a" in v.arch_options
         assert v.name.startswith("fwd90_") and not v.softcap and not v.varlen and not v.bias
-    # the 16-bit list (the compile harness's fwd_sm90.cu chunks) does not take them in
+    # the 16-bit list (the compile harness's hopper/fwd.cu chunks) does not take them in
     assert not set(vs) & set(plan_fwd_sm90.variants())
 
 
 def test_f32_smem_mirrors_the_kernel_layout():
     """sm90_f32_smem_bytes against sm90f32::Layout, recomputed here from the kernel's own text:
     Q big / small, per stage K big / small, Vt big / small and raw V, 3 + 7·STAGES mbarriers."""
-    src = (ROOT / "kernels_cu" / "fwd_sm90_f32.cu").read_text()
+    src = _kernel_source("hopper/fwd_f32.cu")
     assert "BARS + 8 * (3 + 7 * STAGES)" in src and "VRAW + STAGES * KVT" in src
     assert "KB = QS + (QREG ? 0 : QT)" in src
     for d, bn, st, nc in ((64, 64, 2, 2), (128, 32, 2, 1), (128, 64, 1, 1), (128, 32, 2, 2)):
@@ -579,7 +595,7 @@ def test_f32_auto_flag_is_reported(monkeypatch, auto):
     assert isinstance(TUNING.sm90_float32_auto, bool)
     monkeypatch.setattr(TUNING, "sm90_float32_auto", auto)
     text = _forward_kernels(90)
-    assert ("fwd_sm90_f32.cu (3xTF32" in text) == auto
+    assert ("hopper/fwd_f32.cu (3xTF32" in text) == auto
     assert ("float32: the portable kernel" in text) == (not auto)
 
 
@@ -593,7 +609,7 @@ def test_tma_tensor_float32_box():
 
 
 def _longest_first_tail(m, pairs, grid, w):
-    """Mirror of sm90.cuh: longest_first_tail (the w-th work tile drawn -> its index; groups =
+    """Mirror of hopper/sm90.cuh: longest_first_tail (the w-th work tile drawn -> its index; groups =
     the forwards' (head, batch) pairs)."""
     tail_pairs = min(pairs, (2 * grid + m - 1) // m)
     tail0 = (pairs - tail_pairs) * m
@@ -610,7 +626,7 @@ def test_longest_first_tail_order(m, pairs, grid):
     """The causal / window forwards' draw order is a permutation of the work tiles: pair by pair
     up to the last two waves, then every pair's longest remaining query tile first (the
     kernel's index w % m = j is the pair's j-th longest tile)."""
-    src = (ROOT / "kernels_cu" / "sm90.cuh").read_text()
+    src = _kernel_source("hopper/sched.cuh")
     for line in ("const int tail_groups = min(groups, (2 * grid + m - 1) / m);",
                  "const int tail0 = (groups - tail_groups) * m;",
                  "return tail0 + (i % tail_groups) * m + i / tail_groups;"):

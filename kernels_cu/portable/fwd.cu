@@ -23,7 +23,10 @@
 //            instantiated with WINDOW and SCORE_MOD (docs/kernels.md, "bias, mask, varlen"):
 //            GEN_VARLEN packed sequences (cu_seqlens), GEN_BIAS_MASK bias and boolean mask.
 //            0 = neither (the plain kernels); 1 = varlen alone, on the plain tiles; 3 = all
-#include "common.cuh"
+#include "common/mma.cuh"
+#include "common/params.cuh"
+#include "common/score.cuh"
+#include "common/types.cuh"
 
 // Unroll of the k loop of S = Q Kᵀ: 1 for 16-bit types at D <= 64, else 2 (the next step's loads
 // overlap this step's products without hoisting every load; measured, docs/kernels.md).

@@ -1,6 +1,6 @@
 // cupyflash: Hopper (sm_90a) attention backward, main kernel: dK, dV (and dQ through a float32
 // accumulator) with TMA loads and wgmma products. The helper kernels before it (flash_bwd_pre_sm90:
-// D = rowsum(dO ∘ O) and the zeroed dQ accumulator; flash_bwd_pre from bwd.cu when O's rows are
+// D = rowsum(dO ∘ O) and the zeroed dQ accumulator; flash_bwd_pre from portable/bwd.cu when O's rows are
 // not 16-byte aligned) and after it (flash_bwd_dq_sm90: dq = dtype(accumulator)) are in this
 // module too.
 //
@@ -37,7 +37,7 @@
 // cores. The consumers load from global memory only a bias in the BIAS_LD* variants; BIAS_TMA
 // stages the step's bias tile [BM, BN] into the Q / dO ring slot (bias_smem, by the TMA thread).
 // VARLEN (packed sequences): work tiles (key tile of the longest sequence, kv head, sequence z);
-// each reads its sequence's first rows and lengths from cu_seqlens (WorkTile: s_q, s_k, diag,
+// each reads its sequence's first rows and lengths from cu_seqlens (KeyTile: s_q, s_k, diag,
 // q_row, k_row). The tensor maps cover the packed [1, total, h, d] tensors, so a TMA box may take
 // in rows of the next sequence: those keys are masked (P = 0), those query rows get lse = +inf
 // (P = 0, dS = 0) and D = 0, dK / dV rows past the sequence's s_k are not stored, and the dQ bulk
@@ -46,170 +46,19 @@
 // packed row index, so a tile's rows are offset by q_row mod 8 (flash_bwd_dq_sm90 unchanged).
 // Causal / window are aligned per sequence (p.varlen_bottom_right). The producer skips tiles whose
 // keys start past their sequence's end before handing them on: the readers never see them.
-// Covered (the launcher routes the rest to bwd.cu): float16 / bfloat16, d = d_v in {64, 128},
+// Covered (the launcher routes the rest to portable/bwd.cu): float16 / bfloat16, d = d_v in {64, 128},
 // causal / window (either alignment), GQA / MQA, any s_q, s_k, scale > 0, no softcap / ALiBi,
 // atomic (non-deterministic) dQ, TMA-compatible strides; dense or (VARLEN) packed sequences;
 // (BIAS) an additive bias with dbias, in the layouts _gpu_bwd_sm90.bias_unsupported accepts. A
-// boolean mask, deterministic dbias and other bias layouts run bwd.cu.
-#include "bwd.cu"
-#include "sm90.cuh"
-#include "wgmma.cuh"
-
-namespace sm90b {
-
-constexpr int BN = 128;              // keys per block: two consumer warpgroups x 64
-constexpr int BM = 64;               // query rows per step
-constexpr int THREADS = 384;
-constexpr int PRODUCER_REGS = 40;
-constexpr int CONSUMER_REGS = 232;   // 40·128 + 232·256 <= 64K registers per SM
-constexpr int DS_BAR = 1;            // named barrier 1: both consumers wrote their dSᵀ rows
-constexpr int ROWS_WARP = 1;         // producer warp staging lse·log2 e and D
-constexpr int DQ_WARP = 2;           // producer warp adding dq_smem into the accumulator
-constexpr int PANEL_COLS = 64;       // 64 16-bit columns = one 128-byte swizzle row
-constexpr int NBUF = 2;              // Q / dO ring depth
-constexpr int TILE_RING = 2;         // work-tile indices in flight (tile_smem ring)
-// Warps that read each tile_smem index (each of their lanes frees the slot): the consumer
-// warps (4 + 4) and the ROWS_WARP
-constexpr int TILE_READERS = 2 * 4 + 1;
-static_assert(TILE_RING + 2 <= 4, "tile_smem and seq_smem share 16 bytes");
-
-// The kernel's BIAS template argument: how the additive bias reaches the scores
-constexpr int BIAS_NONE = 0;
-constexpr int BIAS_LD16 = 1;   // E's 16-bit elements, loaded from global memory by the consumers
-constexpr int BIAS_LD32 = 2;   // float32 elements, likewise
-constexpr int BIAS_TMA = 3;    // E's 16-bit elements, staged per step into bias_smem by TMA
-
-// Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
-// cupyflash/_gpu_bwd_sm90.py: smem_bytes.
-template <int D, int KVBUF, bool BIAS_SMEM>
-struct Layout {
-    static constexpr int PANELS = D / PANEL_COLS;
-    static constexpr int KV_PANEL = BN * 128;                // bytes of k_smem / v_smem [BN, 64]
-    static constexpr int KV_TILE = PANELS * KV_PANEL;
-    static constexpr int Q_PANEL = BM * 128;                 // bytes of q_smem / do_smem [BM, 64]
-    static constexpr int Q_TILE = PANELS * Q_PANEL;
-    static constexpr int DS_TILE = BN * BM * 2;              // dsT_smem [BN keys, BM queries]
-    static constexpr int DQ_PITCH = D * 4;                   // dq_smem row bytes (chunk-swizzled)
-    static constexpr int K = 0;                              // k_smem [KVBUF][PANELS][BN][64]
-    static constexpr int V = K + KVBUF * KV_TILE;            // v_smem [KVBUF][PANELS][BN][64]
-    static constexpr int Q = V + KVBUF * KV_TILE;            // q_smem [NBUF][PANELS][BM][64]
-    static constexpr int DO = Q + NBUF * Q_TILE;             // do_smem [NBUF][PANELS][BM][64]
-    static constexpr int DS = DO + NBUF * Q_TILE;            // dsT_smem [2][BN][BM]
-    static constexpr int DQ = DS + 2 * DS_TILE;              // dq_smem [BM][D] float32 (DQ_BULK)
-    static constexpr int BIAS_PANEL = BM * 128;              // bias_smem [BM queries, 64 keys], 16-bit
-    static constexpr int BIAS_TILE = BIAS_SMEM ? (BN / PANEL_COLS) * BIAS_PANEL : 0;
-    static constexpr int BIAS = DQ + BM * DQ_PITCH;          // bias_smem [NBUF][BN / 64][BM][64] (BIAS_TMA)
-    static constexpr int ROWS = BIAS + NBUF * BIAS_TILE;     // rows_smem [NBUF][lse·log2 e, D][BM]
-    static constexpr int TILE = ROWS + NBUF * 2 * BM * 4;    // tile_smem [TILE_RING] int, seq_smem [2] int (16 bytes)
-    static constexpr int JOB = TILE + 16;                    // dq_job: accumulator address, bytes
-    static constexpr int BARS = JOB + 16;                    // kv_full[KVBUF], kv_empty[KVBUF],
-                                                             // qdo_full[NBUF], qdo_empty[NBUF],
-                                                             // dq_full, dq_empty,
-                                                             // tile_full[TILE_RING], tile_empty[TILE_RING]
-    static constexpr int BYTES = BARS + 8 * (2 * KVBUF + 2 * NBUF + 2 + 2 * TILE_RING);
-};
-
-// Query tiles a key tile [n0, n0 + n_rows) of a sequence (s_q, s_k, diag(i) = i + diag) meets:
-// rows i with i + diag - left <= j <= i + diag + right for some key j of the tile (mirror of
-// _gpu_bwd.query_tiles)
-template <bool WINDOW>
-__device__ __forceinline__ void query_tile_range(const Params& p, int s_q, int s_k, int diag, int n0,
-                                                 int* m_first, int* m_count) {
-    const int n_rows = min(BN, s_k - n0);
-    int i_lo = 0, i_hi = s_q - 1;
-    if (WINDOW) {
-        i_lo = max(0, n0 - diag - p.window_right);
-        i_hi = min(s_q - 1, n0 + n_rows - 1 - diag + p.window_left);
-    }
-    *m_first = i_lo / BM;
-    *m_count = i_hi >= i_lo ? i_hi / BM - i_lo / BM + 1 : 0;
-}
-
-// Work tile w = n_block + num_n · (kv_head + h_k · batch): key tiles fastest. VARLEN: "batch" is
-// packed sequence z (p.b sequences: rows cu_seqlens[z] .. cu_seqlens[z + 1] of the [1, total, h, d]
-// tensors; p.s_q / p.s_k are the totals, num_n = p.num_n_blocks covers the longest sequence's keys,
-// so tiles whose keys start past their sequence's s_k have no keys: the producer skips them).
-// With a bias whose dbias sums over the batch (DBIAS_SCHED_B), w = batch + b · (n_block + num_n ·
-// kv_head): the blocks adding into one dbias tile run together, so its float32 lines stay in L2
-// between their additions
-struct WorkTile {
-    int n0, kv_head, batch;   // keys n0 .. n0 + BN (of the sequence) of kv head kv_head in batch `batch`
-    int s_q, s_k, diag;       // this sequence's lengths; diag(i) = i + diag
-    int q_row, k_row;         // first packed row of the sequence in q / dO and in k / v (0 dense)
-    int tma_b;                // batch coordinate of the tensor maps and strides (0 varlen)
-    int m_first, m_count;     // the query tiles that see them
-    int steps;                // m_count x the query heads of the group
-    bool keys;                // the tile has keys (varlen: n0 < this sequence's s_k)
-};
-template <bool WINDOW, bool VARLEN, int BIAS>
-__device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
-    const int num_n = VARLEN ? p.num_n_blocks : (p.s_k + BN - 1) / BN;
-    WorkTile wt;
-    if (BIAS && (p.dbias_mode & DBIAS_SCHED_B)) {
-        wt.batch = w % p.b;
-        wt.n0 = ((w / p.b) % num_n) * BN;
-        wt.kv_head = w / p.b / num_n;
-    } else {
-        wt.n0 = (w % num_n) * BN;
-        wt.kv_head = (w / num_n) % p.h_k;
-        wt.batch = w / num_n / p.h_k;
-    }
-    set_sequence<VARLEN>(p, wt);
-    wt.keys = !VARLEN || wt.n0 < wt.s_k;   // dense tiles always have keys
-    query_tile_range<WINDOW>(p, wt.s_q, wt.s_k, wt.diag, wt.n0, &wt.m_first, &wt.m_count);
-    wt.steps = wt.keys ? wt.m_count * p.h_per_hk : 0;
-    return wt;
-}
-// query head and first query row (of the sequence) of step st of a work tile
-__device__ __forceinline__ int step_head(const Params& p, const WorkTile& wt, int st) {
-    return wt.kv_head * p.h_per_hk + st / wt.m_count;
-}
-__device__ __forceinline__ int step_m0(const WorkTile& wt, int st) {
-    return (wt.m_first + st % wt.m_count) * BM;
-}
-// Index of the sequence's row 0 of query head `head` in the [b, h, s_q] row arrays (lse, D, the
-// dQ accumulator's rows); VARLEN: [h, total_q] (p.s_q = total_q)
-template <bool VARLEN>
-__device__ __forceinline__ i64 head_rows(const Params& p, const WorkTile& wt, int head) {
-    if constexpr (VARLEN) return (i64)head * p.s_q + wt.q_row;
-    return ((i64)wt.batch * p.h + head) * p.s_q;
-}
-
-// cu_seqlens[z], read again where it is used (an L1 hit) rather than held in a register across
-// a tile's steps: the hd 128 consumers have none to spare
-__device__ __forceinline__ int ld_seq(const int* a) {
-    return __ldg(a);
-}
-// The work tile's accumulator rows [s_q, D] of query head `head` and (*s_q) the sequence's s_q
-template <bool VARLEN, int D>
-__device__ __forceinline__ float* dq_rows(const Params& p, const WorkTile& wt, int head, int* s_q) {
-    if constexpr (VARLEN) {
-        const int q_row = ld_seq(p.cu_seqlens_q + wt.batch);
-        *s_q = ld_seq(p.cu_seqlens_q + wt.batch + 1) - q_row;
-        return p.dq_accum + ((i64)head * p.s_q + q_row) * D;
-    }
-    *s_q = p.s_q;
-    return p.dq_accum + ((i64)wt.batch * p.h + head) * p.s_q * D;
-}
-
-// Float offset of element (row i, column c) in a chunk-swizzled float32 row of D columns:
-// 16-byte chunk c / 4 XOR i mod 8 (stays within the row: D / 4 >= 8 chunks)
-__device__ __forceinline__ int dq_swizzle(int i, int c) {
-    return (((c >> 2) ^ (i & 7)) << 2) | (c & 3);
-}
-
-// dst_gmem[0 .. bytes/4) += src_smem[..] (float32), done by the TMA unit; counted in this
-// thread's bulk group (bulk_commit / bulk_wait*)
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst_gmem, u32 src_smem, u32 bytes) {
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-                 :: "l"(dst_gmem), "r"(src_smem), "r"(bytes) : "memory");
-}
-// *addr += (x, y) on two consecutive floats in global memory (sm_90 vector reduction)
-__device__ __forceinline__ void red_add_v2(float* addr, float x, float y) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(addr), "f"(x), "f"(y) : "memory");
-}
-
-}  // namespace sm90b
+// boolean mask, deterministic dbias and other bias layouts run portable/bwd.cu.
+#include "common/bwd_pre_dq.cuh"
+#include "common/mma.cuh"
+#include "common/params.cuh"
+#include "common/types.cuh"
+#include "hopper/bwd_parts.cuh"
+#include "hopper/sched.cuh"
+#include "hopper/sm90.cuh"
+#include "hopper/wgmma.cuh"
 
 // VARLEN: packed sequences (see the header). BIAS (sm90b::BIAS_*): 0 none; 1 bias elements in
 // E's storage, 2 float32 bias elements, both loaded by the consumers (unit key stride: the
@@ -294,11 +143,11 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 // every reader has taken the slot's previous index
                 if (tile_i >= TILE_RING) mbar_wait(tile_empty + 8 * ts, ((tile_i / TILE_RING) - 1) & 1);
                 int w;
-                WorkTile wt;
+                KeyTile wt;
                 do {   // varlen: tiles whose keys start past their sequence's end are skipped here,
                        // so the readers (consumers, ROWS_WARP) never see them
                     w = sched_draw(p.sched, drawn);
-                    if (w < num_work) wt = work_tile<WINDOW, VARLEN, BIAS>(p, w);
+                    if (w < num_work) wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS>(p, w);
                 } while (VARLEN && w < num_work && !wt.keys);
                 tile_smem[ts] = w < num_work ? w : -1;
                 mbar_arrive(tile_full + 8 * ts);     // publishes tile_smem[ts] (release)
@@ -359,9 +208,9 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             for (int tile_i = 0;; ++tile_i) {
                 const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING);
                 if (w < 0) break;
-                const WorkTile wt = work_tile<WINDOW, VARLEN, BIAS>(p, w);
+                const KeyTile wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS>(p, w);
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
-                    const int head = step_head(p, wt, st), m0 = step_m0(wt, st);
+                    const int head = step_head(p, wt, st), m0 = step_m0<BM>(wt, st);
                     const int s = q_it % NBUF;
                     const i64 bh_row = head_rows<VARLEN>(p, wt, head);   // row 0 of the sequence's head
                     if (q_it >= NBUF) mbar_wait(qdo_empty + 8 * s, ((q_it / NBUF) - 1) & 1);
@@ -439,7 +288,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     for (int tile_i = 0;; ++tile_i) {
         const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING);
         if (w < 0) break;
-        const WorkTile wt = work_tile<WINDOW, VARLEN, BIAS>(p, w);
+        const KeyTile wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS>(p, w);
         const int n0 = wt.n0;
         const int key0 = n0 + cw * 64 + row_in_wg;         // this lane's keys: key0, key0 + 8
         // VARLEN's mask values, kept in shared memory (hd 128 has no registers to spare): nk =
@@ -462,7 +311,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
         if (wt.steps > 0) mbar_wait(kv_full + 8 * kb, (kv_it / KVBUF) & 1);   // K, V of the tile landed
 
         for (int st = 0; st < wt.steps; ++st, ++q_it) {
-            const int m0 = step_m0(wt, st);
+            const int m0 = step_m0<BM>(wt, st);
             const int s = q_it % NBUF;
             const u32 q_tile = q_smem + s * L::Q_TILE, do_tile = do_smem + s * L::Q_TILE;
             const float* lse_smem = rows_smem + s * 2 * BM;   // [BM] lse·log2 e of the step
@@ -471,7 +320,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             if constexpr (BIAS_LD) {   // bias blocks: this step's into L1 (loaded after Sᵀ),
                                        // the next step's into L2
                 fetch_bias(wt.batch, head, m0, n0, true);
-                if (st + 1 < wt.steps) fetch_bias(wt.batch, step_head(p, wt, st + 1), step_m0(wt, st + 1), n0, false);
+                if (st + 1 < wt.steps) fetch_bias(wt.batch, step_head(p, wt, st + 1), step_m0<BM>(wt, st + 1), n0, false);
             }
 
             // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ  [64 keys, BM], fp32: two groups, so Pᵀ can start
@@ -802,7 +651,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
 // ---------------------------------------------------------------------------------------------
 
 // D = rowsum(dO ∘ O) [b, h, s_q] and the zeroed dQ accumulator row, D / 8 threads per query row,
-// each with one 16-byte chunk of dO and O (the launcher runs bwd.cu's flash_bwd_pre instead when
+// each with one 16-byte chunk of dO and O (the launcher runs portable/bwd.cu's flash_bwd_pre instead when
 // O's rows are not 16-byte aligned; dO's are, for TMA).
 template <typename E, int D>
 __global__ void __launch_bounds__(256)

@@ -5,7 +5,7 @@
 // accumulator and no conversion kernel.
 //
 //   Every product A·B is small_A·big_B + big_A·small_B + big_A·big_B in fp32, with
-//   big = tf32_rn(x), small = tf32_rn(x − big) (sm90.cuh's split_tf32, as the forward).
+//   big = tf32_rn(x), small = tf32_rn(x − big) (hopper/sm90.cuh's split_tf32, as the forward).
 //
 // Why this shape (docs/f32-backward-design.md, "What does not fit"): wgmma .tf32 reads both
 // shared-memory operands K-major only and every operand needs a big and a small copy, so the
@@ -14,8 +14,8 @@
 // released separately), hd 64 only.
 //
 // Persistent blocks of 384 threads (one per SM) walk the work tiles (key tile, kv head, batch;
-// key tiles fastest, drawn from p.sched as in bwd_sm90.cu; causal / window: the grid's tail
-// longest first, sm90.cuh's longest_first_tail); the steps of a tile are every query head of the
+// key tiles fastest, drawn from p.sched as in hopper/bwd.cu; causal / window: the grid's tail
+// longest first, hopper/sched.cuh's longest_first_tail); the steps of a tile are every query head of the
 // kv head's group x every 32-row query tile that sees the key tile.
 //   warpgroup 0, producer (setmaxnreg 56):
 //     thread 0 (TMA): draws work tiles (two-deep ring of indices in shared memory); per tile K, V
@@ -25,7 +25,7 @@
 //       once the consumers are past the previous step's Sᵀ, dPᵀ: Q and dO big / small in their
 //       own layout (B of Sᵀ, dPᵀ) and the lse·log2 e and D rows; once they are past its dV, dK:
 //       Qᵀ and dOᵀ big / small [D, BM] split from the raw tiles (landing stage then free), the
-//       queries permuted inside each 8-query k-step (B of dK, dV: fwd_sm90_f32.cu's Vᵀ
+//       queries permuted inside each 8-query k-step (B of dK, dV: hopper/fwd_f32.cu's Vᵀ
 //       transposition).
 //   warpgroups 1, 2, consumers (setmaxnreg 224): keys n0 + 64·cw .. + 63 each; per tile, split
 //     their V rows (big in place, small kept as TF32 A fragments: 32 registers); per step:
@@ -42,7 +42,13 @@
 // Covered: float32 (E = f32x3_t), d = d_v = 64, dense (no varlen / bias /
 // softcap / ALiBi), causal / window (WINDOW), GQA / MQA, any s_q, s_k, scale > 0, atomic dQ.
 // Tensor maps: boxes of 32 float columns x BM rows (q, dout) and x BN rows (k, v).
-#include "bwd_sm90.cu"
+#include "common/mma.cuh"
+#include "common/params.cuh"
+#include "common/types.cuh"
+#include "hopper/bwd_parts.cuh"
+#include "hopper/sched.cuh"
+#include "hopper/sm90.cuh"
+#include "hopper/wgmma.cuh"
 
 namespace sm90bf {
 
@@ -144,7 +150,7 @@ struct LayoutT {
 template <int D> struct LayoutOf { using type = Layout<D>; };
 template <> struct LayoutOf<128> { using type = LayoutT<128>; };
 
-// Work tile w = n_block + num_n · (kv_head + h_k · batch) (dense; bwd_sm90.cu's order)
+// Work tile w = n_block + num_n · (kv_head + h_k · batch) (dense; hopper/bwd.cu's order)
 struct WorkTile {
     int n0, kv_head, batch;   // keys n0 .. n0 + BN of kv head kv_head in batch `batch`
     int m_first, m_count;     // the BM-row query tiles that see them

@@ -1,7 +1,12 @@
-// cupyflash: sm_90a (Hopper) building blocks for kernels_cu/fwd_sm90.cu: mbarriers, TMA tile
-// loads, wgmma shared-memory descriptors and fences, named barriers, register reallocation.
-// Inline PTX only (no CUDA toolkit header), like common.cuh. Needs -arch=sm_90a.
+// cupyflash: sm_90a (Hopper) building blocks for the hopper/ kernels: mbarriers, TMA tile
+// loads, wgmma shared-memory descriptors and fences, shared-memory accesses, TF32 splits, named
+// barriers, register reallocation. Inline PTX only (no CUDA toolkit header), like common/.
+// Needs -arch=sm_90a.
 #pragma once
+
+#include "common/mma.cuh"
+#include "common/params.cuh"
+#include "common/types.cuh"
 
 typedef unsigned long long u64;
 
@@ -144,7 +149,7 @@ __device__ __forceinline__ void sts32(u32 addr, u32 x) {
     asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(x) : "memory");
 }
 // float32 to TF32 (an fp32 bit pattern with the low 13 mantissa bits zero), rounded to nearest
-// even: cvt.rn.tf32.f32, one F2FP instruction on sm_90 (common.cuh's to_tf32, cvt.rna for the
+// even: cvt.rn.tf32.f32, one F2FP instruction on sm_90 (common/types.cuh's to_tf32, cvt.rna for the
 // portable kernels on sm_80, is three: FSETP + IADD + LOP3). Measured: the float32 forward
 // +3–24 %, the backward +11–14 % against cvt.rna (docs/hopper.md).
 __device__ __forceinline__ u32 tf32_rn(float x) {
@@ -159,7 +164,7 @@ __device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
     small = tf32_rn(x - __uint_as_float(big));
 }
 
-// One work item of the float32 kernels' transposes (fwd_sm90_f32.cu's Vᵀ, bwd_sm90_f32.cu's Qᵀ /
+// One work item of the float32 kernels' transposes (hopper/fwd_f32.cu's Vᵀ, hopper/bwd_f32.cu's Qᵀ /
 // dOᵀ): a [R, D] float32 tile of rows (keys or queries; swizzled panels [D/32][R][32]) to
 // [R/32][D][32] (row = column d), the rows permuted inside each 8-row k-step (row 2c -> slot c,
 // 2c + 1 -> slot c + 4: the order of the P / dS A fragments). Item i = 4 rows 8·kg + par + 2·ii
@@ -214,56 +219,6 @@ struct TransposeItem {
     }
 };
 
-// Work tile tile_i of a persistent backward block, from the ring of `ring` indices the
-// scheduling thread publishes (tile_smem [ring]; mbarriers tile_full / tile_empty [ring], 8 bytes
-// apart; tile_empty counts one arrival per reading thread): every lane of the calling warp reads
-// the index and frees the slot itself (each read and its release in one thread's program order,
-// which racecheck can follow; once per work tile). -1: no work left.
-__device__ __forceinline__ int take_tile(volatile int* tile_smem, u32 tile_full, u32 tile_empty,
-                                         int tile_i, int ring) {
-    const int ts = tile_i % ring;
-    mbar_wait(tile_full + 8 * ts, (tile_i / ring) & 1);
-    const int w = tile_smem[ts];
-    mbar_arrive(tile_empty + 8 * ts);
-    return w;
-}
-
-// The next work-tile index of a persistent block: from the per-stream counter sched [2] (the
-// scheduler's atomic, dynamic order), or without one (sched null) i · grid + block, the i-th
-// static draw; `drawn` counts this block's draws.
-__device__ __forceinline__ int sched_draw(unsigned int* sched, int& drawn) {
-    const int w = sched ? (int)atomicAdd(sched, 1u) : (int)blockIdx.x + drawn * (int)gridDim.x;
-    ++drawn;
-    return w;
-}
-
-// The persistent kernels' work-tile counter sched [2] (drawn index, finished blocks): called
-// once per block after its last draw. Every block has drawn its last index before it counts
-// itself finished, so the last one may zero the counter for the next launch on the stream.
-__device__ __forceinline__ void sched_finish(unsigned int* sched) {
-    __threadfence();
-    if (atomicAdd(sched + 1, 1u) == gridDim.x - 1) {
-        sched[0] = 0;
-        sched[1] = 0;
-        __threadfence();
-    }
-}
-
-// Causal / window work tiles differ in length, and a persistent grid ends with its last block:
-// the last work tiles, those of the last T groups (T·m >= two waves of the grid; m tiles per
-// group, drawn in order j = 0 .. m − 1 its j-th longest), are drawn longest first across those
-// groups (every group's tile 0, then every group's tile 1, ...) instead of group by group. The
-// w-th tile drawn -> its index in group order (a bijection of [0, m · groups)). Groups: (head,
-// batch) pairs of query tiles in the forwards, (kv head, batch) pairs of key tiles in
-// bwd_sm90_f32.cu.
-__device__ __forceinline__ int longest_first_tail(int w, int m, int groups, int grid) {
-    const int tail_groups = min(groups, (2 * grid + m - 1) / m);
-    const int tail0 = (groups - tail_groups) * m;               // the tail's first tile
-    if (w < tail0) return w;
-    const int i = w - tail0;                                    // i-th tile of the tail
-    return tail0 + (i % tail_groups) * m + i / tail_groups;     // group i % T, its tile i / T
-}
-
 // ---------------------------------------------------------------------------------------------
 // Named barriers (ids 1..15; 0 is __syncthreads) over `threads` threads, and warpgroup
 // register reallocation.
@@ -293,27 +248,4 @@ template <int R> __device__ __forceinline__ void regs_acquire() {
 // (tanh.approx.f32 is ~5e-4, too coarse once multiplied by a softcap of 30 or 50)
 __device__ __forceinline__ float tanh_fast(float x) {
     return 1.f - __fdividef(2.f, fast_exp2(x * (2.f * CF_LOG2E)) + 1.f);
-}
-
-// The sequence a work tile of the forward or backward reads (both WorkTile types name these
-// fields alike): lengths s_q, s_k, diagonal offset diag (row i's diagonal key is i + diag), first
-// packed rows q_row / k_row and the tensor maps' batch coordinate tma_b. Dense: the batch entry
-// wt.batch of [b, s, h, d] tensors. VARLEN: packed sequence z = wt.batch, rows cu_seqlens[z] ..
-// cu_seqlens[z + 1] of the [1, total, h, d] tensors, causal / window aligned per sequence.
-template <bool VARLEN, typename WT>
-__device__ __forceinline__ void set_sequence(const Params& p, WT& wt) {
-    if constexpr (VARLEN) {
-        wt.q_row = p.cu_seqlens_q[wt.batch];
-        wt.k_row = p.cu_seqlens_k[wt.batch];
-        wt.s_q = p.cu_seqlens_q[wt.batch + 1] - wt.q_row;
-        wt.s_k = p.cu_seqlens_k[wt.batch + 1] - wt.k_row;
-        wt.diag = p.varlen_bottom_right ? wt.s_k - wt.s_q : 0;
-        wt.tma_b = 0;
-    } else {
-        wt.q_row = wt.k_row = 0;
-        wt.s_q = p.s_q;
-        wt.s_k = p.s_k;
-        wt.diag = p.diag_offset;
-        wt.tma_b = wt.batch;
-    }
 }

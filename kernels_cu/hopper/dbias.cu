@@ -1,4 +1,4 @@
-// cupyflash: Hopper (sm_90a) dbias kernel: bwd.cu's flash_bwd_dbias (same math, same output)
+// cupyflash: Hopper (sm_90a) dbias kernel: portable/bwd.cu's flash_bwd_dbias (same math, same output)
 // with TMA loads and wgmma products. The launcher (cupyflash/_gpu_dbias_sm90.py) runs it after
 // the main backward kernels, which then write no dbias, instead of flash_bwd_dbias wherever it
 // covers the call:
@@ -54,9 +54,12 @@
 // d = d_v in {64, 128}; the bias in q's 16-bit type (BIAS_F32 = false) or float32 (true) with a
 // full query dimension and strides TMA accepts; any scale; GQA / MQA; causal / window. Not:
 // softcap, ALiBi, a boolean mask (the portable kernel applies those).
-#include "common.cuh"
-#include "sm90.cuh"
-#include "wgmma.cuh"
+#include "common/mma.cuh"
+#include "common/params.cuh"
+#include "common/types.cuh"
+#include "hopper/sched.cuh"
+#include "hopper/sm90.cuh"
+#include "hopper/wgmma.cuh"
 
 namespace sm90d {
 
@@ -94,46 +97,6 @@ struct Layout {
 // dbias (and bias) element type: float32, or E's 16-bit storage
 template <bool F32, typename S> struct BiasElem { typedef S type; };
 template <typename S> struct BiasElem<true, S> { typedef float type; };
-
-// Work tile w: the dbias tile (m0, n0) of plane (pb, ph), query tiles fastest, then key tiles,
-// then planes (pb · planes_h + ph). The plane sums nb·nh pairs: every batch entry where dbias is
-// summed over the batch (dbias_stride_b = 0), else pb alone; likewise heads.
-struct DbiasTile {
-    int m0, n0;        // first query row and first key of the tile
-    int pb, ph;        // the plane: dbias (and bias) batch and head coordinates
-    int pairs;         // (batch, head) pairs summed into the tile; 0: no row keeps a key of it
-    bool need_mask;    // WINDOW: the tile crosses a band edge (P masked per element)
-};
-__device__ __forceinline__ int num_planes(const Params& p) {
-    return (p.dbias_stride_b ? p.b : 1) * (p.dbias_stride_h ? p.h : 1);
-}
-template <bool WINDOW>
-__device__ __forceinline__ DbiasTile dbias_tile(const Params& p, int w) {
-    const int num_m = (p.s_q + BM - 1) / BM, num_n = (p.s_k + BN - 1) / BN;
-    DbiasTile wt;
-    wt.m0 = (w % num_m) * BM;
-    wt.n0 = ((w / num_m) % num_n) * BN;
-    const int plane = w / num_m / num_n, planes_h = p.dbias_stride_h ? p.h : 1;
-    wt.pb = plane / planes_h;
-    wt.ph = plane % planes_h;
-    const int nb = p.dbias_stride_b ? 1 : p.b, nh = p.dbias_stride_h ? 1 : p.h;
-    wt.pairs = nb * nh;
-    wt.need_mask = false;
-    if (WINDOW) {   // row i keeps key j when diag(i) − left <= j <= diag(i) + right
-        const int m_last = min(wt.m0 + BM, p.s_q) - 1, n_last = min(wt.n0 + BN, p.s_k) - 1;
-        if (n_last < wt.m0 + p.diag_offset - p.window_left || wt.n0 > m_last + p.diag_offset + p.window_right)
-            wt.pairs = 0;
-        wt.need_mask = wt.n0 + BN - 1 > wt.m0 + p.diag_offset + p.window_right ||
-                       wt.n0 < wt.m0 + BM - 1 + p.diag_offset - p.window_left;
-    }
-    return wt;
-}
-// (batch, query head) of pair `it` of the tile's plane (batch outer, head inner)
-__device__ __forceinline__ void pair_of(const Params& p, const DbiasTile& wt, int it, int* batch, int* head) {
-    const int nh = p.dbias_stride_h ? 1 : p.h;
-    *batch = p.dbias_stride_b ? wt.pb : it / nh;
-    *head = p.dbias_stride_h ? wt.ph : it % nh;
-}
 
 }  // namespace sm90d
 
@@ -223,7 +186,7 @@ flash_bwd_dbias_sm90(const __grid_constant__ Params p) {
                 tile_smem[ts] = w < num_work ? w : -1;
                 mbar_arrive(tile_full + 8 * ts);     // publishes tile_smem[ts] (release)
                 if (w >= num_work) break;            // no work left: the consumers stop on -1
-                const DbiasTile wt = dbias_tile<WINDOW>(p, w);
+                const DbiasTile wt = dbias_tile<BM, BN, WINDOW>(p, w);
                 for (int it = 0; it < wt.pairs; ++it) {
                     int batch, head;
                     pair_of(p, wt, it, &batch, &head);
@@ -263,7 +226,7 @@ flash_bwd_dbias_sm90(const __grid_constant__ Params p) {
     for (int tile_i = 0;; ++tile_i) {
         const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING);
         if (w < 0) break;
-        const DbiasTile wt = dbias_tile<WINDOW>(p, w);
+        const DbiasTile wt = dbias_tile<BM, BN, WINDOW>(p, w);
         const int row0 = wt.m0 + cw * 64 + row_in_wg;     // this lane's rows: row0, row0 + 8
         const int bb = bias_it % BIASBUF;
         const u32 bias_tile = bias_smem + bb * L::BIAS_TILE;   // [BN / BIAS_KEYS][BM][BIAS_KEYS]

@@ -7,13 +7,13 @@
 //   big_A·small_B + big_A·big_B in fp32 (the small·small term is below float32's rounding).
 //   E = tf32_t (allow_tf32) takes big·big alone.
 //
-// Why a file of its own (and not an element type of fwd_sm90.cu): the 16-bit kernel's operands are
+// Why a file of its own (and not an element type of hopper/fwd.cu): the 16-bit kernel's operands are
 // used as TMA stores them; here every K, V and Q tile must be rewritten in shared memory before
 // wgmma can read it (TF32 parts; V transposed, because wgmma .tf32 takes no transposed operand),
 // which adds a converter role with its own barriers, a different shared-memory layout and three
 // products per k-step. The scheduler, the work tiles and the per-row softmax state (masks and
 // online softmax: online_softmax; O rescale, reset, final O / l and lse: rescale_o, reset_rows,
-// store_rows) are fwd_sm90.cu's (included below). The consumers' turn-taking loop (first_turn,
+// store_rows) are hopper/fwd.cu's (included below). The consumers' turn-taking loop (first_turn,
 // last_turn, the pingpong loop) is written out again here: its products and hand-offs differ.
 //
 // Persistent blocks of 128·(NC + 1) threads (one per SM) walk the work tiles (BM = 64·NC query
@@ -32,28 +32,36 @@
 //     registers, P split into TF32 big / small register fragments, O += P V (3 wgmma per
 //     k-step, P from registers; with 3xTF32 into a zeroed accumulator added to O in fp32, so
 //     O's long sum rounds to nearest: O_RN, hd 128 in two column halves). With NC = 2 the
-//     consumers take turns on the tensor cores as in fwd_sm90.cu (pingpong); every consumer
+//     consumers take turns on the tensor cores as in hopper/fwd.cu (pingpong); every consumer
 //     issues S of key tile j + 1 with O += P V of key tile j and runs the softmax of j + 1 while
 //     O += P V is still on the tensor cores.
 //
 // Shared memory: 128-byte swizzled panels of 32 float columns (128 bytes per row: the 16-bit
 // kernel's byte geometry; one TMA box per panel; 1024-byte aligned). A k-step of 8 TF32 values is
-// 32 bytes inside a panel row, so the wgmma descriptors are fwd_sm90.cu's (SBO = 1024 bytes).
+// 32 bytes inside a panel row, so the wgmma descriptors are hopper/fwd.cu's (SBO = 1024 bytes).
 // The A fragment of O += P V is the S accumulator with the k index permuted: fragment slot c holds
 // key 2c and slot c + 4 key 2c + 1 of each 8-key step (so a lane's accumulator pairs feed it as
 // they stand), and the converters store Vᵀ with the same permutation along its keys.
 //
-// Covered (the planner routes the rest to fwd.cu): float32, d = d_v in {64, 128}, causal / sliding
+// Covered (the planner routes the rest to portable/fwd.cu): float32, d = d_v in {64, 128}, causal / sliding
 // window (either alignment), GQA / MQA, any s_q, s_k, scale > 0, strides TMA accepts (16-byte
 // multiples). Not covered: softcap, ALiBi, bias / mask, varlen.
-#include "fwd_sm90.cu"
+#include "common/mma.cuh"
+#include "common/params.cuh"
+#include "common/types.cuh"
+#include "hopper/epilogue.cuh"
+#include "hopper/fwd_layout.cuh"
+#include "hopper/sched.cuh"
+#include "hopper/sm90.cuh"
+#include "hopper/softmax.cuh"
+#include "hopper/wgmma.cuh"
 
 namespace sm90f32 {
 
 constexpr int F32_PANEL_COLS = 32;   // 32 floats = one 128-byte swizzle row
 constexpr int CONV_THREADS = 96;     // producer warps 1..3: the converters
 constexpr int CONV_BAR = 8;          // named barrier of the 96 converter threads
-// (fwd_sm90.cu's named barriers 1 .. NC and 4 .. 3 + NC are the consumers')
+// (hopper/fwd.cu's named barriers 1 .. NC and 4 .. 3 + NC are the consumers')
 
 // Registers per thread after setmaxnreg, NC = 2: producer·128 + consumer·256 = the block's
 // 168·384 (the total may not grow: setmaxnreg.inc only takes what the block's warps gave back).
@@ -174,7 +182,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             int drawn = 0;     // work-tile indices drawn so far (without a counter: i + k·grid)
             // K [BN, D] into k_big and V [BN, D] into v_raw of ring position kv_it: key tile `it`
             // of work tile wt, right to left through the band, STAGES buffers deep
-            auto load_kv = [&](const WorkTile& wt, int it) {
+            auto load_kv = [&](const FwdTile& wt, int it) {
                 const int n0 = (wt.t_first + wt.n_tiles - 1 - it) * BN;
                 const int s = kv_it % STAGES;
                 const u32 prev = ((kv_it / STAGES) - 1) & 1;   // phase of the stage's last use
@@ -202,7 +210,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             // tile's last S and the next tile's first (no counter atomic, device-memory Q latency
             // or first K conversion there)
             int w, ahead;
-            WorkTile wt;
+            FwdTile wt;
             auto draw_next = [&]() {
                 const int w_drawn = sched_draw(p.sched, drawn);
                 ahead = 0;
@@ -210,7 +218,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                 if (w_drawn >= num_work) return;
                 // causal / window: the grid's tail longest first
                 w = WINDOW ? longest_first_tail(w_drawn, p.num_m_blocks, p.h * p.b, gridDim.x) : w_drawn;
-                wt = work_tile<WINDOW, false, BM, BN>(p, w);
+                wt = fwd_work_tile<WINDOW, false, BM, BN>(p, w);
                 if (wt.n_tiles == 0) return;              // rows that see no key: nothing to load
 #pragma unroll
                 for (int c = 0; c < D / F32_PANEL_COLS; ++c)
@@ -279,7 +287,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             };
             // Vᵀ of stage s: v_raw [D/32][BN][32] (row = key, swizzled) -> vt_big / vt_small
             // [BN/32][D][32] (row = head-dim column d, keys permuted within each 8-key step), item
-            // by item (4 keys x 4 columns: sm90.cuh's TransposeItem)
+            // by item (4 keys x 4 columns: hopper/sm90.cuh's TransposeItem)
             auto transpose_v = [&](int s) {
                 const u32 src = v_raw + s * L::KVT;
                 const u32 dst_b = vt_big + s * L::KVT, dst_s = vt_small + s * L::KVT;
@@ -300,7 +308,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
                     if (!QREG && cu == 0) mbar_arrive(q_full);
                     break;
                 }
-                const WorkTile wt = work_tile<WINDOW, false, BM, BN>(p, w);
+                const FwdTile wt = fwd_work_tile<WINDOW, false, BM, BN>(p, w);
                 if (wt.n_tiles == 0) {                        // nothing loaded: pass the index on
                     if (!QREG && cu == 0) mbar_arrive(q_full);
                     continue;
@@ -339,7 +347,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
 
     int kv_it = 0;             // K/V ring position of the current key tile (runs on across tiles)
     int tile_i = 0;            // work tiles taken so far (the Q barriers' phase)
-    WorkTile wt;               // the current work tile
+    FwdTile wt;               // the current work tile
     float o_acc[NO];           // O [64, D] of this warpgroup, fp32
     float pv_acc[O_RN ? NPV : 1];  // O_RN: P V [64, D / PV_PARTS] of the current key tile, fp32
     float m_run[2] = {-CF_INF, -CF_INF};   // running row max (raw scores)
@@ -388,7 +396,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
             mbar_wait(QREG ? q_raw : q_full, tile_i & 1);
             const int w = *tile_smem;   // released by this thread's own arrival on q_empty
             if (w < 0) return false;
-            wt = work_tile<WINDOW, false, BM, BN>(p, w);
+            wt = fwd_work_tile<WINDOW, false, BM, BN>(p, w);
             if (wt.n_tiles > 0) {
                 if constexpr (QREG) split_q();
                 return true;
@@ -503,7 +511,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
 
     // Online softmax on the scores of one key tile (keys n0 ..), in place in s_acc: masks,
     // running max m, P = exp2(s·scale·log2e − shift), denominator l, and the factors alpha that
-    // rescale O (applied by pack_p, once the previous O += P V has completed): fwd_sm90.cu's
+    // rescale O (applied by pack_p, once the previous O += P V has completed): hopper/fwd.cu's
     auto softmax_scores = [&](int n0) {
         online_softmax<NS, BN, WINDOW>(s_acc, m_run, l_run, alpha, p, wt, n0,
                                        wt.m0 + cw * WG_ROWS + row_in_wg, col_in_8, sl2);
@@ -559,7 +567,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
         ++kv_it;
     };
 
-    // Pingpong (NC = 2), as fwd_sm90.cu: consumer 0 takes the very first turn (its own arrival
+    // Pingpong (NC = 2), as hopper/fwd.cu: consumer 0 takes the very first turn (its own arrival
     // here plus its first sync complete barrier TURN_BAR); every consumer walks the same work
     // tiles and takes the same n_tiles + 1 turns per tile, so the order holds across tiles.
     if constexpr (NC > 1) {
@@ -571,7 +579,7 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
         for (;;) {
             // ---- every key tile but the last: in our turn S of key tile it + 1, then O += P V
             //      of key tile it; the softmax of S(it + 1) runs while O += P V is on the tensor
-            //      cores (unconditional waits, the last O += P V peeled off: fwd_sm90.cu)
+            //      cores (unconditional waits, the last O += P V peeled off: hopper/fwd.cu)
             const int last = wt.n_tiles - 1;
             for (int it = 0; it < last; ++it, ++kv_it) {
                 turn_begin();

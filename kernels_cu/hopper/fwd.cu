@@ -39,7 +39,7 @@
 // of [rows, 64], each written by one TMA box and read by wgmma through a descriptor.
 // Ragged tails come from the rank-4 tensor maps (d, s, heads, b): rows past s_q / s_k read as
 // zeros, keys past s_k are masked, rows past s_q are not stored.
-// Covered (the planner routes the rest to fwd.cu): float16 / bfloat16, d = d_v in {64, 128, 256},
+// Covered (the planner routes the rest to portable/fwd.cu): float16 / bfloat16, d = d_v in {64, 128, 256},
 // causal / sliding window (either alignment), softcap, GQA / MQA, any s_q, s_k, scale > 0 (or any
 // scale with softcap), tensors whose strides TMA accepts (16-byte multiples), and (VARLEN) packed
 // variable-length sequences: each work tile reads its sequence's rows and lengths from
@@ -47,382 +47,15 @@
 // stored (queries); and (BIAS) an additive bias broadcast to [b, h, s_q, s_k] with a unit key
 // stride, even s_k and even strides (pairs of columns per load), prefetched into L2 while
 // S = Q Kᵀ runs and loaded after it (holding it in registers across the product spills).
-#include "common.cuh"
-#include "sm90.cuh"
-#include "wgmma.cuh"
-
-namespace sm90 {
-
-constexpr int WG_ROWS = 64;          // query rows per consumer warpgroup
-constexpr int TURN_BAR = 1;          // named barriers 1 .. NC: consumer c's turn on the tensor cores
-constexpr int WG_BAR = 4;            // named barriers 4 .. 3 + NC: the 128 threads of consumer c
-constexpr int PANEL_COLS = 64;       // 64 16-bit columns = one 128-byte swizzle row
-
-// Registers per thread after setmaxnreg, per (NC, blocks per SM): producer·128 +
-// consumer·128·NC must not exceed the block's launch pool (setmaxnreg.inc only takes what the
-// block's own warps gave back): 168 x 384 with one block per SM, 128 x 256 with two, 80 x 256
-// with three (NC = 1: each block runs one consumer on its own tiles, so one block's tile
-// boundary runs beside the others' key-tile loops; tests/test_compile_sm90.py checks the pools).
-template <int NC, int BLOCKS = 1> struct Regs;
-template <> struct Regs<1, 2> { static constexpr int PRODUCER = 40, CONSUMER = 216; };
-template <> struct Regs<1, 3> { static constexpr int PRODUCER = 32, CONSUMER = 128; };
-template <> struct Regs<2> { static constexpr int PRODUCER = 40, CONSUMER = 232; };
-template <> struct Regs<3> { static constexpr int PRODUCER = 32, CONSUMER = 160; };
-
-constexpr int SMEM_MAX = 227 * 1024;  // dynamic shared memory per block on sm_90 (opt-in)
-constexpr int SMEM_PER_SM = 228 * 1024;   // shared memory of one SM (each resident block reserves 1 KB)
-
-// Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
-// cupyflash/_plan.py: sm90_smem_bytes. O_SMEM: the epilogue stages each consumer's O rows in
-// o_smem for a TMA store, where that fits beside the ring (not VARLEN: a box of 64 rows could
-// reach into the next sequence's rows).
-template <int D, int BN, int STAGES, int NC, bool VARLEN>
-struct Layout {
-    static constexpr int BM = WG_ROWS * NC;                  // query rows per work tile
-    static constexpr int PANELS = D / PANEL_COLS;
-    static constexpr int Q_PANEL = BM * 128;                 // bytes of q_smem [BM, 64]
-    static constexpr int KV_PANEL = BN * 128;                // bytes of k_smem / v_smem [BN, 64]
-    static constexpr int KV_TILE = PANELS * KV_PANEL;        // one stage of K (or V)
-    static constexpr int O_PANEL = WG_ROWS * 128;            // bytes of one consumer's o_smem [64, 64]
-    static constexpr int O_WG = PANELS * O_PANEL;            // one consumer's o_smem [PANELS][64][64]
-    static constexpr int Q = 0;                              // q_smem [PANELS][BM][64]
-    static constexpr int K = Q + PANELS * Q_PANEL;           // k_smem [STAGES][PANELS][BN][64]
-    static constexpr int V = K + STAGES * KV_TILE;           // v_smem [STAGES][PANELS][BN][64]
-    static constexpr int O = V + STAGES * KV_TILE;           // o_smem [NC][PANELS][64][64] (O_SMEM)
-    static constexpr int RING_BYTES = O + 8 * (2 + 5 * STAGES) + 8;
-    static constexpr bool O_SMEM = !VARLEN && RING_BYTES + NC * O_WG + 1024 <= SMEM_MAX;
-    static constexpr int BARS = O + (O_SMEM ? NC * O_WG : 0);  // q_full, q_empty, k/v_full[S], k/v_empty[S], k_full2[S]
-    static constexpr int TILE = BARS + 8 * (2 + 5 * STAGES);  // work-tile index, producer -> consumers
-    static constexpr int BYTES = TILE + 8;
-};
-
-}  // namespace sm90
-
-// Resident blocks per SM: one; with one consumer two, three with 64-key tiles, as many as fit in
-// an SM's 228 KB of shared memory (1 KB reserved per block; mirrored by
-// _plan.Sm90Variant.blocks_per_sm)
-template <int D, int BN, int STAGES, int NC, bool VARLEN>
-struct BlocksPerSm {
-    static constexpr int WANT = NC == 1 ? (BN <= 64 ? 3 : 2) : 1;
-    static constexpr int FIT = sm90::SMEM_PER_SM / (sm90::Layout<D, BN, STAGES, NC, VARLEN>::BYTES + 2048);
-    static constexpr int VALUE = WANT < FIT ? WANT : (FIT > 0 ? FIT : 1);
-};
-
-// One work tile = BM query rows of one (batch, head): its index w runs m_block fastest (from the
-// last query tile down, so the longest causal tiles start first and neighbouring blocks share K/V
-// in L2), then head, then batch; with a bias broadcast over the batch (and no causal / window
-// band), batch fastest, then m_block, then head. VARLEN: "batch" is packed sequence z (p.b
-// sequences, rows cu_seqlens[z] .. cu_seqlens[z + 1] of [1, total, h, d] tensors; p.s_q / p.s_k
-// are the totals, num_m_blocks covers the longest sequence).
-struct WorkTile {
-    int m0, m_last, head, batch, kv_head;
-    int s_q, s_k, diag;     // this sequence's lengths; diag(i) = i + diag
-    int q_row, k_row;       // first packed row of the sequence in q / out and in k / v (0 dense)
-    int tma_b;              // batch coordinate of the tensor maps (0 varlen)
-    int t_first, n_tiles;   // key tiles [t_first, t_first + n_tiles) meet the causal / window band
-    bool rows;              // the tile has query rows (varlen: m0 < this sequence's s_q)
-    int piece, parts;       // SPLIT: this piece's workspace slot; the tile's pieces (1: whole)
-    int tail, piece0;       // SPLIT: the tile's counter slot (r) and its first piece
-};
-
-// Work tile w. SPLIT: w is a work item of p.split_table, whose rows from p.split_first on are
-// pieces of the grid's last partial wave (piece u = w − split_first covers key tiles [first,
-// first + count) of its work tile's band), so that those tiles' key loops spread over every SM.
-// Every item reads its row, whole tiles too: a branch on w made the compiler take the key-tile
-// loop's bounds for divergent (ring stage and wgmma descriptors in per-thread registers, moved
-// to uniform ones before each product). WARP: called by whole warps (the consumers), which
-// reduce the row over the warp (redux.sync: the result is known to be warp-uniform).
-template <bool WINDOW, bool VARLEN, int BM, int BN, bool BIAS = false, bool SPLIT = false,
-          bool WARP = false>
-__device__ __forceinline__ WorkTile work_tile(const Params& p, int w) {
-    WorkTile wt;
-    wt.piece = wt.tail = wt.piece0 = 0;   // a whole tile
-    wt.parts = 1;
-    int k_first = 0, k_count = 0;
-    if (SPLIT) {   // every work item, whole tiles too, reads its entry (no branch on w)
-        int4 e = __ldg((const int4*)p.split_table + w);
-        if (WARP) {   // (redux.sync's result lands in a uniform register)
-            e.x = (int)__reduce_max_sync(0xffffffffu, (unsigned)e.x);
-            e.y = (int)__reduce_max_sync(0xffffffffu, (unsigned)e.y);
-            e.z = (int)__reduce_max_sync(0xffffffffu, (unsigned)e.z);
-            e.w = (int)__reduce_max_sync(0xffffffffu, (unsigned)e.w);
-        }
-        wt.piece = w - p.split_first;        // (pieces: its workspace slot)
-        wt.tail = e.x - p.split_first;       // (split tiles: their counters)
-        k_first = e.y;
-        k_count = e.z;
-        wt.piece0 = e.w >> 6;
-        wt.parts = e.w & 63;
-        w = e.x;                             // the work tile
-    }
-    int mh = w;    // m_block fastest, then head
-    if (BIAS && !WINDOW && !VARLEN && p.bias_stride_b == 0) {
-        // a bias shared by the batch entries: w runs batch fastest, so blocks running at the same
-        // time read the same bias rows (L2 hits: one DRAM read per tile, not one per batch entry)
-        wt.batch = w % p.b;
-        mh = w / p.b;
-    } else {
-        wt.batch = w / (p.num_m_blocks * p.h);
-    }
-    const int m_block = p.num_m_blocks - 1 - mh % p.num_m_blocks;
-    wt.head = (mh / p.num_m_blocks) % p.h;
-    wt.kv_head = wt.head / p.h_per_hk;                       // GQA / MQA
-    set_sequence<VARLEN>(p, wt);
-    wt.m0 = m_block * BM;
-    wt.rows = wt.m0 < wt.s_q;
-    wt.m_last = min(wt.m0 + BM, wt.s_q) - 1;
-    // Keys the tile can see: [n_lo, n_hi); key tiles wholly outside the band are never visited.
-    int n_lo = 0, n_hi = wt.s_k;
-    if (WINDOW) {
-        n_lo = max(0, wt.m0 + wt.diag - p.window_left);
-        n_hi = min(wt.s_k, wt.m_last + wt.diag + p.window_right + 1);
-    }
-    wt.t_first = n_lo / BN;
-    wt.n_tiles = wt.rows && n_hi > n_lo ? (n_hi + BN - 1) / BN - wt.t_first : 0;
-    if (SPLIT) {   // a piece: its range of the band's key tiles (whole tiles: all of them)
-        wt.t_first += k_first;
-        wt.n_tiles = k_count;
-    }
-    return wt;
-}
-
-// Output rows [s_q, d_v] and lse rows [s_q] of the work tile's (sequence, head)
-template <typename S>
-__device__ __forceinline__ S* out_rows(const Params& p, const WorkTile& wt) {
-    return (S*)p.o + wt.batch * p.o_stride_b + wt.head * p.o_stride_h + (i64)wt.q_row * p.o_stride_s;
-}
-template <bool VARLEN>
-__device__ __forceinline__ float* lse_rows(const Params& p, const WorkTile& wt) {
-    if constexpr (VARLEN) return p.lse + (i64)wt.head * p.s_q + wt.q_row;   // lse [h, total_q]
-    return p.lse + ((i64)wt.batch * p.h + wt.head) * p.s_q;                 // lse [b, h, s_q]
-}
-
-// ---- Per-row softmax state shared by the 16-bit and float32 Hopper forwards. A consumer lane
-//      holds rows row0 and row0 + 8 of its warpgroup's 64 (quad of 4 lanes per row) and, of each
-//      8 columns of the S [64, BN] and O [64, D] accumulators, columns col_in_8 and col_in_8 + 1:
-//      s_acc[i] / o_acc[i] is row row0 + 8·((i % 4) >= 2), column 8·(i / 4) + col_in_8 + (i % 2).
-
-// P = exp2(s·sl2 − shift) of the first N of a lane's NS scores in place (P = 0 for the rest,
-// scores the masks set to −inf), their sum added to the denominators l
-template <int N, int NS>
-__device__ __forceinline__ void exp_scores(float* s_acc, float* l_run, const float* shift, float sl2) {
-#pragma unroll
-    for (int i = 0; i < N; i += 4) {
-        s_acc[i] = fast_exp2(s_acc[i] * sl2 - shift[0]);
-        s_acc[i + 1] = fast_exp2(s_acc[i + 1] * sl2 - shift[0]);
-        s_acc[i + 2] = fast_exp2(s_acc[i + 2] * sl2 - shift[1]);
-        s_acc[i + 3] = fast_exp2(s_acc[i + 3] * sl2 - shift[1]);
-        l_run[0] += s_acc[i] + s_acc[i + 1];
-        l_run[1] += s_acc[i + 2] + s_acc[i + 3];
-    }
-#pragma unroll
-    for (int i = N; i < NS; ++i) s_acc[i] = 0.f;
-}
-
-// Online softmax of one key tile's scores (keys n0 .. n0 + BN), in place in s_acc [NS = BN / 2]:
-// masks (only tiles that cross the ragged end or a band edge: key j kept when j < s_k and
-// diag(i) − left <= j <= diag(i) + right), running max m, P = exp2(s·sl2 − shift), denominator l,
-// and alpha [2], the factors that rescale O and l (l here, O by rescale_o). sl2: score -> base-2
-// exponent factor (scale·log2 e; 1 where the scores are in base-2 units already). MASKS = false:
-// the caller knows that the band and the ragged end mask no key of the tile (no mask code).
-template <int NS, int BN, bool WINDOW, bool FIRST = false, bool MASKS = true>
-__device__ __forceinline__ void online_softmax(float* s_acc, float* m_run, float* l_run, float* alpha,
-                                               const Params& p, const WorkTile& wt, int n0, int row0,
-                                               int col_in_8, float sl2) {
-    // ---- masks
-    bool need_mask = MASKS && n0 + BN > wt.s_k;
-    if (WINDOW && MASKS)
-        need_mask |= n0 + BN - 1 > wt.m0 + wt.diag + p.window_right ||
-                     n0 < wt.m_last + wt.diag - p.window_left;
-    // FIRST (a work tile's first key tile, the diagonal one in causal order) and WINDOW: whether
-    // the band masks the tile's right half for all 16 rows of this warp (a causal tile's first
-    // 64 rows at BM = BN), so that its exp2s can be skipped below
-    bool right_half_masked = false;
-    if (need_mask) {
-#pragma unroll
-        for (int i = 0; i < NS; ++i) {
-            const int j = n0 + (i / 4) * 8 + col_in_8 + (i % 2);
-            const int diag = row0 + ((i % 4) >= 2 ? 8 : 0) + wt.diag;
-            bool keep = j < wt.s_k;
-            if (WINDOW) keep = keep && j <= diag + p.window_right && j >= diag - p.window_left;
-            if (!keep) s_acc[i] = -CF_INF;
-        }
-        if (WINDOW && FIRST) {
-            // the lane's lower row, row0 + 8, keeps keys j < min(s_k, diag + right + 1)
-            const int keep_end = min(wt.s_k, row0 + 8 + wt.diag + p.window_right + 1);
-            right_half_masked = __all_sync(0xffffffffu, keep_end - n0 <= BN / 2);
-        }
-    }
-    // ---- running max m (rows row0, row0 + 8: quad of 4 lanes per row)
-    float m_new[2] = {m_run[0], m_run[1]};
-#pragma unroll
-    for (int i = 0; i < NS; i += 4) {
-        m_new[0] = fmaxf(m_new[0], fmaxf(s_acc[i], s_acc[i + 1]));
-        m_new[1] = fmaxf(m_new[1], fmaxf(s_acc[i + 2], s_acc[i + 3]));
-    }
-    float shift[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        m_new[r] = quad_max(m_new[r]);
-        // exponent shift m·scale·log2e; 0 while the row has seen no key (no inf - inf)
-        shift[r] = m_new[r] == -CF_INF ? 0.f : m_new[r] * sl2;
-        alpha[r] = fast_exp2(m_run[r] * sl2 - shift[r]);   // O, l rescale; 0 on the first key
-        m_run[r] = m_new[r];
-        l_run[r] *= alpha[r];
-    }
-    // ---- P = exp2(s·scale·log2e − shift) in place, denominator l; a right half masked for the
-    //      whole warp gets P = 0 without exp2 (the exp2 unit bounds the softmax at hd 64: H200,
-    //      hd 64 causal s = 512 / 1k / 2k +1-3 %; 16k causal -1-4 %, not understood). Only in
-    //      the first key tile: there no product is in flight, while this branch inside the
-    //      key-tile loop made ptxas serialize every wgmma of the kernel.
-    if (WINDOW && FIRST && right_half_masked) exp_scores<NS / 2, NS>(s_acc, l_run, shift, sl2);
-    else exp_scores<NS, NS>(s_acc, l_run, shift, sl2);
-}
-
-// O [64, D] rescale by alpha (rows row0, row0 + 8), once the previous O += P V has completed
-template <int NO>
-__device__ __forceinline__ void rescale_o(float* o_acc, const float* alpha) {
-#pragma unroll
-    for (int i = 0; i < NO; i += 4) {
-        o_acc[i] *= alpha[0];
-        o_acc[i + 1] *= alpha[0];
-        o_acc[i + 2] *= alpha[1];
-        o_acc[i + 3] *= alpha[1];
-    }
-}
-
-// A work tile's first key tile: fresh O, running max m and denominator l
-template <int NO>
-__device__ __forceinline__ void reset_rows(float* o_acc, float* m_run, float* l_run) {
-#pragma unroll
-    for (int i = 0; i < NO; ++i) o_acc[i] = 0.f;
-    m_run[0] = m_run[1] = -CF_INF;
-    l_run[0] = l_run[1] = 0.f;
-}
-
-// A work tile whose rows see no key: out = 0 and lse = −inf for the WG_ROWS rows r0 .. of one
-// warpgroup (thread t of 128; rows past s_q are not written), out [s_q, D] in E's storage
-template <typename E, int D, bool VARLEN>
-__device__ __forceinline__ void store_empty_rows(const Params& p, const WorkTile& wt, int r0, int t) {
-    typedef typename Elem<E>::storage S;
-    using sm90::WG_ROWS;
-    S* o_bh = out_rows<S>(p, wt);                   // [s_q, d_v]
-    for (int i = t; i < WG_ROWS * D; i += 128)
-        if (r0 + i / D < wt.s_q) o_bh[(r0 + i / D) * p.o_stride_s + i % D] = from_float<E>(0.f);
-    if (t < WG_ROWS && r0 + t < wt.s_q) lse_rows<VARLEN>(p, wt)[r0 + t] = -CF_INF;
-}
-
-// The rows' final denominators, inv_l[r] = 1 / l of rows row0 + 8r (0 for a row that saw no
-// key), and their lse = (m·scale·log2e + log2 l)·ln 2 stored (−inf for such a row; rows past s_q
-// are not; lse_lane: one lane of each quad)
-template <bool VARLEN>
-__device__ __forceinline__ void finish_rows(const Params& p, const WorkTile& wt, const float* m_run,
-                                            const float* l_run, float sl2, int row0, bool lse_lane,
-                                            float* inv_l) {
-    float* lse_bh = lse_rows<VARLEN>(p, wt);        // [s_q]
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(l_run[r]);
-        const int row = row0 + 8 * r;
-        inv_l[r] = l > 0.f ? 1.f / l : 0.f;
-        if (row < wt.s_q && lse_lane)
-            lse_bh[row] = l > 0.f ? (m_run[r] * sl2 + log2f(l)) * CF_LN2 : -CF_INF;
-    }
-}
-
-// Final O / l and lse = (m·scale·log2e + log2 l)·ln 2 of the work tile's rows row0, row0 + 8
-// (rows past s_q are not stored; a row that saw no key: out = 0, lse = −inf); out in E's storage
-// (16-bit pairs, or float32). Float32 goes out in 16-byte stores (the launcher sends out bases
-// that are not 16-byte aligned to the portable kernel; TMA's checks make the strides 16-byte
-// multiples): of the column groups 2h, 2h + 1 (16 columns of a row, 2 per lane of the quad),
-// lanes c and c ^ 1 swap one column pair so that even c holds columns 16h + 2c .. + 3 and odd c
-// columns 16h + 8 + 2(c − 1) .. + 3 (one 16-byte store each: 64 contiguous bytes per row and quad,
-// a quarter of the scalar stores). 16-bit out likewise when its base is 16-byte aligned (the
-// strides are): of the column groups 4h .. 4h + 3 (a 4-byte pair per lane in each), lane c
-// gathers group 4h + c whole through a 4 x 4 transpose across the quad (otherwise 4-byte pairs).
-// The 4-byte stores took ~4000 SM cycles of each work tile at hd 128 (1.4 key-tile steps, the
-// most of a work tile's fixed cost; benchmarks/fwd_trace.py on the H200).
-template <typename E, int NO, bool VARLEN>
-__device__ __forceinline__ void store_rows(const Params& p, const WorkTile& wt, const float* o_acc,
-                                           const float* m_run, const float* l_run, float sl2,
-                                           int row0, int col_in_8, bool lse_lane) {
-    typedef typename Elem<E>::storage S;
-    S* o_bh = out_rows<S>(p, wt);                   // [s_q, d_v]
-    const bool odd = col_in_8 & 2;                  // the lane's c = col_in_8 / 2 is odd
-    const bool high = col_in_8 & 4;                 // c >= 2
-    const bool wide = ((size_t)o_bh & 15) == 0;     // 16-bit out: rows start 16-byte aligned
-    float inv_ls[2];
-    finish_rows<VARLEN>(p, wt, m_run, l_run, sl2, row0, lse_lane, inv_ls);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + 8 * r;
-        const float inv_l = inv_ls[r];
-        if constexpr (!Elem<E>::is16) {
-            S* o_row = o_bh + row * p.o_stride_s;
-#pragma unroll
-            for (int i = 0; i < NO; i += 8) {            // column groups 2h, 2h + 1 (h = i / 8)
-                const float x0 = o_acc[i + 2 * r] * inv_l, x1 = o_acc[i + 2 * r + 1] * inv_l;   // group 2h
-                const float y0 = o_acc[i + 4 + 2 * r] * inv_l, y1 = o_acc[i + 5 + 2 * r] * inv_l;   // 2h + 1
-                // every lane of the warp swaps (rows past s_q too: the shuffles take all 32)
-                const float g0 = __shfl_xor_sync(0xffffffffu, odd ? x0 : y0, 1);
-                const float g1 = __shfl_xor_sync(0xffffffffu, odd ? x1 : y1, 1);
-                const float4 v = odd ? make_float4(g0, g1, y0, y1) : make_float4(x0, x1, g0, g1);
-                if (row < wt.s_q) *(float4*)(o_row + 2 * i + (odd ? 6 : 0) + col_in_8) = v;
-            }
-        }
-        if constexpr (Elem<E>::is16) {
-            S* o_row = o_bh + row * p.o_stride_s;
-            if (wide) {
-#pragma unroll
-                for (int i = 0; i < NO; i += 16) {           // column groups 4h .. 4h + 3 (h = i / 16)
-                    u32 w[4];                                  // w[k]: this lane's pair of group 4h + k
-#pragma unroll
-                    for (int k = 0; k < 4; ++k)
-                        w[k] = pack2<E>(o_acc[i + 4 * k + 2 * r] * inv_l, o_acc[i + 4 * k + 2 * r + 1] * inv_l);
-                    // 4 x 4 transpose across the quad (every lane of the warp, rows past s_q too):
-                    // lanes c, c ^ 1 swap one pair of each (2m, 2m + 1), then lanes c, c ^ 2 one
-                    // of each (m, m + 2); lane c ends with w[k] = lane k's pair of group 4h + c
-#pragma unroll
-                    for (int m = 0; m < 2; ++m) {
-                        const u32 y = __shfl_xor_sync(0xffffffffu, odd ? w[2 * m] : w[2 * m + 1], 1);
-                        if (odd) w[2 * m] = y; else w[2 * m + 1] = y;
-                    }
-#pragma unroll
-                    for (int m = 0; m < 2; ++m) {
-                        const u32 y = __shfl_xor_sync(0xffffffffu, high ? w[m] : w[m + 2], 2);
-                        if (high) w[m] = y; else w[m + 2] = y;
-                    }
-                    if (row < wt.s_q) *(uint4*)(o_row + 2 * i + 4 * col_in_8) = make_uint4(w[0], w[1], w[2], w[3]);
-                }
-            } else if (row < wt.s_q) {                       // 4-byte pairs
-#pragma unroll
-                for (int i = 0; i < NO; i += 4) {
-                    const int col = (i / 4) * 8 + col_in_8;
-                    *(u32*)(o_row + col) = pack2<E>(o_acc[i + 2 * r] * inv_l, o_acc[i + 2 * r + 1] * inv_l);
-                }
-            }
-        }
-    }
-}
-
-// Final O / l of one consumer's 64 rows into its o_smem [D / 64 panels][64 rows][64 columns]
-// (O_SMEM), in the TMA box's 128-byte swizzled layout (16-byte chunk k of row r at chunk
-// k ^ (r % 8)): stmatrix writes four 8 x 8 blocks per step, rows 16·warp + 0..7 / 8..15 of column
-// groups g, g + 1 (conflict-free: a block's 8 rows land in 8 different chunks)
-template <typename E, int NO>
-__device__ __forceinline__ void stage_rows(u32 o_wg, const float* o_acc, const float* inv_l, int warp,
-                                           int lane) {
-    constexpr int O_PANEL = sm90::WG_ROWS * 128;
-    const int row = 16 * warp + 8 * ((lane / 8) % 2) + lane % 8;   // the row this lane addresses
-#pragma unroll
-    for (int g = 0; g < NO / 4; g += 2) {
-        const int gl = g + lane / 16;                                  // ... in column group gl
-        const u32 addr = o_wg + (gl / 8) * O_PANEL + row * 128 + (((gl % 8) ^ (row % 8)) << 4);
-        const float* o = o_acc + 4 * g;          // groups g, g + 1: (row0, row0 + 8) pairs each
-        stmatrix_x4(addr, pack2<E>(o[0] * inv_l[0], o[1] * inv_l[0]), pack2<E>(o[2] * inv_l[1], o[3] * inv_l[1]),
-                    pack2<E>(o[4] * inv_l[0], o[5] * inv_l[0]), pack2<E>(o[6] * inv_l[1], o[7] * inv_l[1]));
-    }
-}
+#include "common/mma.cuh"
+#include "common/params.cuh"
+#include "common/types.cuh"
+#include "hopper/epilogue.cuh"
+#include "hopper/fwd_layout.cuh"
+#include "hopper/sched.cuh"
+#include "hopper/sm90.cuh"
+#include "hopper/softmax.cuh"
+#include "hopper/wgmma.cuh"
 
 // Persistent kernel: gridDim.x blocks (BlocksPerSm per SM) take work tiles from a global counter
 // (p.sched[0], in the order w = 0, 1, ...: blocks running at the same time work on neighbouring
@@ -434,7 +67,7 @@ __device__ __forceinline__ void stage_rows(u32 o_wg, const float* o_acc, const f
 // Q and first K / V tiles are there when the consumers finish the current tile.
 // BIAS: 0 none, 1 bias elements in E's storage, 2 float32 bias elements. SPLIT (dense calls
 // without a band, bias or softcap): the grid's last partial wave runs as pieces along the keys
-// (work_tile), merged by each tile's last piece to finish (merge_pieces). MAXFREE (dense calls
+// (fwd_work_tile), merged by each tile's last piece to finish (merge_pieces). MAXFREE (dense calls
 // without a band, softcap or bias): the key-tile loop's softmax without the tile's row max
 // where the running max of the tiles before holds (softmax_maxfree).
 template <typename E, int D, int BN, int STAGES, int NC, bool WINDOW, bool SOFTCAP, bool VARLEN, int BIAS,
@@ -459,7 +92,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
     // consumers' tile-to-tile path cost time even untaken: docs/hopper.md, "Dead paths compiled out").
     constexpr bool SOME_EMPTY = WINDOW || VARLEN;
     // Whether a work tile's rows see any key (so that it has key tiles to load and run)
-    auto sees_keys = [](const WorkTile& wt) { return !SOME_EMPTY || wt.n_tiles > 0; };
+    auto sees_keys = [](const FwdTile& wt) { return !SOME_EMPTY || wt.n_tiles > 0; };
     // Whether the softmax of key tile j + 1 runs beside this consumer's own O += P V of tile j.
     // Written so in the source, but ptxas put the wait for P V (WARPGROUP.DEPBAR) before the
     // softmax's first exp2 in every variant (it is free to hoist a wait within a basic block;
@@ -530,14 +163,14 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             int kv_it = 0;     // K/V tiles issued so far (ring position)
             int drawn = 0;     // work-tile indices drawn so far (without a counter: i + k·grid)
             // The next work tile: its index w (num_work or more when no work is left) and wt
-            auto draw = [&](WorkTile& wt) -> int {
+            auto draw = [&](FwdTile& wt) -> int {
                 int w;
                 do {   // varlen: tiles past their sequence's end have no rows; skip them here
                     w = sched_draw(p.sched, drawn);
                     // dense causal / window: the grid's tail longest first
                     if (WINDOW && !VARLEN && w < num_work)
                         w = longest_first_tail(w, p.num_m_blocks, p.h * p.b, gridDim.x);
-                    if (w < num_work) wt = work_tile<WINDOW, VARLEN, BM, BN, BIAS != 0, SPLIT>(p, w);
+                    if (w < num_work) wt = fwd_work_tile<WINDOW, VARLEN, BM, BN, BIAS != 0, SPLIT>(p, w);
                 } while (VARLEN && w < num_work && !wt.rows);
                 return w;
             };
@@ -545,7 +178,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             // consumer has released the stage's previous one; its panels in `parts` parts (a constant
             // at each call), the first counted on barrier array `full`, the second on `full2` (K
             // with KSPLIT: two halves, k_full and k_full2)
-            auto load = [&](const WorkTile& wt, int it, u32 dst_smem, const TmaDesc* desc, int parts,
+            auto load = [&](const FwdTile& wt, int it, u32 dst_smem, const TmaDesc* desc, int parts,
                             u32 full, u32 full2, u32 empty) {
                 const int n0 = wt.k_row + (wt.t_first + wt.n_tiles - 1 - it) * BN;   // packed row, right to left
                 const int s = kv_it % STAGES;
@@ -561,11 +194,11 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                                     c * PANEL_COLS, n0, wt.kv_head, wt.tma_b);
                 }
             };
-            auto load_k = [&](const WorkTile& wt, int it) {
+            auto load_k = [&](const FwdTile& wt, int it) {
                 load(wt, it, k_smem, &p.tma_k, KSPLIT ? 2 : 1, k_full, k_full2, k_empty);
             };
-            auto load_v = [&](const WorkTile& wt, int it) { load(wt, it, v_smem, &p.tma_v, 1, v_full, v_full, v_empty); };
-            WorkTile wt;
+            auto load_v = [&](const FwdTile& wt, int it) { load(wt, it, v_smem, &p.tma_v, 1, v_full, v_full, v_empty); };
+            FwdTile wt;
             int w = draw(wt);
             bool k0_loaded = false;   // the tile's first K tile was issued ahead (below)
             for (int tile_i = 0;; ++tile_i) {   // tile_i: work tiles handed to the consumers
@@ -597,7 +230,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
                 // the ring, so that neither waits on the consumers' tile-to-tile path. (Its Q tile
                 // itself loads once the consumers release q_smem; its first V stage is released
                 // only after that, so it loads after Q.)
-                WorkTile next;
+                FwdTile next;
                 w = draw(next);
                 k0_loaded = w < num_work && sees_keys(next);
                 if (k0_loaded) {
@@ -627,7 +260,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
 
     int kv_it = 0;             // K/V ring position of the current key tile (runs on across tiles)
     int tile_i = 0;            // work tiles taken so far (the Q barriers' phase)
-    WorkTile wt;               // the current work tile
+    FwdTile wt;               // the current work tile
     float o_acc[NO];           // O [64, D] of this warpgroup, fp32
     float m_run[2] = {-CF_INF, -CF_INF};   // running row max (raw scores; base-2: softcap, bias)
     float l_run[2] = {0.f, 0.f};           // running denominators (this lane's columns only)
@@ -653,7 +286,7 @@ flash_fwd_sm90(const __grid_constant__ Params p) {
             // read and the release in one thread's program order, which racecheck can follow
             const int w = __shfl_sync(0xffffffffu, t % 32 == 0 ? *tile_smem : 0, 0);
             if (w < 0) return false;
-            wt = work_tile<WINDOW, VARLEN, BM, BN, BIAS != 0, SPLIT, true>(p, w);
+            wt = fwd_work_tile<WINDOW, VARLEN, BM, BN, BIAS != 0, SPLIT, true>(p, w);
             if (sees_keys(wt)) return true;
             store_empty_rows<E, D, VARLEN>(p, wt, wt.m0 + cw * WG_ROWS, t);
             if (t % 32 == 0) mbar_arrive(q_empty);   // the lane that read the index

@@ -29,7 +29,11 @@
 //   SCORE_MOD softcap and/or ALiBi
 //   GENERAL   bias (+ dbias), boolean mask, varlen; each on when its Params pointer is set; only
 //             instantiated with WINDOW and SCORE_MOD (docs/backward.md, "bias, mask, varlen")
-#include "common.cuh"
+#include "common/bwd_pre_dq.cuh"
+#include "common/mma.cuh"
+#include "common/params.cuh"
+#include "common/score.cuh"
+#include "common/types.cuh"
 
 // Shared-memory row pitch (elements). 16-bit rows padded by 16 bytes: ldmatrix reads
 // conflict-free for every bucket; float32 rows by 16 bytes: the scalar B-fragment loads
@@ -42,7 +46,7 @@ template <typename E, int BM> struct DsPitch {
 };
 
 // Copy a [ROWS, D] tile (rows < rows_valid, columns < cols_valid) from global to shared memory
-// with NT threads; the rest of the tile is zero-filled. (Same scheme as fwd.cu's load_tile.)
+// with NT threads; the rest of the tile is zero-filled. (Same scheme as portable/fwd.cu's load_tile.)
 template <int ROWS, int D, int PITCH, int NT, typename S>
 __device__ __forceinline__ void copy_tile(S* tile_smem,              // [ROWS, PITCH]
                                           const S* tile_gmem,        // [rows_valid, ., cols_valid]
@@ -204,45 +208,6 @@ __device__ __forceinline__ void mma_tn(float (&c)[NC / 8][4],
 }
 
 // ---------------------------------------------------------------------------------------------
-// Whether score (row, key) is kept: key < s_k, inside the window (WINDOW), mask[row, key] true
-// (mask_plane: the [s_q, s_k] plane of this (batch, head), or null; rows / keys past the ends
-// clamped, their scores are dropped anyway).
-// ---------------------------------------------------------------------------------------------
-template <bool WINDOW>
-__device__ __forceinline__ bool score_kept(const Params& p, const unsigned char* mask_plane, int row,
-                                           int key, int s_q, int s_k, int diag_offset) {
-    const int diag = row + diag_offset;
-    bool keep = key < s_k;
-    if (WINDOW) keep = keep && key >= diag - p.window_left && key <= diag + p.window_right;
-    if (mask_plane)
-        keep = keep && mask_plane[(i64)min(row, s_q - 1) * p.mask_stride_q + (i64)min(key, s_k - 1) * p.mask_stride_k];
-    return keep;
-}
-
-// ---------------------------------------------------------------------------------------------
-// The score of element (row, key) as the backward recomputes it, in base-2 units: score_log2 of
-// the raw product qk, + bias[row, key]·log2(e), −inf where masked (key past s_k, outside the
-// window, mask false; checked only when need_mask). *ds_dqk as score_log2's.
-// bias_plane / mask_plane: the [s_q, s_k] planes of this (batch, head), or null.
-// ---------------------------------------------------------------------------------------------
-template <typename E, bool WINDOW, bool SCORE_MOD, bool GENERAL>
-__device__ __forceinline__ float bwd_score(float qk, const Params& p, float slope_log2, int row,
-                                           int key, int s_q, int s_k, int diag_offset, float scale,
-                                           const char* bias_plane, const unsigned char* mask_plane,
-                                           bool need_mask, float* ds_dqk) {
-    typedef typename Elem<E>::storage S;
-    float s = score_log2<SCORE_MOD>(qk, p, slope_log2, row, key, diag_offset, scale, ds_dqk);
-    if (GENERAL && bias_plane) {   // s += bias[row, key] · log2(e) (clamped past the ends: dropped anyway)
-        const i64 off = (i64)min(row, s_q - 1) * p.bias_stride_q + (i64)min(key, s_k - 1) * p.bias_stride_k;
-        const float bv = p.bias_f32 ? ((const float*)bias_plane)[off] : to_float<E>(((const S*)bias_plane)[off]);
-        s = fmaf(bv, CF_LOG2E, s);
-    }
-    if (need_mask && !score_kept<WINDOW>(p, GENERAL ? mask_plane : nullptr, row, key, s_q, s_k, diag_offset))
-        s = -CF_INF;
-    return s;
-}
-
-// ---------------------------------------------------------------------------------------------
 // lse·log2(e) and D of the BM query rows from [b, h, s_q] index row0 into shared memory; rows
 // past m_rows and rows with lse = −inf get +inf and 0 (P = 0: the row contributes nothing).
 // ---------------------------------------------------------------------------------------------
@@ -259,34 +224,6 @@ __device__ __forceinline__ void load_row_stats(float* lse2_smem,        // [BM]
         }
         lse2_smem[r] = l2;
         dsum_smem[r] = dsum;
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// D = rowsum(dO ∘ O) per query row (float32), and the dQ accumulator row zeroed (atomic mode).
-// One warp per row (b, h, i); 8 rows per 256-thread block.
-// ---------------------------------------------------------------------------------------------
-template <typename E>
-__global__ void __launch_bounds__(256)
-flash_bwd_pre(const Params p) {
-    typedef typename Elem<E>::storage S;
-    const int lane = threadIdx.x & 31;
-    const i64 row = (i64)blockIdx.x * 8 + (threadIdx.x >> 5);           // (batch * h + head) * s_q + i
-    if (row >= (i64)p.b * p.h * p.s_q) return;
-    const int i = (int)(row % p.s_q);
-    const int head = (int)((row / p.s_q) % p.h), batch = (int)(row / ((i64)p.s_q * p.h));
-    const S* do_gmem = (const S*)p.dout + batch * p.do_stride_b + head * p.do_stride_h + i * p.do_stride_s;  // [d_v]
-    const S* o_gmem = (const S*)p.o + batch * p.o_stride_b + head * p.o_stride_h + i * p.o_stride_s;         // [d_v]
-    float acc = 0.f;
-    for (int c = lane; c < p.d_v; c += 32) acc += to_float<E>(do_gmem[c]) * to_float<E>(o_gmem[c]);
-    acc += __shfl_xor_sync(0xffffffffu, acc, 16);
-    acc += __shfl_xor_sync(0xffffffffu, acc, 8);
-    acc += __shfl_xor_sync(0xffffffffu, acc, 4);
-    acc = quad_sum(acc);
-    if (lane == 0) p.dsum[row] = acc;
-    if (!p.deterministic) {
-        float* dq_row = p.dq_accum + row * p.d;   // [d]
-        for (int c = lane; c < p.d; c += 32) dq_row[c] = 0.f;
     }
 }
 
@@ -550,31 +487,6 @@ flash_bwd(const Params p) {
     for (int n_block = blockIdx.x; n_block < p.num_n_blocks; n_block += gridDim.x) {
         if (n_block != blockIdx.x) __syncthreads();   // the previous key tile's shared K, V, dSᵀ reads are done
         flash_bwd_key_tile<E, D, BM, NW, WD, NBUF, WINDOW, SCORE_MOD, GENERAL>(p, n_block);
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// dq = E(dQ accumulator): one thread per element. Deterministic mode sums the p.dq_slabs slabs
-// in order (zeroed by the launcher; a slab holds nothing for rows its key tiles do not see).
-// ---------------------------------------------------------------------------------------------
-template <typename E>
-__global__ void __launch_bounds__(256)
-flash_bwd_dq(const Params p) {
-    typedef typename Elem<E>::storage S;
-    const i64 total = (i64)p.b * p.h * p.s_q * p.d;
-    for (i64 idx = (i64)blockIdx.x * 256 + threadIdx.x; idx < total; idx += (i64)gridDim.x * 256) {
-        const int c = (int)(idx % p.d);
-        const i64 row = idx / p.d;                     // (batch * h + head) * s_q + i
-        const int i = (int)(row % p.s_q);
-        const int head = (int)((row / p.s_q) % p.h), batch = (int)(row / ((i64)p.s_q * p.h));
-        float acc;
-        if (p.deterministic) {
-            acc = 0.f;
-            for (int slab = 0; slab < p.dq_slabs; ++slab) acc += p.dq_accum[slab * p.dq_accum_slab + idx];
-        } else {
-            acc = p.dq_accum[idx];
-        }
-        ((S*)p.dq)[batch * p.dq_stride_b + (i64)i * p.dq_stride_s + head * p.dq_stride_h + c] = from_float<E>(acc);
     }
 }
 

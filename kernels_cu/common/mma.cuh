@@ -1,0 +1,103 @@
+// cupyflash: sm_80+ warp-level PTX wrappers: mma.sync tensor-core products, ldmatrix, cp.async,
+// quad (accumulator-row) reductions and the float32 global reduction. Inline PTX, no toolkit
+// header.
+#pragma once
+
+#include "common/types.cuh"
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core products, D = A B + D with fp32 accumulation.
+// m16n8k16 (f16/bf16): a[4] (16x16 row-major), b[2] (16x8 col-major), c[4] (16x8).
+// m16n8k8 (tf32): a[4] (16x8), b[2] (8x8), c[4].
+// ---------------------------------------------------------------------------------------------
+template <typename E> __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1);
+template <> __device__ __forceinline__ void mma16816<f16_t>(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma16816<bf16_t>(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma1688_tf32(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// float32 product on TF32 units: SPLIT=true sums big*big + big*small + small*big (3xTF32,
+// float32 accuracy); SPLIT=false is one TF32 product.
+// LONG_SUM (with SPLIT): c accumulates over many tiles (O over keys, dK / dV over queries). The
+// tensor cores' float32 accumulation rounds toward zero, which biases such sums by about
+// (products added) · 2⁻²⁴ relative (4e-5 over 4096 rows, three products per 8-wide k-step);
+// so the three products go to a zeroed fragment that is added to c in fp32 (round to nearest).
+template <bool SPLIT, bool LONG_SUM = false>
+__device__ __forceinline__ void mma_f32(float* c, const float* a, float b0, float b1) {
+    u32 a_big[4], b_big0 = to_tf32(b0), b_big1 = to_tf32(b1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a_big[i] = to_tf32(a[i]);
+    if (SPLIT) {
+        u32 a_small[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a_small[i] = to_tf32(a[i] - __uint_as_float(a_big[i]));
+        u32 b_small0 = to_tf32(b0 - __uint_as_float(b_big0));
+        u32 b_small1 = to_tf32(b1 - __uint_as_float(b_big1));
+        float part[4] = {0.f, 0.f, 0.f, 0.f};
+        float* acc = LONG_SUM ? part : c;
+        mma1688_tf32(acc, a_small, b_big0, b_big1);   // small terms first
+        mma1688_tf32(acc, a_big, b_small0, b_small1);
+        mma1688_tf32(acc, a_big, b_big0, b_big1);
+        if (LONG_SUM) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) c[i] += part[i];
+        }
+        return;
+    }
+    mma1688_tf32(c, a_big, b_big0, b_big1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared-memory matrix loads (16-bit elements). Each lane passes one row address.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// cp.async: 16-byte global -> shared copies; src_bytes < 16 zero-fills the rest (0 = all zero).
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+
+// Quad (4 lanes sharing an accumulator row) reductions
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// *addr += v in global memory, no return value (red.global.add.f32)
+__device__ __forceinline__ void red_add_f32(float* addr, float v) {
+    asm volatile("red.global.add.f32 [%0], %1;" :: "l"(addr), "f"(v) : "memory");
+}

@@ -1,0 +1,100 @@
+// cupyflash: the Hopper backwards' shared parts (namespace sm90b): constants, shared-memory
+// layout, the dQ accumulator's rows and swizzle, and the float32 reductions into global memory
+// (bulk reduce, red.global.add.v2). hopper/bwd.cu (its work tile: hopper/sched.cuh's key_tile);
+// hopper/bwd_f32.cu uses the reductions.
+#pragma once
+
+#include "common/params.cuh"
+#include "common/types.cuh"
+#include "hopper/sched.cuh"
+#include "hopper/sm90.cuh"
+
+namespace sm90b {
+
+constexpr int BN = 128;              // keys per block: two consumer warpgroups x 64
+constexpr int BM = 64;               // query rows per step
+constexpr int THREADS = 384;
+constexpr int PRODUCER_REGS = 40;
+constexpr int CONSUMER_REGS = 232;   // 40·128 + 232·256 <= 64K registers per SM
+constexpr int DS_BAR = 1;            // named barrier 1: both consumers wrote their dSᵀ rows
+constexpr int ROWS_WARP = 1;         // producer warp staging lse·log2 e and D
+constexpr int DQ_WARP = 2;           // producer warp adding dq_smem into the accumulator
+constexpr int PANEL_COLS = 64;       // 64 16-bit columns = one 128-byte swizzle row
+constexpr int NBUF = 2;              // Q / dO ring depth
+constexpr int TILE_RING = 2;         // work-tile indices in flight (tile_smem ring)
+// Warps that read each tile_smem index (each of their lanes frees the slot): the consumer
+// warps (4 + 4) and the ROWS_WARP
+constexpr int TILE_READERS = 2 * 4 + 1;
+static_assert(TILE_RING + 2 <= 4, "tile_smem and seq_smem share 16 bytes");
+
+// The kernel's BIAS template argument: how the additive bias reaches the scores
+constexpr int BIAS_NONE = 0;
+constexpr int BIAS_LD16 = 1;   // E's 16-bit elements, loaded from global memory by the consumers
+constexpr int BIAS_LD32 = 2;   // float32 elements, likewise
+constexpr int BIAS_TMA = 3;    // E's 16-bit elements, staged per step into bias_smem by TMA
+
+// Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
+// cupyflash/_gpu_bwd_sm90.py: smem_bytes.
+template <int D, int KVBUF, bool BIAS_SMEM>
+struct Layout {
+    static constexpr int PANELS = D / PANEL_COLS;
+    static constexpr int KV_PANEL = BN * 128;                // bytes of k_smem / v_smem [BN, 64]
+    static constexpr int KV_TILE = PANELS * KV_PANEL;
+    static constexpr int Q_PANEL = BM * 128;                 // bytes of q_smem / do_smem [BM, 64]
+    static constexpr int Q_TILE = PANELS * Q_PANEL;
+    static constexpr int DS_TILE = BN * BM * 2;              // dsT_smem [BN keys, BM queries]
+    static constexpr int DQ_PITCH = D * 4;                   // dq_smem row bytes (chunk-swizzled)
+    static constexpr int K = 0;                              // k_smem [KVBUF][PANELS][BN][64]
+    static constexpr int V = K + KVBUF * KV_TILE;            // v_smem [KVBUF][PANELS][BN][64]
+    static constexpr int Q = V + KVBUF * KV_TILE;            // q_smem [NBUF][PANELS][BM][64]
+    static constexpr int DO = Q + NBUF * Q_TILE;             // do_smem [NBUF][PANELS][BM][64]
+    static constexpr int DS = DO + NBUF * Q_TILE;            // dsT_smem [2][BN][BM]
+    static constexpr int DQ = DS + 2 * DS_TILE;              // dq_smem [BM][D] float32 (DQ_BULK)
+    static constexpr int BIAS_PANEL = BM * 128;              // bias_smem [BM queries, 64 keys], 16-bit
+    static constexpr int BIAS_TILE = BIAS_SMEM ? (BN / PANEL_COLS) * BIAS_PANEL : 0;
+    static constexpr int BIAS = DQ + BM * DQ_PITCH;          // bias_smem [NBUF][BN / 64][BM][64] (BIAS_TMA)
+    static constexpr int ROWS = BIAS + NBUF * BIAS_TILE;     // rows_smem [NBUF][lse·log2 e, D][BM]
+    static constexpr int TILE = ROWS + NBUF * 2 * BM * 4;    // tile_smem [TILE_RING] int, seq_smem [2] int (16 bytes)
+    static constexpr int JOB = TILE + 16;                    // dq_job: accumulator address, bytes
+    static constexpr int BARS = JOB + 16;                    // kv_full[KVBUF], kv_empty[KVBUF],
+                                                             // qdo_full[NBUF], qdo_empty[NBUF],
+                                                             // dq_full, dq_empty,
+                                                             // tile_full[TILE_RING], tile_empty[TILE_RING]
+    static constexpr int BYTES = BARS + 8 * (2 * KVBUF + 2 * NBUF + 2 + 2 * TILE_RING);
+};
+
+// cu_seqlens[z], read again where it is used (an L1 hit) rather than held in a register across
+// a tile's steps: the hd 128 consumers have none to spare
+__device__ __forceinline__ int ld_seq(const int* a) {
+    return __ldg(a);
+}
+// The work tile's accumulator rows [s_q, D] of query head `head` and (*s_q) the sequence's s_q
+template <bool VARLEN, int D>
+__device__ __forceinline__ float* dq_rows(const Params& p, const KeyTile& wt, int head, int* s_q) {
+    if constexpr (VARLEN) {
+        const int q_row = ld_seq(p.cu_seqlens_q + wt.batch);
+        *s_q = ld_seq(p.cu_seqlens_q + wt.batch + 1) - q_row;
+        return p.dq_accum + ((i64)head * p.s_q + q_row) * D;
+    }
+    *s_q = p.s_q;
+    return p.dq_accum + ((i64)wt.batch * p.h + head) * p.s_q * D;
+}
+
+// Float offset of element (row i, column c) in a chunk-swizzled float32 row of D columns:
+// 16-byte chunk c / 4 XOR i mod 8 (stays within the row: D / 4 >= 8 chunks)
+__device__ __forceinline__ int dq_swizzle(int i, int c) {
+    return (((c >> 2) ^ (i & 7)) << 2) | (c & 3);
+}
+
+// dst_gmem[0 .. bytes/4) += src_smem[..] (float32), done by the TMA unit; counted in this
+// thread's bulk group (bulk_commit / bulk_wait*)
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst_gmem, u32 src_smem, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 :: "l"(dst_gmem), "r"(src_smem), "r"(bytes) : "memory");
+}
+// *addr += (x, y) on two consecutive floats in global memory (sm_90 vector reduction)
+__device__ __forceinline__ void red_add_v2(float* addr, float x, float y) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(addr), "f"(x), "f"(y) : "memory");
+}
+
+}  // namespace sm90b
