@@ -124,6 +124,43 @@ def measure(b, s, h, d, causal, dgemm, max_gb, reps):
     return row
 
 
+#: backward tiles (BM, NW, WD, NBUF) tried beside the planner's by --bwd-ab: WD halved (fewer
+#: recomputed Sᵀ / dPᵀ, some spills) and BM doubled
+BWD_AB = {64: [(16, 8, 1, 1), (32, 8, 4, 1)], 128: [(16, 8, 2, 1), (32, 8, 8, 1)]}
+
+
+def bwd_ab(reps, s=4096):
+    """Backward TFLOP/s of the planner's float64 tiles and the BWD_AB alternatives (non-causal,
+    seqlen ``s``, 16k tokens, hidden 2048), through the launcher with a forced BwdVariant."""
+    from cupyflash import _checks
+    from cupyflash.gpu import bwd as gpu_bwd, compile as gpu_compile, plan_bwd
+
+    smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    lines = [f"\n## float64 backward tiles, seqlen {s}, 16k tokens (BM x BN, warps, WD, buffers)"]
+    for d, alts in BWD_AB.items():
+        b, h = TOKENS // s, HIDDEN // d
+        base = plan_bwd.plan_backward("float64", b, s, s, h, h, d, d, scale=d ** -0.5,
+                                      smem_optin=smem).variant
+        vs = [base] + [plan_bwd.BwdVariant("f64_t", d, bm, nw, wd, nb, False, False)
+                       for bm, nw, wd, nb in alts]
+        vs = [v for v in vs if v.smem_bytes <= smem]
+        gpu_compile.precompile(vs, workers=16)
+        rng = cp.random.default_rng()
+        q, k, v, dout = (rng.standard_normal((b, s, h, d)) for _ in range(4))
+        out, lse = cf.attention(q, k, v, return_lse=True)
+        opts = _checks.make_options(_checks.check_qkv(q, k, v), cp, dtype=np.float64)
+        grads = [cp.empty_like(x) for x in (q, k, v)]
+        for var in vs:
+            ms = time_ms(lambda: gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts,
+                                                  kernel=var), reps=reps)
+            tag = "planner" if var == base else "alternative"
+            lines.append(f"  hd {d:3d} {var.name:34s} {flops(b, h, s, d, False, True) / ms / 1e9:7.2f} "
+                         f"TFLOP/s  ({tag})")
+        del q, k, v, dout, out, lse, grads
+        cp.get_default_memory_pool().free_all_blocks()
+    return "\n".join(lines)
+
+
 def table(rows, title):
     lines = [title,
              f"{'hd':>4} {'seqlen':>6} {'batch':>5} {'heads':>5} {'causal':>6} | "
@@ -145,6 +182,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="seqlens 1k, 4k, 16k only; 2 repeats")
     p.add_argument("--causal", action="store_true", help="causal rows too")
     p.add_argument("--max-gb", type=float, default=80.0, help="memory the plain recipe may use")
+    p.add_argument("--bwd-ab", action="store_true", help="also time alternative backward tiles")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     reps = 2 if a.quick else 3
@@ -161,6 +199,8 @@ def main(argv=None):
     short_rows = [measure(16384 // 16, s, 16, 64, c, dgemm, a.max_gb, reps)
                   for c in causals for s in (64, 128, 256)]
     print(table(short_rows, "\n## float64 short sequences, hd 64, batch x heads = 16384"))
+    if a.bwd_ab:
+        print(bwd_ab(reps))
     if a.json:
         Path(a.json).write_text(json.dumps(dict(device=name, dgemm_tflops=dgemm,
                                                 long=long_rows, short=short_rows), indent=1))

@@ -29,4 +29,4 @@ grep -E "^(grid|option|bias|mask|varlen)" "$OUT/f64_tests.log" | sort | awk '
 grep -E "FAILED|Error|error:|passed|failed" "$OUT/f64_tests.log" | tail -25
 
 say "benchmarks/bench_f64.py"
-timeout 120 python benchmarks/bench_f64.py --json "$OUT/bench_f64.json" 2>&1 | tee "$OUT/f64_bench.log"
+timeout 150 python benchmarks/bench_f64.py --bwd-ab --json "$OUT/bench_f64.json" 2>&1 | tee "$OUT/f64_bench.log"
