@@ -51,13 +51,12 @@ flash_bwd_dq(const Params p) {
         const int i = (int)(row % p.s_q);
         const int head = (int)((row / p.s_q) % p.h), batch = (int)(row / ((i64)p.s_q * p.h));
         typedef Acc<E> A;
-        const A* dq_accum = (const A*)p.dq_accum;
         A acc;
         if (p.deterministic) {
             acc = A(0);
-            for (int slab = 0; slab < p.dq_slabs; ++slab) acc += dq_accum[slab * p.dq_accum_slab + idx];
+            for (int slab = 0; slab < p.dq_slabs; ++slab) acc += ((const A*)p.dq_accum)[slab * p.dq_accum_slab + idx];
         } else {
-            acc = dq_accum[idx];
+            acc = ((const A*)p.dq_accum)[idx];
         }
         ((S*)p.dq)[batch * p.dq_stride_b + (i64)i * p.dq_stride_s + head * p.dq_stride_h + c] = from_acc<E>(acc);
     }
