@@ -24,7 +24,7 @@ say "tests/gpu/test_gpu_float64.py"
 timeout 130 python -m pytest -q -s tests/gpu/test_gpu_float64.py -p no:cacheprovider -rfs \
     --tb=short --durations=5 > "$OUT/f64_tests.log" 2>&1
 echo "rc $?"
-grep -E "^(grid|option|bias|mask|varlen)" "$OUT/f64_tests.log" | sort | awk '
+grep -oE "(grid|option|bias|mask \+|varlen) [^.].*: out .*" "$OUT/f64_tests.log" | sort | awk '
     { n++; print } END { print n " case lines" }' | tail -40
 grep -E "FAILED|Error|error:|passed|failed" "$OUT/f64_tests.log" | tail -25
 

@@ -1,4 +1,4 @@
-# Question: do four DMMA m8n8k4 products on the float32 kernels' m16n8k8 fragments give A Bᵀ?
+# Question: Do four DMMA m8n8k4 products on the float32 kernels' m16n8k8 fragments give A Bᵀ, and how fast are m8n8k4 and sm_90's m16n8k8 .f64?
 """Checks the layout claim behind the float64 kernels (common.cuh mma_k8<f64_t>): an m16n8k8
 product in double is four mma.sync m8n8k4 .f64 products on the same per-lane registers as the
 tf32 m16n8k8 fragments. Integer inputs (every product and sum exact in float64) must give
@@ -22,16 +22,10 @@ import numpy as np  # noqa: E402
 from cupyflash.gpu import compile as gpu_compile  # noqa: E402
 
 
-def include_dirs():
-    """-I for every kernels_cu/ folder holding common.cuh (flat or split into parts)."""
-    root = gpu_compile.kernels_dir()
-    return tuple(f"-I{p.parent}" for p in sorted(root.rglob("common.cuh")))
-
-
 def main() -> int:
     src = (Path(__file__).resolve().parent / "probe_dmma.cu").read_text()
     names = ["probe_dmma<0>", "probe_dmma<1>"]
-    mod = cp.RawModule(code=src, options=gpu_compile.base_options() + include_dirs(),
+    mod = cp.RawModule(code=src, options=gpu_compile.base_options(),
                        name_expressions=names)
     rng = np.random.default_rng()
     bad = 0
@@ -61,7 +55,7 @@ def main() -> int:
                       + ("" if kind == "integers" else f" (last max err {err:.2e} of {scale:.2e})"))
     cc = int(cp.cuda.Device().compute_capability)
     rate_names = ["dmma_rate<0>"] + (["dmma_rate<1>"] if cc >= 90 else [])
-    mod2 = cp.RawModule(code=src, options=gpu_compile.base_options() + include_dirs(),
+    mod2 = cp.RawModule(code=src, options=gpu_compile.base_options(),
                         name_expressions=["probe_m16n8k8"] + rate_names)
     if cc >= 90:   # sm_90's m16n8k8 .f64 on the same fragments (ORDER 1)
         fn = mod2.get_function("probe_m16n8k8")
