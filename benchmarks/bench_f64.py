@@ -1,7 +1,7 @@
 """float64 attention speed on the GPU: the f64_t kernels (DMMA) beside cuBLAS DGEMM and the plain
 CuPy float64 recipe.
 
-    PYTHONPATH=. python benchmarks/bench_f64.py [--quick] [--causal] [--json PATH]
+    PYTHONPATH=. python benchmarks/bench_f64.py [--quick] [--causal] [--bwd-ab] [--mma16] [--json PATH]
 
 Tables:
 1. long sequences: head dims 64 and 128, seqlen 1k, 2k, 4k, 8k, 16k with batch · seqlen = 16k
@@ -18,6 +18,9 @@ float64 CuPy; its backward by hand from the stored P (what autograd keeps): dV =
 dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = scale · dS K, dK = scale · dSᵀ Q. It runs when
 its score-sized arrays (forward 3, backward 4) fit in --max-gb.
 Timing: CUDA events on the current stream, warm-up first, median of the repeats.
+--bwd-ab: the backward with alternative tiles (BWD_AB) beside the planner's, seqlen 4096.
+--mma16: the forward built with -DCUPYFLASH_F64_MMA16 (sm_90's one-instruction m16n8k8 .f64 in
+place of four m8n8k4) beside the default build, seqlen 4096.
 """
 from __future__ import annotations
 
@@ -161,6 +164,35 @@ def bwd_ab(reps, s=4096):
     return "\n".join(lines)
 
 
+def fwd_mma16(reps, s=4096):
+    """Forward TFLOP/s of the planner's float64 variant as built (four m8n8k4 DMMAs per m16n8k8
+    step) and with -DCUPYFLASH_F64_MMA16 (sm_90's one m16n8k8 .f64), through the launcher with
+    a forced (variant, options) pair; non-causal, seqlen ``s``, 16k tokens, hidden 2048. Also
+    the largest difference between the two outputs (the same sums in another order)."""
+    from cupyflash import _checks
+    from cupyflash.gpu import fwd as gpu_fwd, plan_fwd
+
+    smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    lines = [f"\n## float64 forward, 4 x m8n8k4 vs 1 x m16n8k8 (sm_90), seqlen {s}"]
+    for d in (64, 128):
+        b, h = TOKENS // s, HIDDEN // d
+        var = plan_fwd.plan_forward("float64", b, s, s, h, h, d, d, scale=d ** -0.5,
+                                    smem_optin=smem).variant
+        rng = cp.random.default_rng()
+        q, k, v = (rng.standard_normal((b, s, h, d)) for _ in range(3))
+        opts = _checks.make_options(_checks.check_qkv(q, k, v), cp, dtype=np.float64)
+        outs = []
+        for extra in ((), ("-DCUPYFLASH_F64_MMA16=1",)):
+            out, lse = cp.empty_like(q), cp.empty((b, h, s))
+            ms = time_ms(lambda: gpu_fwd.forward(q, k, v, out, lse, opts, kernel=(var, extra)),
+                         reps=reps)
+            outs.append(out)
+            lines.append(f"  hd {d:3d} {var.name:30s} {'m16n8k8' if extra else '4 x m8n8k4':10s} "
+                         f"{flops(b, h, s, d, False) / ms / 1e9:7.2f} TFLOP/s")
+        lines.append(f"  hd {d:3d} max |difference| {float(cp.abs(outs[0] - outs[1]).max()):.2e}")
+    return "\n".join(lines)
+
+
 def table(rows, title):
     lines = [title,
              f"{'hd':>4} {'seqlen':>6} {'batch':>5} {'heads':>5} {'causal':>6} | "
@@ -183,6 +215,8 @@ def main(argv=None):
     p.add_argument("--causal", action="store_true", help="causal rows too")
     p.add_argument("--max-gb", type=float, default=80.0, help="memory the plain recipe may use")
     p.add_argument("--bwd-ab", action="store_true", help="also time alternative backward tiles")
+    p.add_argument("--mma16", action="store_true",
+                   help="also time the forward with sm_90's m16n8k8 .f64 (-DCUPYFLASH_F64_MMA16)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     reps = 2 if a.quick else 3
@@ -201,6 +235,8 @@ def main(argv=None):
     print(table(short_rows, "\n## float64 short sequences, hd 64, batch x heads = 16384"))
     if a.bwd_ab:
         print(bwd_ab(reps))
+    if a.mma16:
+        print(fwd_mma16(reps))
     if a.json:
         Path(a.json).write_text(json.dumps(dict(device=name, dgemm_tflops=dgemm,
                                                 long=long_rows, short=short_rows), indent=1))

@@ -29,4 +29,4 @@ grep -oE "(grid|option|bias|mask \+|varlen) [^.].*: out .*" "$OUT/f64_tests.log"
 grep -E "FAILED|Error|error:|passed|failed" "$OUT/f64_tests.log" | tail -25
 
 say "benchmarks/bench_f64.py"
-timeout 150 python benchmarks/bench_f64.py --bwd-ab --json "$OUT/bench_f64.json" 2>&1 | tee "$OUT/f64_bench.log"
+timeout 180 python benchmarks/bench_f64.py --bwd-ab --mma16 --json "$OUT/bench_f64.json" 2>&1 | tee "$OUT/f64_bench.log"
