@@ -20,9 +20,10 @@ LAYOUTS = ("bshd", "bhsd")
 CAUSAL_ALIGNS = ("bottom_right", "top_left")
 DEVICES = ("auto", "cpu", "gpu")
 
-#: dtypes the GPU kernels take; float64 runs on the CPU implementation.
-KERNEL_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
-ACCEPTED_DTYPES = KERNEL_DTYPES + (np.dtype(np.float64),)
+#: dtypes the GPU kernels take (float64: the portable kernels on DMMA, compute capability 8.0+).
+KERNEL_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
+                 np.dtype(np.float64))
+ACCEPTED_DTYPES = KERNEL_DTYPES
 _DTYPE_NAMES = "float16, bfloat16 (ml_dtypes.bfloat16), float32 or float64"
 
 
@@ -204,11 +205,11 @@ def broadcast_4d(name: str, x, dims: Dims, kinds: str, dtypes: tuple):
     return x.reshape(shape4)
 
 
-def check_alibi(alibi_slopes, dims: Dims, xp):
+def check_alibi(alibi_slopes, dims: Dims, xp, dtype=None):
     """ALiBi slopes (h,) or (b, h) as a 2-D [b or 1, h] array of module ``xp``.
 
-    float32 for the GPU kernels; float64 on the CPU (NumPy) path, so float64 inputs keep
-    float64 accuracy.
+    float32 for the GPU kernels, float64 for float64 inputs (``dtype``) on the GPU; float64 on
+    the CPU (NumPy) path, so float64 inputs keep float64 accuracy.
     """
     if alibi_slopes is None:
         return None
@@ -225,7 +226,8 @@ def check_alibi(alibi_slopes, dims: Dims, xp):
         fail(TypeError, "alibi_slopes", f"dtype {dt}", accepted)
     if xp is np and hasattr(alibi_slopes, "get") and not isinstance(alibi_slopes, np.ndarray):
         alibi_slopes = alibi_slopes.get()  # CuPy slopes for a call on the CPU
-    slopes = xp.asarray(alibi_slopes).astype(np.float64 if xp is np else np.float32)
+    f64 = xp is np or (dtype is not None and np.dtype(dtype) == np.float64)
+    slopes = xp.asarray(alibi_slopes).astype(np.float64 if f64 else np.float32)
     return xp.ascontiguousarray(slopes.reshape(-1 if len(shape) == 2 else 1, dims.heads))
 
 
@@ -256,7 +258,7 @@ def make_options(dims: Dims, xp, *, causal=False, causal_align="bottom_right", w
         window_right=right,
         bottom_right=causal_align == "bottom_right",
         softcap=check_softcap(softcap),
-        alibi_slopes=check_alibi(alibi_slopes, dims, xp),
+        alibi_slopes=check_alibi(alibi_slopes, dims, xp, dtype),
         bias=bias4,
         bias_shape=None if bias is None else _shape(bias),
         mask=mask4,

@@ -44,27 +44,11 @@ _CAUSAL_PICTURE = """
 """
 
 
-def _dtype_is_float64(x) -> bool:
-    try:
-        return np.dtype(x.dtype) == np.float64
-    except TypeError:  # a foreign array type whose dtype NumPy does not know (e.g. torch)
-        cai = getattr(x, "__cuda_array_interface__", None)
-        return bool(cai) and cai.get("typestr", "")[1:] == "f8"
-
-
-def _backend(device, arrays: dict, q):
-    """Resolve the backend; float64 always computes on the CPU implementation (docs/semantics.md §4)."""
-    backend = resolve(ck.check_device(device), arrays)
-    if backend.where == "gpu" and _dtype_is_float64(q):
-        backend = backend.as_cpu()
-    return backend
-
-
 def _run(device, arrays: dict, body):
     """``body(backend)`` on the chosen backend; host inputs under device="auto" fall back to the
     CPU implementation when the GPU kernels do not cover the call (NotImplementedError from the
     launcher, raised before any launch)."""
-    backend = _backend(device, arrays, arrays["q"])
+    backend = resolve(ck.check_device(device), arrays)
     if backend.where == "cpu" or device != "auto" or not backend.on_host:
         return _on_device(backend, body)
     try:
@@ -144,6 +128,11 @@ _fast_new = None     # cupy.ndarray: (shape, dtype) -> an uninitialized array on
 _LSE_NP_DTYPE = np.dtype(_LSE_DTYPE)
 
 
+def _lse_dtype(dtype) -> np.dtype:
+    """lse's dtype for inputs of ``dtype``: float64 for float64, else float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else _LSE_NP_DTYPE
+
+
 def _fast_key(q, k, v, causal, causal_align, window, softcap, scale, layout, device, allow_tf32):
     """Flat hashable key of a call on CuPy q, k, v: everything validation and planning read
     (types of the option values too, so 1, 1.0 and True differ). Raises TypeError for an
@@ -161,7 +150,7 @@ class _FastCall:
     """One validated, planned GPU call signature: out [caller's layout] and lse [b, h, s_q]
     allocated per call, the launcher's cached ``_Launch`` entry launched with their pointers."""
 
-    __slots__ = ("device_id", "entry", "out_shape", "dtype", "lse_shape")
+    __slots__ = ("device_id", "entry", "out_shape", "dtype", "lse_shape", "lse_dtype")
 
     def __init__(self, device_id, entry, out_shape, dtype, lse_shape):
         self.device_id = device_id
@@ -169,10 +158,11 @@ class _FastCall:
         self.out_shape = out_shape
         self.dtype = dtype
         self.lse_shape = lse_shape
+        self.lse_dtype = _lse_dtype(dtype)
 
     def __call__(self, q, k, v):
         out = _fast_new(self.out_shape, self.dtype)
-        lse = _fast_new(self.lse_shape, _LSE_NP_DTYPE)
+        lse = _fast_new(self.lse_shape, self.lse_dtype)
         self.entry.launch(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
         return out, lse
 
@@ -243,7 +233,7 @@ def _empty_outputs(xp, dims: ck.Dims, dtype, layout, lse_dtype):
 def _forward_bshd(backend, qb, kb, vb, dims, opts, dtype, layout):
     """out (caller's layout) and lse [b, h, s_q] for checked bshd inputs on ``backend``."""
     xp = backend.xp
-    lse_dtype = np.float64 if dtype == np.float64 else _LSE_DTYPE
+    lse_dtype = _lse_dtype(dtype)
     if dims.empty or dims.seqlen_k == 0:
         out_user, _, lse = _empty_outputs(xp, dims, dtype, layout, lse_dtype)
         out_user.fill(0)
@@ -276,7 +266,7 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False,
     v : array (batch, seqlen_k, heads_k, head_dim_v) or (batch, heads_k, seqlen_k, head_dim_v)
         heads % heads_k == 0 (GQA / MQA: query head i reads kv head i // (heads // heads_k)).
         head_dim and head_dim_v in 1..256. One dtype for all three: float16, bfloat16
-        (ml_dtypes.bfloat16), float32 (float32 accuracy) or float64 (CPU implementation).
+        (ml_dtypes.bfloat16), float32 (float32 accuracy) or float64 (float64 DMMA kernels on the GPU).
         Any strides; on the GPU a last dimension that is not contiguous costs one copy.
     causal : bool
         Keep key j only up to the diagonal (window right side 0).
@@ -376,7 +366,7 @@ def _check_backward_arrays(backend, dout, out, lse, dims, dtype, layout):
     out_shape = (b, h, sq, dv) if layout == "bhsd" else (b, sq, h, dv)
     ck.check_like("dout", dout, out_shape, dtype)
     ck.check_like("out", out, out_shape, dtype)
-    lse_dtype = np.float64 if dtype == np.float64 else _LSE_DTYPE
+    lse_dtype = _lse_dtype(dtype)
     ck.check_like("lse", lse, (b, h, sq), lse_dtype)
     return ck.to_bshd("dout", dout, layout), ck.to_bshd("out", out, layout), lse
 
@@ -559,7 +549,7 @@ def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
                                scale=scale, allow_tf32=allow_tf32, dtype=dtype)
         xp = backend.xp
         out = xp.empty((dims.seqlen_q, dims.heads, dims.head_dim_v), dtype)
-        lse = xp.empty((dims.heads, dims.seqlen_q), np.float64 if dtype == np.float64 else _LSE_DTYPE)
+        lse = xp.empty((dims.heads, dims.seqlen_q), _lse_dtype(dtype))
         if backend.where == "gpu":
             qb, kb, vb = (_last_dim_contiguous(backend, x) for x in (qb, kb, vb))
             _gpu_module().forward_varlen(qb, kb, vb, *cu_dev, _longest(cq), _longest(ckk),
@@ -603,7 +593,7 @@ def attention_varlen_backward(dout: Array, q: Array, k: Array, v: Array, out: Ar
         ck.check_like("dout", d_, packed_out, dtype)
         ck.check_like("out", o_, packed_out, dtype)
         ck.check_like("lse", l_, (dims.heads, dims.seqlen_q),
-                      np.float64 if dtype == np.float64 else _LSE_DTYPE)
+                      _lse_dtype(dtype))
         opts = ck.make_options(dims, backend.xp, causal=causal, causal_align=causal_align,
                                window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                                scale=scale, deterministic=deterministic, allow_tf32=allow_tf32,

@@ -1,6 +1,6 @@
 """NumPy implementation: the seed's blocked online-softmax attention, forward and backward.
 
-This is what NumPy users get without a GPU, and what float64 inputs use. It is FlashAttention-2
+This is what NumPy users get without a GPU (and device="cpu" calls). It is FlashAttention-2
 written with NumPy: the outer loop walks query blocks, the inner loop walks key blocks, and each
 step works on one score tile ``[b, h, block_q, block_k]`` vectorized over batch, heads and rows.
 The full [s_q, s_k] score matrix is never formed, so memory is O(N · block), not O(N²).

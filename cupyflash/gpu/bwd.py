@@ -49,18 +49,26 @@ def _elem_strides(a, what):
     return params.elem_strides(a, what)[:3]
 
 
+def _acc_dtype(dtype) -> np.dtype:
+    """The kernels' accumulator dtype for inputs of ``dtype`` (lse, D, the dQ and dbias
+    accumulators): float64 for float64, else float32 (Acc<E> in common.cuh)."""
+    return np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
+
+
 def _checks(dout, q, k, v, out, lse, dq, dk, dv):
-    """dtype name of a launchable problem (same dtype everywhere, float32 contiguous lse)."""
+    """dtype name of a launchable problem (same dtype everywhere, contiguous lse: float32, or
+    float64 for float64)."""
 
     name = variants.DTYPE_NAMES.get(q.dtype)
     if name is None:
-        raise NotImplementedError(f"GPU backward: dtype {q.dtype} (float16, bfloat16, float32)")
+        raise NotImplementedError(f"GPU backward: dtype {q.dtype} (float16, bfloat16, float32, "
+                                  "float64)")
     for a, w in ((k, "k"), (v, "v"), (out, "out"), (dout, "dout"), (dq, "dq"), (dk, "dk"),
                  (dv, "dv")):
         if a.dtype != q.dtype:
             raise ValueError(f"{w} has dtype {a.dtype}, q has {q.dtype}")
-    if lse.dtype != np.float32 or not lse.flags.c_contiguous:
-        raise ValueError("lse must be a contiguous float32 array")
+    if lse.dtype != _acc_dtype(q.dtype) or not lse.flags.c_contiguous:
+        raise ValueError(f"lse must be a contiguous {_acc_dtype(q.dtype)} array")
     return name
 
 
@@ -102,16 +110,17 @@ def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
             strides += [sb, ss, sh]
     ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr)
     prm["vec_ok"] = int(params.vec_ok(ptrs, strides, q.dtype.itemsize))
-    alibi = operands.set_alibi(prm, opts.alibi_slopes)
+    alibi = operands.set_alibi(prm, opts.alibi_slopes, q.dtype)
     rows = plan.params["dq_accum_slab"] // max(1, int(plan.params["d"]))
-    dsum = cupy.empty(rows, np.float32)
+    acc_dtype = _acc_dtype(q.dtype)
+    dsum = cupy.empty(rows, acc_dtype)
     for n, a in (("q", q), ("k", k), ("v", v), ("o", out), ("lse", lse), ("dout", dout),
                  ("dq", dq), ("dk", dk), ("dv", dv), ("dsum", dsum)):
         prm[n] = a.data.ptr
 
-    def accumulator():   # the float32 dQ accumulator (all slabs), its address in prm
+    def accumulator():   # the float32 (float64) dQ accumulator (all slabs), its address in prm
         # deterministic slabs are added into (zeroed here); atomic mode's is zeroed by flash_bwd_pre
-        a = (cupy.zeros if prm["deterministic"] else cupy.empty)(plan.accum_elems, np.float32)
+        a = (cupy.zeros if prm["deterministic"] else cupy.empty)(plan.accum_elems, acc_dtype)
         prm["dq_accum"] = a.data.ptr
         return a
 
@@ -221,7 +230,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
     """dq, dk, dv [...] = gradients of attention(q, k, v) at dout; returns the variant's name.
 
     dout, out [b, s_q, h, d_v]; q [b, s_q, h, d]; k [b, s_k, h_k, d]; v [b, s_k, h_k, d_v]:
-    CuPy bshd views of one dtype with a contiguous last dimension; lse float32 [b, h, s_q]
+    CuPy bshd views of one dtype with a contiguous last dimension; lse float32 (float64 for
+    float64 inputs: the f64_t kernels, double accumulators throughout) [b, h, s_q]
     contiguous (natural log, -inf for rows that see no key); dq, dk, dv preallocated with
     q, k, v's shapes and dtype (any strides). Current device and stream. ``kernel``: None or
     "auto" (the planner: the Hopper main kernel, bwd_sm90, on compute capability 9.0 where
@@ -287,10 +297,12 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
             hopper_mode = hopper_dbias_mode(dplan, b, h)
             if operand is None:
                 operand = operands.bias_operand(bias, q.dtype)
-            direct = (dplan.slabs == 1 and dbias.dtype == np.float32
+            acc_dtype = _acc_dtype(q.dtype)
+            direct = (dplan.slabs == 1 and dbias.dtype == acc_dtype
                       and dbias.flags.c_contiguous and dbias.shape == dplan.shape
                       and dbias.data.ptr % 8 == 0)   # Hopper: 8-byte pairs
-            eligible = (dbias.flags.c_contiguous and dbias.shape == dplan.shape
+            eligible = (name != "float64"   # (float64: flash_bwd's double accumulator only)
+                        and dbias.flags.c_contiguous and dbias.shape == dplan.shape
                         and dbias_by_kernel(dplan, dbias.dtype, operand[0].dtype, direct))
             if eligible:
                 dbias90 = _dbias_sm90_variant(name, q, k, v, dout, operand, opts, dplan, dev_id,
@@ -299,12 +311,12 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
                                              dbias90 is not None):
                 by_kernel = dbias_variant(plan.variant.elem, plan.variant.d, smem)
             elif dplan.mode >= 0:
-                if direct:   # the float32 output is its own accumulator
+                if direct:   # the float32 (float64) output is its own accumulator
                     accum = dbias.reshape(-1)
                     accum.fill(0)
                 else:
                     try:
-                        accum = cupy.zeros(dplan.slabs * int(np.prod(dplan.shape)), np.float32)
+                        accum = cupy.zeros(dplan.slabs * int(np.prod(dplan.shape)), acc_dtype)
                     except cupy.cuda.memory.OutOfMemoryError:   # no room: dbias without it
                         if not eligible or TUNING.dbias_kernel is False:
                             raise
@@ -357,7 +369,7 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     (ValueError naming the reason where the Hopper kernel cannot run the call) or "portable".
 
     dout, out [1, total_q, h, d_v]; q [1, total_q, h, d]; k [1, total_k, h_k, d]; v [1, total_k,
-    h_k, d_v] (CuPy bshd views of the packed tokens); lse float32 [h, total_q] contiguous from
+    h_k, d_v] (CuPy bshd views of the packed tokens); lse float32 (float64) [h, total_q] contiguous from
     the varlen forward; cu_seqlens_q / _k int32 CuPy [batch + 1]; dq, dk, dv preallocated like
     q, k, v (every element written). Returns the variant's name (``bwd90_…_varlen`` for Hopper).
     """

@@ -86,7 +86,8 @@ def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
     """out[...] = attention(q, k, v), lse[...] = its log-sum-exp; returns the variant's name.
 
     q [b, s_q, h, d], k [b, s_k, h_k, d], v [b, s_k, h_k, d_v], out [b, s_q, h, d_v] CuPy arrays
-    of one dtype with a contiguous last dimension; lse float32 [b, h, s_q] contiguous.
+    of one dtype with a contiguous last dimension; lse [b, h, s_q] contiguous, float32 (float64
+    for float64 inputs).
     ``kernel``: "auto" (the planner's choice: the Hopper kernel on compute capability 9.0 where
     it covers the call, else the portable one), "portable" (the planner's portable choice),
     "sm90" (the Hopper kernel; ValueError when it cannot run the call), a variant name from
@@ -97,8 +98,15 @@ def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
     (TUNING.sm90_float32_auto). Runs on the current device and stream.
     A bias or mask goes to ``_forward_general`` (planned per call): the Hopper BIAS variant for a
     bias it covers, else the portable GENERAL variant.
+    float64 runs the portable kernel (f64_t, DMMA); lse is then float64, and a d_v above
+    plan_fwd.O_COLS_F64 runs as one launch per 128 columns of v / out (``_f64_pieces``).
     Raises NotImplementedError for head dims > 256, other dtypes, pre-sm_80 GPUs.
     """
+    pieces = _f64_pieces(q, v, out)
+    if pieces is not None:
+        for v_c, out_c in pieces:
+            name = forward(q, k, v_c, out_c, lse, opts, kernel=kernel)
+        return name
     if opts.bias is not None or opts.mask is not None:
         return _forward_general(q, k, v, out, lse, opts, kernel)
     alibi = opts.alibi_slopes
@@ -113,9 +121,19 @@ def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
         _launch_cache[key] = ent
     if alibi is None:
         return ent.launch(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
-    alibi, stride_b = operands.alibi_operand(alibi)
+    alibi, stride_b = operands.alibi_operand(alibi, q.dtype)
     return ent.launch(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr,
                       alibi.data.ptr, stride_b)
+
+
+def _f64_pieces(q, v, out):
+    """float64 with d_v > plan_fwd.O_COLS_F64: [(v columns, out columns)] of 128 each, else None.
+    (The float64 O accumulator holds 128 columns per lane group; each piece recomputes the
+    scores and writes the same lse.)"""
+    n = plan_fwd.O_COLS_F64
+    if q.dtype != np.float64 or v.shape[3] <= n:
+        return None
+    return [(v[..., c:c + n], out[..., c:c + n]) for c in range(0, v.shape[3], n)]
 
 
 def cached_launch(q, k, v, out, opts):
@@ -142,12 +160,14 @@ def _check_launchable(q, k, v, out, lse, dev_id):
             f"{dev_id} is sm_{cc}")
     name = DTYPE_NAMES.get(q.dtype)
     if name is None:
-        raise NotImplementedError(f"GPU forward: dtype {q.dtype} (float16, bfloat16, float32)")
+        raise NotImplementedError(f"GPU forward: dtype {q.dtype} (float16, bfloat16, float32, "
+                                  "float64)")
     for a, w in ((k, "k"), (v, "v"), (out, "out")):
         if a.dtype != q.dtype:
             raise ValueError(f"{w} has dtype {a.dtype}, q has {q.dtype}")
-    if lse.dtype != np.float32 or not lse.flags.c_contiguous:
-        raise ValueError("lse must be a contiguous float32 array [b, h, s_q]")
+    lse_dtype = np.float64 if name == "float64" else np.float32
+    if lse.dtype != lse_dtype or not lse.flags.c_contiguous:
+        raise ValueError(f"lse must be a contiguous {np.dtype(lse_dtype)} array [b, h, s_q]")
     return name, smem
 
 
@@ -202,8 +222,8 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     variant of the portable kernel (``kernel="portable"`` forces it).
 
     q [1, total_q, h, d], k [1, total_k, h_k, d], v [1, total_k, h_k, d_v], out [1, total_q, h,
-    d_v]: CuPy bshd views of the packed tokens (contiguous last dimension); lse float32
-    [h, total_q] contiguous; cu_seqlens_q / _k int32 [batch + 1] CuPy arrays (validated by the
+    d_v]: CuPy bshd views of the packed tokens (contiguous last dimension); lse [h, total_q]
+    contiguous, float32 (float64 for float64); cu_seqlens_q / _k int32 [batch + 1] CuPy arrays (validated by the
     caller); max_seqlen_q / _k: the longest sequences (ints). Sequence z is q rows
     cu_seqlens_q[z]:cu_seqlens_q[z + 1] against k / v rows cu_seqlens_k[z]:cu_seqlens_k[z + 1];
     causal / window are aligned per sequence; ALiBi slopes (batch, h) are per sequence.
@@ -219,6 +239,12 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         out.fill(0)
         lse.fill(-math.inf)
         return "empty"
+    pieces = _f64_pieces(q, v, out)
+    if pieces is not None:
+        for v_c, out_c in pieces:
+            name = forward_varlen(q, k, v_c, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, out_c, lse, opts, kernel=kernel)
+        return name
     dev_id = device.get_device()
     name, smem = _check_launchable(q, k, v, out, lse, dev_id)
     _, _, h, d = q.shape

@@ -66,21 +66,24 @@ def set_common(prm, q, k, v, out, lse, opts, zero_batch_strides=False):
     prm["vec_ok"] = int(vec_ok(ptrs, strides, q.dtype.itemsize))
     for n, a in (("q", q), ("k", k), ("v", v), ("o", out), ("lse", lse)):
         prm[n] = a.data.ptr
-    return set_alibi(prm, opts.alibi_slopes)
+    return set_alibi(prm, opts.alibi_slopes, q.dtype)
 
 
-def alibi_operand(alibi):
-    """(array, batch stride) the kernels read for ALiBi slopes [b or 1, h]: float32 with a unit
-    head stride (one small copy otherwise); the batch stride is 0 when the slopes broadcast."""
-    if alibi.dtype != np.float32 or (alibi.shape[1] > 1 and alibi.strides[1] != 4):
-        alibi = cupy.ascontiguousarray(alibi, dtype=np.float32)
-    return alibi, (alibi.strides[0] // 4 if alibi.shape[0] > 1 else 0)
+def alibi_operand(alibi, dtype=np.float32):
+    """(array, batch stride) the kernels read for ALiBi slopes [b or 1, h]: float32 (float64
+    for float64 inputs, ``dtype``) with a unit head stride (one small copy otherwise); the batch
+    stride is 0 when the slopes broadcast."""
+    want = np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
+    if alibi.dtype != want or (alibi.shape[1] > 1 and alibi.strides[1] != want.itemsize):
+        alibi = cupy.ascontiguousarray(alibi, dtype=want)
+    return alibi, (alibi.strides[0] // want.itemsize if alibi.shape[0] > 1 else 0)
 
 
-def set_alibi(prm, alibi):
-    """ALiBi slopes (or None) into Params ``prm``; returns the arrays to keep alive."""
+def set_alibi(prm, alibi, dtype=np.float32):
+    """ALiBi slopes (or None) into Params ``prm`` (float64 slopes for float64 inputs,
+    ``dtype``); returns the arrays to keep alive."""
     if alibi is None:
         return []
-    alibi, stride_b = alibi_operand(alibi)
+    alibi, stride_b = alibi_operand(alibi, dtype)
     prm["alibi"], prm["alibi_stride_b"] = alibi.data.ptr, stride_b
     return [alibi]

@@ -35,6 +35,9 @@ PARAMS_FIELDS = (
     # Hopper forward SPLIT variants: the grid's last partial wave split along the keys
     + [(n, np.uint64) for n in ("split_table", "split_ws", "split_count")]
     + [(n, np.int32) for n in ("split_first", "split_pieces")]
+    # float64 instantiations (f64_t): their scalars in double
+    + [(n, np.float64) for n in ("scale_log2_f64", "softcap_pre_f64", "softcap_post_f64",
+                                 "scale_f64")]
 )
 
 
@@ -78,13 +81,21 @@ def sizes_and_scalars(bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left, windo
     prm["window_right"] = window_right if window_right >= 0 else unbounded
     prm["diag_offset"] = s_k - s_q if bottom_right else 0
     prm["num_m_blocks"] = num_m
-    prm["scale_log2"] = scale * LOG2E
-    if softcap > 0:
-        prm["softcap_pre"] = scale / softcap
-        prm["softcap_post"] = softcap * LOG2E
+    set_scalars(prm, scale, softcap)
     if num_m > 2**31 - 1 or h > 65535 or b > 65535:
         raise NotImplementedError(f"grid ({num_m}, {h}, {b}) exceeds CUDA's grid limits")
     return prm, (num_m, h, b)
+
+
+def set_scalars(prm, scale, softcap):
+    """scale · log2(e), and softcap's scale / softcap and softcap · log2(e) (0 when off), into
+    the float32 fields and their float64 twins (*_f64, read by the float64 kernels); the natural
+    scale into ``scale`` / ``scale_f64``."""
+    prm["scale_log2"] = prm["scale_log2_f64"] = scale * LOG2E
+    prm["scale"] = prm["scale_f64"] = scale
+    if softcap > 0:
+        prm["softcap_pre"] = prm["softcap_pre_f64"] = scale / softcap
+        prm["softcap_post"] = prm["softcap_post_f64"] = softcap * LOG2E
 
 
 def varlen_params(prm, total_q, total_k, window_left, window_right, bottom_right):

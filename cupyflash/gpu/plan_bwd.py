@@ -29,9 +29,9 @@ from typing import NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import plan_fwd
-from .params import LOG2E, PARAMS_DTYPE
+from .params import PARAMS_DTYPE, set_scalars
 from .tuning import TUNING
-from .variants import (ELEM_SIZE, ELEMS, HEAD_DIM_BUCKETS, SM90_SMEM_MAX, KernelVariant, cpp_bool,
+from .variants import (ACC_SIZE, ELEM_SIZE, ELEMS, HEAD_DIM_BUCKETS, SM90_SMEM_MAX, KernelVariant, cpp_bool,
                        elem_tag, head_dim_bucket, smem_class)
 
 
@@ -48,6 +48,15 @@ _TILES = {
                  160: (32, 4, 2, 1), 192: (32, 4, 2, 1), 224: (16, 4, 2, 1), 256: (16, 4, 2, 1)},
     ("small", 4): {32: (32, 4, 1, 2), 64: (32, 4, 1, 1), 96: (32, 4, 2, 1), 128: (32, 4, 2, 1),
                    160: (32, 4, 2, 1), 192: (32, 4, 4, 1), 224: (16, 4, 2, 1), 256: (16, 4, 4, 1)},
+    # float64: every accumulator is two registers, so dK + dV (D / WD doubles per lane) and
+    # Sᵀ + dPᵀ (BM doubles) fit by a larger WD and BM 16 (the tiles without spills in the plain
+    # variants, ptxas sm_80 / sm_90a); shared memory (8-byte elements) bounds BN · D. The small
+    # class (99 KB) holds no float64 tile above D = 160: those calls raise NotImplementedError
+    # (device="auto" with NumPy inputs: the CPU).
+    ("big", 8): {32: (32, 4, 1, 2), 64: (16, 8, 2, 1), 96: (16, 4, 4, 1), 128: (16, 8, 4, 1),
+                 160: (16, 4, 4, 1), 192: (16, 8, 8, 1), 224: (16, 7, 7, 1), 256: (16, 8, 8, 1)},
+    ("small", 8): {32: (32, 4, 1, 1), 64: (16, 4, 2, 1), 96: (16, 4, 4, 1), 128: (16, 4, 4, 1),
+                   160: (16, 4, 4, 1), 192: (16, 8, 8, 1), 224: (16, 7, 7, 1), 256: (16, 8, 8, 1)},
 }
 
 
@@ -110,11 +119,12 @@ class BwdVariant(KernelVariant):
 
 def smem_bytes(elem: str, d: int, bm: int, bn: int, nbuf: int) -> int:
     """flash_bwd's dynamic shared memory: K, V [BN, pitch], NBUF x (Q, dO [BM, pitch]),
-    dSᵀ [BN, BM + pad], NBUF x (lse, D [BM] float32). Mirrors BwdPitch / DsPitch in portable/bwd.cu."""
+    dSᵀ [BN, BM + pad], NBUF x (lse, D [BM] in the accumulator type: float32, float64 for
+    float64). Mirrors BwdPitch / DsPitch in portable/bwd.cu."""
     es = ELEM_SIZE[elem]
     pr = d + 8 if es == 2 else d + 4
     pds = bm + 8 if es == 2 else bm + 4
-    return (2 * bn * pr + 2 * nbuf * bm * pr + bn * pds) * es + 2 * nbuf * bm * 4
+    return (2 * bn * pr + 2 * nbuf * bm * pr + bn * pds) * es + 2 * nbuf * bm * ACC_SIZE[elem]
 
 
 def tiles(elem: str, d_bucket: int, smem_optin: int,
@@ -129,6 +139,8 @@ def variants(smem_optin: int = SM90_SMEM_MAX):
     for elem in ELEMS:
         for dbk in HEAD_DIM_BUCKETS:
             bm, nw, wd, nbuf = tiles(elem, dbk, smem_optin)
+            if smem_bytes(elem, dbk, bm, 16 * nw // wd, nbuf) > smem_optin:
+                continue   # (float64 above D = 160 on the small class)
             for window in (False, True):
                 for mod in (False, True):
                     out.append(BwdVariant(elem, dbk, bm, nw, wd, nbuf, window, mod))
@@ -190,11 +202,7 @@ def plan_backward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int,
     prm["window_right"] = window_right if window_right >= 0 else unbounded
     prm["diag_offset"] = s_k - s_q if bottom_right else 0
     prm["num_m_blocks"] = -(-s_q // variant.bm)
-    prm["scale_log2"] = scale * LOG2E
-    prm["scale"] = scale
-    if softcap > 0:
-        prm["softcap_pre"] = scale / softcap
-        prm["softcap_post"] = softcap * LOG2E
+    set_scalars(prm, scale, softcap)
     prm["num_n_blocks"] = num_n
     prm["bn"] = variant.bn
     prm["deterministic"] = int(bool(deterministic))
@@ -372,7 +380,7 @@ def dbias_variant(elem: str, d_bucket: int,
 
 def dbias_variants(smem_optin: int = SM90_SMEM_MAX):
     """Every DbiasVariant the launcher can select on a device with this shared-memory limit."""
-    return [dbias_variant(e, d, smem_optin) for e in ELEMS for d in HEAD_DIM_BUCKETS]
+    return [dbias_variant(e, d, smem_optin) for e in ELEMS if e != "f64_t" for d in HEAD_DIM_BUCKETS]
 
 
 def dbias_by_kernel(dplan: DbiasPlan, bias_dtype, operand_dtype, dbias_direct: bool) -> bool:

@@ -42,7 +42,18 @@ _TILES = {
                  160: (64, 16, 4), 192: (64, 16, 4), 224: (64, 16, 4), 256: (64, 16, 4)},
     ("small", 4): {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 32, 4), 128: (64, 32, 4),
                    160: (64, 16, 4), 192: (64, 16, 4), 224: (64, 16, 4), 256: (64, 16, 4)},
+    # float64: one slab per warp; the O accumulator is 2·D/8·4 registers per lane (128 at D = 128),
+    # so the key tile shrinks as D grows and O keeps at most 128 columns (O_COLS_F64: a larger
+    # d_v runs in 128-column launches). Q [BM, D + 8] dominates shared memory: BM 32 above
+    # D = 192 on the big class (sm_80's 163 KB), 16 on the small one (99 KB).
+    ("big", 8): {32: (64, 64, 4), 64: (64, 32, 4), 96: (64, 32, 4), 128: (64, 32, 4),
+                 160: (64, 16, 4), 192: (64, 16, 4), 224: (32, 16, 2), 256: (32, 16, 2)},
+    ("small", 8): {32: (64, 64, 4), 64: (64, 32, 4), 96: (64, 16, 4), 128: (32, 16, 2),
+                   160: (32, 16, 2), 192: (32, 16, 2), 224: (16, 16, 1), 256: (16, 16, 1)},
 }
+
+#: float64: the O accumulator's columns per launch (Pitch<f64_t, D>::OCols in fwd.cu)
+O_COLS_F64 = 128
 
 
 #: GENERAL template bits of flash_fwd (common/params.cuh): varlen alone runs on the plain tiles; a bias
@@ -96,12 +107,13 @@ class Variant(KernelVariant):
 def smem_bytes(elem: str, d: int, bm: int, bn: int, stages: int = 1) -> int:
     """Dynamic shared memory of flash_fwd: Q [BM, D+pad], K [stages, BN, D+pad], V [BN, D+pad'].
 
-    Mirrors Pitch<E, D> in portable/fwd.cu: 16-bit rows padded by 8 elements, float32 Q/K rows by 8 and
-    V rows by 4 floats.
+    Mirrors Pitch<E, D> in portable/fwd.cu: 16-bit rows padded by 8 elements, float32 Q/K rows
+    by 8 and V rows by 4 floats, float64 Q/K rows by 8 and V rows (at most O_COLS_F64 columns)
+    by 2.
     """
     es = ELEM_SIZE[elem]
     pqk = d + 8
-    pv = d + 8 if es == 2 else d + 4
+    pv = d + 8 if es == 2 else (min(d, O_COLS_F64) + 2 if es == 8 else d + 4)
     return (bm * pqk + stages * bn * pqk + bn * pv) * es
 
 

@@ -55,9 +55,12 @@ HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 
 
-#: Element tags by (dtype name, allow_tf32).
-ELEMS = ("f16_t", "bf16_t", "f32x3_t", "tf32_t")
-ELEM_SIZE = {"f16_t": 2, "bf16_t": 2, "f32x3_t": 4, "tf32_t": 4}
+#: Element tags by (dtype name, allow_tf32); f64_t: float64 on DMMA (mma.sync m8n8k4 .f64),
+#: double accumulators, statistics and lse (portable kernels only).
+ELEMS = ("f16_t", "bf16_t", "f32x3_t", "tf32_t", "f64_t")
+ELEM_SIZE = {"f16_t": 2, "bf16_t": 2, "f32x3_t": 4, "tf32_t": 4, "f64_t": 8}
+#: Bytes of the accumulator type (lse, D, the dQ / dbias accumulators, ALiBi slopes) per tag
+ACC_SIZE = {e: 8 if ELEM_SIZE[e] == 8 else 4 for e in ELEMS}
 
 
 #: Opt-in shared memory per block at or above which the "big" tile table is used (sm_80, sm_87,
@@ -96,8 +99,10 @@ def elem_tag(dtype_name: str, allow_tf32: bool) -> str:
         return "bf16_t"
     if dtype_name == "float32":
         return "tf32_t" if allow_tf32 else "f32x3_t"
+    if dtype_name == "float64":
+        return "f64_t"
     raise NotImplementedError(
-        f"dtype {dtype_name}: the GPU forward kernel takes float16, bfloat16 or float32")
+        f"dtype {dtype_name}: the GPU kernels take float16, bfloat16, float32 or float64")
 
 
 try:  # ml_dtypes supplies bfloat16 for NumPy / CuPy
@@ -108,7 +113,8 @@ except ImportError:  # pragma: no cover
 
 #: The dtypes the GPU kernels take, by name
 
-DTYPE_NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32"}
+DTYPE_NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
+               np.dtype(np.float64): "float64"}
 
 if _BF16 is not None:
     DTYPE_NAMES[_BF16] = "bfloat16"

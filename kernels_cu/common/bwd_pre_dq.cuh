@@ -7,7 +7,8 @@
 #include "common/params.cuh"
 
 // ---------------------------------------------------------------------------------------------
-// D = rowsum(dO ∘ O) per query row (float32), and the dQ accumulator row zeroed (atomic mode).
+// D = rowsum(dO ∘ O) per query row (Acc<E>: float, double for float64), and the dQ
+// accumulator row zeroed (atomic mode).
 // One warp per row (b, h, i); 8 rows per 256-thread block.
 // ---------------------------------------------------------------------------------------------
 template <typename E>
@@ -21,16 +22,17 @@ flash_bwd_pre(const Params p) {
     const int head = (int)((row / p.s_q) % p.h), batch = (int)(row / ((i64)p.s_q * p.h));
     const S* do_gmem = (const S*)p.dout + batch * p.do_stride_b + head * p.do_stride_h + i * p.do_stride_s;  // [d_v]
     const S* o_gmem = (const S*)p.o + batch * p.o_stride_b + head * p.o_stride_h + i * p.o_stride_s;         // [d_v]
-    float acc = 0.f;
-    for (int c = lane; c < p.d_v; c += 32) acc += to_float<E>(do_gmem[c]) * to_float<E>(o_gmem[c]);
+    typedef Acc<E> A;
+    A acc = A(0);
+    for (int c = lane; c < p.d_v; c += 32) acc += to_acc<E>(do_gmem[c]) * to_acc<E>(o_gmem[c]);
     acc += __shfl_xor_sync(0xffffffffu, acc, 16);
     acc += __shfl_xor_sync(0xffffffffu, acc, 8);
     acc += __shfl_xor_sync(0xffffffffu, acc, 4);
     acc = quad_sum(acc);
-    if (lane == 0) p.dsum[row] = acc;
+    if (lane == 0) ((A*)p.dsum)[row] = acc;
     if (!p.deterministic) {
-        float* dq_row = p.dq_accum + row * p.d;   // [d]
-        for (int c = lane; c < p.d; c += 32) dq_row[c] = 0.f;
+        A* dq_row = (A*)p.dq_accum + row * p.d;   // [d]
+        for (int c = lane; c < p.d; c += 32) dq_row[c] = A(0);
     }
 }
 
@@ -48,13 +50,14 @@ flash_bwd_dq(const Params p) {
         const i64 row = idx / p.d;                     // (batch * h + head) * s_q + i
         const int i = (int)(row % p.s_q);
         const int head = (int)((row / p.s_q) % p.h), batch = (int)(row / ((i64)p.s_q * p.h));
-        float acc;
+        typedef Acc<E> A;
+        A acc;
         if (p.deterministic) {
-            acc = 0.f;
-            for (int slab = 0; slab < p.dq_slabs; ++slab) acc += p.dq_accum[slab * p.dq_accum_slab + idx];
+            acc = A(0);
+            for (int slab = 0; slab < p.dq_slabs; ++slab) acc += ((const A*)p.dq_accum)[slab * p.dq_accum_slab + idx];
         } else {
-            acc = p.dq_accum[idx];
+            acc = ((const A*)p.dq_accum)[idx];
         }
-        ((S*)p.dq)[batch * p.dq_stride_b + (i64)i * p.dq_stride_s + head * p.dq_stride_h + c] = from_float<E>(acc);
+        ((S*)p.dq)[batch * p.dq_stride_b + (i64)i * p.dq_stride_s + head * p.dq_stride_h + c] = from_acc<E>(acc);
     }
 }

@@ -20,4 +20,3 @@ __device__ __forceinline__ bool score_kept(const Params& p, const unsigned char*
         keep = keep && mask_plane[(i64)min(row, s_q - 1) * p.mask_stride_q + (i64)min(key, s_k - 1) * p.mask_stride_k];
     return keep;
 }
-

@@ -61,6 +61,38 @@ __device__ __forceinline__ void mma_f32(float* c, const float* a, float b0, floa
     mma1688_tf32(c, a_big, b_big0, b_big1);
 }
 
+// float64 on the FP64 tensor cores (DMMA, sm_80+): D[8, 8] += A[8, 4] B[4, 8]; lane (g, t):
+// a = A[g][t], b = B[t][g], c = D[g][2t], D[g][2t + 1] (PTX ISA, mma m8n8k4 .f64).
+__device__ __forceinline__ void dmma884(double* c, double a, double b) {
+    asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};"
+                 : "+d"(c[0]), "+d"(c[1]) : "d"(a), "d"(b));
+}
+
+// One m16n8k8 step in the accumulator type, fragments in the tf32 m16n8k8 layout (a[4] (16x8),
+// b0, b1 (8x8), c[4] (16x8)): float -> mma_f32 (3xTF32 or TF32); double -> four DMMAs, which
+// take the same per-lane registers: rows g (a0, a2; c0, c1) and g + 8 (a1, a3; c2, c3), k in
+// two halves t (a0, a1, b0) and t + 4 (a2, a3, b1), each half one m8n8k4.
+// -DCUPYFLASH_F64_MMA16 (an A/B experiment, off by default: benchmarks/bench_f64.py --mma16)
+// takes sm_90's one-instruction m16n8k8 .f64 on the same registers instead.
+template <typename E, bool LONG_SUM = false>
+__device__ __forceinline__ void mma_k8(Acc<E>* c, const Acc<E>* a, Acc<E> b0, Acc<E> b1) {
+    if constexpr (is_f64<E>) {
+#if defined(CUPYFLASH_F64_MMA16) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
+                     : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b0), "d"(b1));
+#else
+        dmma884(c, a[0], b0);       // rows g, k = t
+        dmma884(c, a[2], b1);       // rows g, k = t + 4
+        dmma884(c + 2, a[1], b0);   // rows g + 8, k = t
+        dmma884(c + 2, a[3], b1);   // rows g + 8, k = t + 4
+#endif
+    } else {
+        mma_f32<Elem<E>::split, LONG_SUM>(c, a, b0, b1);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Shared-memory matrix loads (16-bit elements). Each lane passes one row address.
 // ---------------------------------------------------------------------------------------------
@@ -96,8 +128,21 @@ __device__ __forceinline__ float quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
+__device__ __forceinline__ double quad_max(double x) {
+    x = fmax(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmax(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ double quad_sum(double x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
 
-// *addr += v in global memory, no return value (red.global.add.f32)
+// *addr += v in global memory, no return value (red.global.add.f32 / .f64)
 __device__ __forceinline__ void red_add_f32(float* addr, float v) {
     asm volatile("red.global.add.f32 [%0], %1;" :: "l"(addr), "f"(v) : "memory");
+}
+// ... in the accumulator type (the portable backward: float, or double for float64)
+__device__ __forceinline__ void red_add(float* addr, float v) { red_add_f32(addr, v); }
+__device__ __forceinline__ void red_add(double* addr, double v) {
+    asm volatile("red.global.add.f64 [%0], %1;" :: "l"(addr), "d"(v) : "memory");
 }

@@ -83,6 +83,12 @@ struct Params {
     unsigned int* split_count;   // [split tiles][NC] pieces finished: zero before and after a launch
     int split_first;        // whole work tiles (the first piece's work item)
     int split_pieces;       // pieces of the split tiles
+    // ---- float64 instantiations (E = f64_t) read their scalars here, in double; their lse,
+    //      alibi, dsum, dq_accum and dbias_accum point to doubles (Acc<E>) ----
+    double scale_log2_f64;  // scale * log2(e)
+    double softcap_pre_f64; // scale / softcap (0 when off)
+    double softcap_post_f64;   // softcap * log2(e)
+    double scale_f64;       // scale in natural units
     // TMA descriptors built by the host (cupyflash/_tma.py); each is a 128-byte CUtensorMap over
     // a rank-4 view (d, s, heads, b) of q / k / v, read through the kernel parameter
     // (__grid_constant__); a box row is 128 bytes: 64 columns of 16-bit elements, 32 of float32
@@ -112,3 +118,24 @@ static_assert(sizeof(Params) == CUPYFLASH_PARAMS_NBYTES,
 #define DBIAS_STORE 16    // Hopper backward: each element has one writer over the launch: plain
                           // stores (the portable kernel ignores this bit: it adds, also right)
 #define DBIAS_SCHED_B 32  // Hopper backward: work tiles batch-fastest (dbias summed over the batch)
+
+// The Params scalars in the accumulator type A: the float fields, or their *_f64 twins for
+// float64
+template <typename A> __device__ __forceinline__ A scale_log2_of(const Params& p) {
+    if constexpr (sizeof(A) == 8) return p.scale_log2_f64; else return p.scale_log2;
+}
+template <typename A> __device__ __forceinline__ A softcap_pre_of(const Params& p) {
+    if constexpr (sizeof(A) == 8) return p.softcap_pre_f64; else return p.softcap_pre;
+}
+template <typename A> __device__ __forceinline__ A softcap_post_of(const Params& p) {
+    if constexpr (sizeof(A) == 8) return p.softcap_post_f64; else return p.softcap_post;
+}
+template <typename A> __device__ __forceinline__ A scale_of(const Params& p) {
+    if constexpr (sizeof(A) == 8) return p.scale_f64; else return p.scale;
+}
+
+// ALiBi slope of (batch, head) in base-2 units, or 0 (slopes: float, or double for float64)
+template <typename A> __device__ __forceinline__ A alibi_slope_log2(const Params& p, int batch, int head) {
+    if (!p.alibi) return A(0);
+    return ((const A*)p.alibi)[batch * p.alibi_stride_b + head] * log2e<A>();
+}

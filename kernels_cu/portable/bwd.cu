@@ -18,7 +18,8 @@
 // dQ = dS K, where the warps are laid out over query rows instead.
 //
 // Template arguments (cupyflash/_gpu_bwd.py enumerates the instantiated set):
-//   E         f16_t | bf16_t | f32x3_t (float32, 3xTF32) | tf32_t (float32, plain TF32)
+//   E         f16_t | bf16_t | f32x3_t (float32, 3xTF32) | tf32_t (float32, plain TF32) |
+//             f64_t (float64: DMMA products; accumulators, lse, D, dQ / dbias sums in double)
 //   D         head-dim bucket (multiple of 32) covering d and d_v; padding zero-filled, never stored
 //   BM        query rows per step;  NW  warps;  WD  warps sharing one 16-key slab, each owning
 //             D / WD columns of dK, dV (large D: Sᵀ and dPᵀ computed WD times, registers bounded)
@@ -37,7 +38,8 @@
 
 // Shared-memory row pitch (elements). 16-bit rows padded by 16 bytes: ldmatrix reads
 // conflict-free for every bucket; float32 rows by 16 bytes: the scalar B-fragment loads
-// (rows 2t, columns g) hit 32 distinct banks. Both keep cp.async destinations 16-byte aligned.
+// (rows 2t, columns g) hit 32 distinct banks; float64 rows by 32 bytes (pair and scalar loads
+// both at most two-way conflicts). All keep cp.async destinations 16-byte aligned.
 template <typename E, int D> struct BwdPitch {
     static constexpr int ROW = Elem<E>::is16 ? D + 8 : D + 4;   // Q, K, V, dO rows
 };
@@ -83,7 +85,7 @@ __device__ __forceinline__ void copy_tile(S* tile_smem,              // [ROWS, P
 
 // C[16, N] += A[16, K] B[N, K]ᵀ;  A, B row-major in shared memory; k steps >= k_valid skipped.
 template <typename E, int N, int KMAX, int PA, int PB>
-__device__ __forceinline__ void mma_nt(float (&c)[N / 8][4],
+__device__ __forceinline__ void mma_nt(Acc<E> (&c)[N / 8][4],
                                        const typename Elem<E>::storage* a_smem,   // [16, PA]
                                        const typename Elem<E>::storage* b_smem,   // [N, PB]
                                        int lane, int k_valid) {
@@ -105,17 +107,19 @@ __device__ __forceinline__ void mma_nt(float (&c)[N / 8][4],
             }
         }
     } else {
+        typedef typename Elem<E>::storage S;
+        typedef typename Vec2<S>::type S2;
         const int g = lane >> 2, t = lane & 3;
 #pragma unroll 1
         for (int kk = 0; kk < KMAX / 8; ++kk) {
             if (kk * 8 < k_valid) {
-                const float2 lo = *(const float2*)(a_smem + g * PA + kk * 8 + 2 * t);
-                const float2 hi = *(const float2*)(a_smem + (g + 8) * PA + kk * 8 + 2 * t);
-                const float a_frag[4] = {lo.x, hi.x, lo.y, hi.y};
+                const S2 lo = *(const S2*)(a_smem + g * PA + kk * 8 + 2 * t);
+                const S2 hi = *(const S2*)(a_smem + (g + 8) * PA + kk * 8 + 2 * t);
+                const S a_frag[4] = {lo.x, hi.x, lo.y, hi.y};
 #pragma unroll
                 for (int j = 0; j < N / 8; ++j) {
-                    const float2 b = *(const float2*)(b_smem + (j * 8 + g) * PB + kk * 8 + 2 * t);
-                    mma_f32<Elem<E>::split>(c[j], a_frag, b.x, b.y);
+                    const S2 b = *(const S2*)(b_smem + (j * 8 + g) * PB + kk * 8 + 2 * t);
+                    mma_k8<E>(c[j], a_frag, b.x, b.y);
                 }
             }
         }
@@ -125,7 +129,7 @@ __device__ __forceinline__ void mma_nt(float (&c)[N / 8][4],
 // C[16, NC] += A[16, K] B[K, NC];  A in registers (an accumulator [16, K], rounded to E for
 // 16-bit types), B row-major in shared memory; column groups >= n_valid skipped.
 template <typename E, int K, int NC, int PB>
-__device__ __forceinline__ void mma_rn(float (&c)[NC / 8][4], const float (&a_acc)[K / 8][4],
+__device__ __forceinline__ void mma_rn(Acc<E> (&c)[NC / 8][4], const Acc<E> (&a_acc)[K / 8][4],
                                        const typename Elem<E>::storage* b_smem,   // [K, PB]
                                        int lane, int n_valid) {
     if constexpr (Elem<E>::is16) {
@@ -151,13 +155,13 @@ __device__ __forceinline__ void mma_rn(float (&c)[NC / 8][4], const float (&a_ac
         const int g = lane >> 2, t = lane & 3;
 #pragma unroll
         for (int j = 0; j < K / 8; ++j) {
-            const float a_frag[4] = {a_acc[j][0], a_acc[j][2], a_acc[j][1], a_acc[j][3]};
+            const Acc<E> a_frag[4] = {a_acc[j][0], a_acc[j][2], a_acc[j][1], a_acc[j][3]};
 #pragma unroll
             for (int dn = 0; dn < NC / 8; ++dn) {
                 if (dn * 8 < n_valid) {
-                    const float b0 = b_smem[(j * 8 + 2 * t) * PB + dn * 8 + g];
-                    const float b1 = b_smem[(j * 8 + 2 * t + 1) * PB + dn * 8 + g];
-                    mma_f32<Elem<E>::split, true>(c[dn], a_frag, b0, b1);   // dK, dV: long sums
+                    const Acc<E> b0 = b_smem[(j * 8 + 2 * t) * PB + dn * 8 + g];
+                    const Acc<E> b1 = b_smem[(j * 8 + 2 * t + 1) * PB + dn * 8 + g];
+                    mma_k8<E, true>(c[dn], a_frag, b0, b1);   // dK, dV: long sums
                 }
             }
         }
@@ -167,7 +171,7 @@ __device__ __forceinline__ void mma_rn(float (&c)[NC / 8][4], const float (&a_ac
 // C[16, NC] += A[16, K] B[K, NC];  A stored TRANSPOSED in shared memory (At [K, 16 used columns]),
 // B row-major in shared memory; column groups >= n_valid skipped.
 template <typename E, int K, int NC, int PA, int PB>
-__device__ __forceinline__ void mma_tn(float (&c)[NC / 8][4],
+__device__ __forceinline__ void mma_tn(Acc<E> (&c)[NC / 8][4],
                                        const typename Elem<E>::storage* at_smem,  // [K, PA]
                                        const typename Elem<E>::storage* b_smem,   // [K, PB]
                                        int lane, int n_valid) {
@@ -189,18 +193,19 @@ __device__ __forceinline__ void mma_tn(float (&c)[NC / 8][4],
             }
         }
     } else {
+        typedef typename Elem<E>::storage S;
         const int g = lane >> 2, t = lane & 3;
 #pragma unroll 1
         for (int kk = 0; kk < K / 8; ++kk) {
-            const float* a0 = at_smem + (kk * 8 + 2 * t) * PA;   // k = 2t row of At
-            const float* a1 = a0 + PA;                          // k = 2t + 1
-            const float a_frag[4] = {a0[g], a0[g + 8], a1[g], a1[g + 8]};
+            const S* a0 = at_smem + (kk * 8 + 2 * t) * PA;      // k = 2t row of At
+            const S* a1 = a0 + PA;                              // k = 2t + 1
+            const S a_frag[4] = {a0[g], a0[g + 8], a1[g], a1[g + 8]};
 #pragma unroll
             for (int dn = 0; dn < NC / 8; ++dn) {
                 if (dn * 8 < n_valid) {
-                    const float b0 = b_smem[(kk * 8 + 2 * t) * PB + dn * 8 + g];
-                    const float b1 = b_smem[(kk * 8 + 2 * t + 1) * PB + dn * 8 + g];
-                    mma_f32<Elem<E>::split>(c[dn], a_frag, b0, b1);
+                    const S b0 = b_smem[(kk * 8 + 2 * t) * PB + dn * 8 + g];
+                    const S b1 = b_smem[(kk * 8 + 2 * t + 1) * PB + dn * 8 + g];
+                    mma_k8<E>(c[dn], a_frag, b0, b1);
                 }
             }
         }
@@ -211,16 +216,16 @@ __device__ __forceinline__ void mma_tn(float (&c)[NC / 8][4],
 // lse·log2(e) and D of the BM query rows from [b, h, s_q] index row0 into shared memory; rows
 // past m_rows and rows with lse = −inf get +inf and 0 (P = 0: the row contributes nothing).
 // ---------------------------------------------------------------------------------------------
-template <int BM, int NT>
-__device__ __forceinline__ void load_row_stats(float* lse2_smem,        // [BM]
-                                               float* dsum_smem,        // [BM]
+template <int BM, int NT, typename A>
+__device__ __forceinline__ void load_row_stats(A* lse2_smem,            // [BM]
+                                               A* dsum_smem,            // [BM]
                                                const Params& p, i64 row0, int m_rows, int tid) {
     for (int r = tid; r < BM; r += NT) {
-        float l2 = CF_INF, dsum = 0.f;
+        A l2 = CF_INF, dsum = A(0);
         if (r < m_rows) {
-            const float l = p.lse[row0 + r];
-            if (l != -CF_INF) l2 = l * CF_LOG2E;
-            dsum = p.dsum[row0 + r];
+            const A l = ((const A*)p.lse)[row0 + r];
+            if (l != -CF_INF) l2 = l * log2e<A>();
+            dsum = ((const A*)p.dsum)[row0 + r];
         }
         lse2_smem[r] = l2;
         dsum_smem[r] = dsum;
@@ -235,6 +240,7 @@ template <typename E, int D, int BM, int NW, int WD, int NBUF, bool WINDOW, bool
           bool GENERAL>
 __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_block) {
     typedef typename Elem<E>::storage S;
+    typedef Acc<E> A;                             // float, or double for float64
     constexpr int NT = NW * 32;
     constexpr int BN = 16 * NW / WD;              // keys per block
     constexpr int DW = D / WD;                    // dK / dV columns per warp
@@ -255,8 +261,8 @@ __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_
     S* q_smem = v_smem + BN * PR;                 // [NBUF][BM, PR]
     S* do_smem = q_smem + NBUF * BM * PR;         // [NBUF][BM, PR]
     S* dst_smem = do_smem + NBUF * BM * PR;       // [BN, PDS]  dSᵀ (keys x queries)
-    float* lse2_smem = (float*)(dst_smem + BN * PDS);   // [NBUF][BM]  lse·log2(e); +inf: row contributes nothing
-    float* dsum_smem = lse2_smem + NBUF * BM;            // [NBUF][BM]  D
+    A* lse2_smem = (A*)(dst_smem + BN * PDS);     // [NBUF][BM]  lse·log2(e); +inf: row contributes nothing
+    A* dsum_smem = lse2_smem + NBUF * BM;         // [NBUF][BM]  D
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;        // accumulator row / column pair of this lane
@@ -281,7 +287,7 @@ __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_
     const int col0 = (warp % WD) * DW;            // this warp's dK / dV columns
     const int qrow0 = (warp % WMQ) * 16;          // dQ phase: this warp's 16 query rows
     const int qcol0 = (warp / WMQ) * DQW;         //           and columns
-    const float scale = p.scale;
+    const A scale = scale_of<A>(p);
 
     const S* k_gmem = (const S*)p.k + batch * p.k_stride_b + head_k * p.k_stride_h + (k_tok0 + n0) * p.k_stride_s;  // [n_rows, d]
     const S* v_gmem = (const S*)p.v + batch * p.v_stride_b + head_k * p.v_stride_h + (k_tok0 + n0) * p.v_stride_s;  // [n_rows, d_v]
@@ -313,19 +319,19 @@ __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_
         load_row_stats<BM, NT>(lse2_smem + buf * BM, dsum_smem + buf * BM, p, row0, m_rows, tid);
     };
 
-    float dk_frag[DW / 8][4], dv_frag[DW / 8][4];   // dK, dV [16 keys, DW] of this warp
+    A dk_frag[DW / 8][4], dv_frag[DW / 8][4];       // dK, dV [16 keys, DW] of this warp
 #pragma unroll
     for (int j = 0; j < DW / 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dk_frag[j][e] = dv_frag[j][e] = 0.f;
+        for (int e = 0; e < 4; ++e) dk_frag[j][e] = dv_frag[j][e] = A(0);
 
-    // dbias: this block's plane of the float32 accumulator (its slab in deterministic mode), or
+    // dbias: this block's plane of the Acc<E> accumulator (its slab in deterministic mode), or
     // null. Only the warps owning column 0 write (with WD > 1 the others recompute the same dS).
-    float* dbias_gmem = nullptr;                  // [s_q', s_k'] at (batch, head 0) with dbias strides
+    A* dbias_gmem = nullptr;                      // [s_q', s_k'] at (batch, head 0) with dbias strides
     if (GENERAL && p.dbias_accum && col0 == 0) {
         const bool by_b = p.dbias_mode & DBIAS_SLAB_B, by_h = p.dbias_mode & DBIAS_SLAB_H;
         const i64 slab = (i64)(by_b ? batch : 0) * (by_h ? p.h_k : 1) + (by_h ? head_k : 0);
-        dbias_gmem = p.dbias_accum + slab * p.dbias_slab + batch * p.dbias_stride_b;
+        dbias_gmem = (A*)p.dbias_accum + slab * p.dbias_slab + batch * p.dbias_stride_b;
     }
 
     if (total > 0) {
@@ -344,62 +350,63 @@ __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_
         cp_async_commit();
         const S* qb_smem = q_smem + buf * BM * PR;      // [BM, PR]
         const S* dob_smem = do_smem + buf * BM * PR;    // [BM, PR]
-        const float* lse2b = lse2_smem + buf * BM;      // [BM]
-        const float* dsumb = dsum_smem + buf * BM;      // [BM]
+        const A* lse2b = lse2_smem + buf * BM;          // [BM]
+        const A* dsumb = dsum_smem + buf * BM;          // [BM]
 
         // dPᵀ = V dOᵀ   [16 keys, BM queries]
-        float dp_frag[BM / 8][4];
+        A dp_frag[BM / 8][4];
 #pragma unroll
-        for (int j = 0; j < BM / 8; ++j) dp_frag[j][0] = dp_frag[j][1] = dp_frag[j][2] = dp_frag[j][3] = 0.f;
+        for (int j = 0; j < BM / 8; ++j) dp_frag[j][0] = dp_frag[j][1] = dp_frag[j][2] = dp_frag[j][3] = A(0);
         mma_nt<E, BM, D, PR, PR>(dp_frag, v_smem + key0 * PR, dob_smem, lane, p.d_v);
 
         // Sᵀ = K Qᵀ   [16 keys, BM queries]
-        float s_frag[BM / 8][4];
+        A s_frag[BM / 8][4];
 #pragma unroll
-        for (int j = 0; j < BM / 8; ++j) s_frag[j][0] = s_frag[j][1] = s_frag[j][2] = s_frag[j][3] = 0.f;
+        for (int j = 0; j < BM / 8; ++j) s_frag[j][0] = s_frag[j][1] = s_frag[j][2] = s_frag[j][3] = A(0);
         mma_nt<E, BM, D, PR, PR>(s_frag, k_smem + key0 * PR, qb_smem, lane, p.d);
 
         // P = exp(score(S) − lse) (masked: 0), dS = P ∘ (dP − D) · ds/dS_raw, in place:
         // s_frag becomes Pᵀ, dp_frag becomes dSᵀ
-        float slope_log2 = 0.f;
-        if (SCORE_MOD && p.alibi) slope_log2 = p.alibi[batch * p.alibi_stride_b + head] * CF_LOG2E;
+        A slope_log2 = A(0);
+        if (SCORE_MOD) slope_log2 = alibi_slope_log2<A>(p, batch, head);
         // bias / mask planes [s_q, s_k] of this (batch, head), dbias plane (null: off)
         const char* bias_step = nullptr;
         const unsigned char* mask_step = nullptr;
-        float* dbias_step = nullptr;
+        A* dbias_step = nullptr;
         if (GENERAL && p.bias)
             bias_step = (const char*)p.bias + (batch * p.bias_stride_b + head * p.bias_stride_h) * (p.bias_f32 ? 4 : (i64)sizeof(S));
         if (GENERAL && p.mask) mask_step = p.mask + batch * p.mask_stride_b + head * p.mask_stride_h;
         if (GENERAL && dbias_gmem) dbias_step = dbias_gmem + head * p.dbias_stride_h;
         const bool dbias_rows = GENERAL && (p.dbias_mode & DBIAS_ROWS);
         const bool dbias_atomic = GENERAL && (p.dbias_mode & DBIAS_ATOMIC);
-        float dbias_key[2] = {0.f, 0.f};          // DBIAS_ROWS: this lane's dS sums for keys g, g + 8
+        A dbias_key[2] = {A(0), A(0)};            // DBIAS_ROWS: this lane's dS sums for keys g, g + 8
         const bool need_mask = (n0 + BN > s_k) || (GENERAL && mask_step) ||
             (WINDOW && (n0 + BN - 1 > m0 + diag_offset + p.window_right ||
                         n0 < m0 + BM - 1 + diag_offset - p.window_left));
 #pragma unroll
         for (int j = 0; j < BM / 8; ++j) {
-            const float2 l2 = *(const float2*)(lse2b + j * 8 + 2 * t);    // queries j*8 + 2t, +1
-            const float2 dd = *(const float2*)(dsumb + j * 8 + 2 * t);
+            typedef typename Vec2<A>::type A2;
+            const A2 l2 = *(const A2*)(lse2b + j * 8 + 2 * t);            // queries j*8 + 2t, +1
+            const A2 dd = *(const A2*)(dsumb + j * 8 + 2 * t);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = n0 + key0 + g + (e >> 1) * 8;
                 const int row = m0 + j * 8 + 2 * t + (e & 1);
-                float ds_dqk;
-                const float s = bwd_score<E, WINDOW, SCORE_MOD, GENERAL>(
+                A ds_dqk;
+                const A s = bwd_score<E, WINDOW, SCORE_MOD, GENERAL>(
                     s_frag[j][e], p, slope_log2, row, key, s_q, s_k, diag_offset, scale, bias_step,
                     mask_step, need_mask, &ds_dqk);
-                const float pr = fast_exp2(s - ((e & 1) ? l2.y : l2.x));
+                const A pr = exp2_acc(s - ((e & 1) ? l2.y : l2.x));
                 s_frag[j][e] = pr;
                 // dS in natural units before the chain rule through softcap / scale: dbias
-                const float ds = pr * (dp_frag[j][e] - ((e & 1) ? dd.y : dd.x));
+                const A ds = pr * (dp_frag[j][e] - ((e & 1) ? dd.y : dd.x));
                 dp_frag[j][e] = ds * ds_dqk;
                 if (GENERAL && dbias_step) {
                     if (dbias_rows) {
                         dbias_key[e >> 1] += ds;   // summed over this lane's rows (0 past s_q: P = 0)
                     } else if (row < s_q && key < s_k) {   // one owner lane per element in this block
-                        float* dst = dbias_step + (i64)row * p.dbias_stride_q + (i64)key * p.dbias_stride_k;
-                        if (dbias_atomic) red_add_f32(dst, ds); else *dst += ds;
+                        A* dst = dbias_step + (i64)row * p.dbias_stride_q + (i64)key * p.dbias_stride_k;
+                        if (dbias_atomic) red_add(dst, ds); else *dst += ds;
                     }
                 }
             }
@@ -407,11 +414,11 @@ __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_
         if (GENERAL && dbias_step && dbias_rows) {   // bias broadcast over rows: one sum per key
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const float v = quad_sum(dbias_key[half]);   // the 4 lanes of a key hold its row pairs
+                const A v = quad_sum(dbias_key[half]);       // the 4 lanes of a key hold its row pairs
                 const int key = n0 + key0 + g + half * 8;
                 if (t == 0 && key < s_k) {
-                    float* dst = dbias_step + (i64)key * p.dbias_stride_k;
-                    if (dbias_atomic) red_add_f32(dst, v); else *dst += v;
+                    A* dst = dbias_step + (i64)key * p.dbias_stride_k;
+                    if (dbias_atomic) red_add(dst, v); else *dst += v;
                 }
             }
         }
@@ -430,8 +437,8 @@ __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_
                     S* dst = dst_smem + (key0 + g + half * 8) * PDS + j * 8 + 2 * t;
                     if constexpr (Elem<E>::is16) {
                         *(u32*)dst = pack2<E>(dp_frag[j][2 * half], dp_frag[j][2 * half + 1]);
-                    } else {
-                        *(float2*)dst = make_float2(dp_frag[j][2 * half], dp_frag[j][2 * half + 1]);
+                    } else {   // float32 / float64 pair
+                        *(typename Vec2<S>::type*)dst = vec2<S>(dp_frag[j][2 * half], dp_frag[j][2 * half + 1]);
                     }
                 }
         }
@@ -439,12 +446,12 @@ __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_
         if (NBUF == 1 && it + 1 < total) load_step(it + 1, 0);
         cp_async_commit();
 
-        // dQ[m tile] += dS K   [16 queries, DQW] per warp, into float32 global memory
-        float dq_frag[DQW / 8][4];
+        // dQ[m tile] += dS K   [16 queries, DQW] per warp, into the Acc<E> accumulator in global memory
+        A dq_frag[DQW / 8][4];
 #pragma unroll
-        for (int j = 0; j < DQW / 8; ++j) dq_frag[j][0] = dq_frag[j][1] = dq_frag[j][2] = dq_frag[j][3] = 0.f;
+        for (int j = 0; j < DQW / 8; ++j) dq_frag[j][0] = dq_frag[j][1] = dq_frag[j][2] = dq_frag[j][3] = A(0);
         mma_tn<E, BN, DQW, PDS, PR>(dq_frag, dst_smem + qrow0, k_smem + qcol0, lane, p.d - qcol0);
-        float* dq_gmem = p.dq_accum + (p.deterministic ? (i64)blockIdx.x * p.dq_accum_slab : 0)
+        A* dq_gmem = (A*)p.dq_accum + (p.deterministic ? (i64)blockIdx.x * p.dq_accum_slab : 0)
                          + (((i64)lse_b * p.h + head) * p.s_q + q_tok0 + m0) * p.d;   // [s_q − m0, d]
 #pragma unroll
         for (int j = 0; j < DQW / 8; ++j)
@@ -452,10 +459,10 @@ __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_
             for (int e = 0; e < 4; ++e) {
                 const int r = qrow0 + g + (e >> 1) * 8, c = qcol0 + j * 8 + 2 * t + (e & 1);
                 if (m0 + r < s_q && c < p.d) {
-                    float* dst = dq_gmem + (i64)r * p.d + c;
+                    A* dst = dq_gmem + (i64)r * p.d + c;
                     // deterministic: this block's slab, and this lane adds this element in every
                     // key tile: one writer, whose reductions to one address apply in program order
-                    red_add_f32(dst, dq_frag[j][e]);
+                    red_add(dst, dq_frag[j][e]);
                 }
             }
     }
@@ -469,8 +476,8 @@ __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_
         for (int e = 0; e < 4; ++e) {
             const int key = n0 + key0 + g + (e >> 1) * 8, c = col0 + j * 8 + 2 * t + (e & 1);
             if (key < s_k) {
-                if (c < p.d) dk_gmem[(i64)key * p.dk_stride_s + c] = from_float<E>(dk_frag[j][e]);
-                if (c < p.d_v) dv_gmem[(i64)key * p.dv_stride_s + c] = from_float<E>(dv_frag[j][e]);
+                if (c < p.d) dk_gmem[(i64)key * p.dk_stride_s + c] = from_acc<E>(dk_frag[j][e]);
+                if (c < p.d_v) dv_gmem[(i64)key * p.dv_stride_s + c] = from_acc<E>(dv_frag[j][e]);
             }
         }
 }
@@ -519,6 +526,7 @@ flash_bwd_dbias(const Params p) {
     constexpr int BUF = (2 * BM + 2 * BN) * PR;   // elements of one buffer's Q, dO, K, V tiles
     static_assert(BM % 16 == 0 && BN % 16 == 0, "whole 16-row / 16-key fragments");
     static_assert(NBUF == 1 || NBUF == 2, "one buffer, or two (the next pair's tiles land during this one)");
+    static_assert(!is_f64<E>, "float64 dbias comes from flash_bwd's double accumulator");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     // buffer b: q_smem [BM, PR], do_smem [BM, PR], k_smem [BN, PR], v_smem [BN, PR] from tiles_smem + b·BUF

@@ -10,7 +10,8 @@
 // shared memory. Online softmax in base 2 with the scale folded into one FFMA.
 //
 // Template arguments (the planner in cupyflash/_plan.py enumerates the instantiated set):
-//   E        f16_t | bf16_t | f32x3_t (float32, 3xTF32) | tf32_t (float32, plain TF32)
+//   E        f16_t | bf16_t | f32x3_t (float32, 3xTF32) | tf32_t (float32, plain TF32) |
+//            f64_t (float64: DMMA products, every accumulator and statistic in double)
 //   D        head-dim bucket (multiple of 32) covering both d and d_v; padding columns are
 //            zero-filled on load and never stored
 //   BM, BN   query / key tile sizes;  NW  warps per block
@@ -32,17 +33,22 @@
 // overlap this step's products without hoisting every load; measured, docs/kernels.md).
 // Tuning builds may pass -DQK_UNROLL=n.
 #ifndef QK_UNROLL
-#define QK_UNROLL (Elem<E>::is16 && D <= 64 ? 1 : 2)
+#define QK_UNROLL ((Elem<E>::is16 && D <= 64) || is_f64<E> ? 1 : 2)
 #endif
 
 // Shared-memory row pitch in elements. Rows are padded by 16 bytes (16-bit types) or 32 / 16
 // bytes (float32 Q,K / V) instead of an XOR swizzle: every bucket (also 96, 160, 224, which a
 // 128-byte XOR swizzle cannot tile) then reads conflict-free with ldmatrix / the float32
 // fragment loads, and cp.async destinations stay 16-byte aligned.
+// float64: Q / K rows padded by 64 bytes (the 16-byte pair loads of rows g, g + 1 fall in
+// different bank halves), V rows by 16 bytes (the scalar loads of rows 2t hit distinct banks).
+// OCols: the O accumulator's columns (float64 above 128 columns would need more than 255
+// registers: the launcher runs such a d_v in 128-column pieces, each its own launch).
 template <typename E, int D> struct Pitch {
     static constexpr bool is16 = Elem<E>::is16;
     static constexpr int QK = is16 ? D + 8 : D + 8;
-    static constexpr int V = is16 ? D + 8 : D + 4;
+    static constexpr int OCols = is_f64<E> && D > 128 ? 128 : D;
+    static constexpr int V = is16 ? D + 8 : (is_f64<E> ? OCols + 2 : D + 4);
 };
 
 // Copy a [ROWS, D] tile (rows row0.., columns < cols_valid) from global to shared memory with
@@ -76,8 +82,11 @@ __device__ __forceinline__ void load_tile(S* tile_smem,            // [ROWS, PIT
             src += RS * row_stride;
         }
     } else {
-#pragma unroll
-        for (int i = 0; i < (CHUNKS + NT - 1) / NT; ++i) {
+        // float64 tiles of many chunks per thread: a partial unroll (full unroll hoists every
+        // chunk's address into registers, which the float64 O accumulator needs)
+        constexpr int ITERS = (CHUNKS + NT - 1) / NT;
+#pragma unroll (sizeof(S) == 8 && ITERS > 4 ? 4 : ITERS)
+        for (int i = 0; i < ITERS; ++i) {
             const int c = tid + i * NT;
             if (CHUNKS % NT == 0 || c < CHUNKS) {
                 const int r = c / CPR, col = (c % CPR) * CH;
@@ -98,7 +107,7 @@ __device__ __forceinline__ void load_tile(S* tile_smem,            // [ROWS, PIT
 
 // S[mt][j] (+)= Q[warp rows] K[j*8 .. j*8+7]ᵀ over the first d columns.
 template <typename E, int D, int BN, int MT>
-__device__ __forceinline__ void gemm_qk(float (&s_frag)[MT][BN / 8][4],
+__device__ __forceinline__ void gemm_qk(Acc<E> (&s_frag)[MT][BN / 8][4],
                                         const typename Elem<E>::storage* q_smem,  // [BM, QK pitch], this warp's first row
                                         const typename Elem<E>::storage* k_smem,  // [BN, QK pitch]
                                         int lane, int d) {
@@ -125,34 +134,37 @@ __device__ __forceinline__ void gemm_qk(float (&s_frag)[MT][BN / 8][4],
             }
         }
     } else {
-        // float32, m16n8k8: the k index of both operands is permuted the same way inside each
-        // 8-column step (logical t <-> column 2t, t+4 <-> 2t+1), so one 8-byte load gives a pair.
+        // float32 / float64, m16n8k8: the k index of both operands is permuted the same way
+        // inside each 8-column step (logical t <-> column 2t, t+4 <-> 2t+1), so one 8-byte
+        // (float) or 16-byte (double) load gives a pair.
+        typedef typename Elem<E>::storage S;
+        typedef typename Vec2<S>::type S2;
         const int g = lane >> 2, t = lane & 3;
 #pragma unroll QK_UNROLL
         for (int kk = 0; kk < D / 8; ++kk) {
             {
-                float q_frag[MT][4];
+                S q_frag[MT][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    const float2 lo = *(const float2*)(q_smem + (mt * 16 + g) * P + kk * 8 + 2 * t);
-                    const float2 hi = *(const float2*)(q_smem + (mt * 16 + g + 8) * P + kk * 8 + 2 * t);
+                    const S2 lo = *(const S2*)(q_smem + (mt * 16 + g) * P + kk * 8 + 2 * t);
+                    const S2 hi = *(const S2*)(q_smem + (mt * 16 + g + 8) * P + kk * 8 + 2 * t);
                     q_frag[mt][0] = lo.x; q_frag[mt][1] = hi.x; q_frag[mt][2] = lo.y; q_frag[mt][3] = hi.y;
                 }
 #pragma unroll
                 for (int j = 0; j < BN / 8; ++j) {
-                    const float2 kb = *(const float2*)(k_smem + (j * 8 + g) * P + kk * 8 + 2 * t);
+                    const S2 kb = *(const S2*)(k_smem + (j * 8 + g) * P + kk * 8 + 2 * t);
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt)
-                        mma_f32<Elem<E>::split>(s_frag[mt][j], q_frag[mt], kb.x, kb.y);
+                        mma_k8<E>(s_frag[mt][j], q_frag[mt], kb.x, kb.y);
                 }
             }
         }
     }
 }
 
-// O[mt] += P[mt] V over the first d_v columns; P is the S accumulator after softmax.
-template <typename E, int D, int BN, int MT>
-__device__ __forceinline__ void gemm_pv(float (&o_frag)[MT][D / 8][4], float (&s_frag)[MT][BN / 8][4],
+// O[mt] += P[mt] V over the first d_v columns (of DO); P is the S accumulator after softmax.
+template <typename E, int D, int DO, int BN, int MT>
+__device__ __forceinline__ void gemm_pv(Acc<E> (&o_frag)[MT][DO / 8][4], Acc<E> (&s_frag)[MT][BN / 8][4],
                                         const typename Elem<E>::storage* v_smem,  // [BN, V pitch]
                                         int lane, int d_v) {
     constexpr int P = Pitch<E, D>::V;
@@ -171,7 +183,7 @@ __device__ __forceinline__ void gemm_pv(float (&o_frag)[MT][D / 8][4], float (&s
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
 #pragma unroll
-            for (int dd = 0; dd < D / 16; ++dd) {
+            for (int dd = 0; dd < DO / 16; ++dd) {
                 u32 v_frag[4];   // B: keys kk*16.. x columns dd*16.. (transposed load)
                 ldmatrix_x4_trans(v_frag, v_smem + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * P
                                               + dd * 16 + (lane >> 4) * 8);
@@ -183,24 +195,25 @@ __device__ __forceinline__ void gemm_pv(float (&o_frag)[MT][D / 8][4], float (&s
             }
         }
     } else {
-        // float32, m16n8k8: one key step = one S n8 tile; logical k t <-> key 2t, t+4 <-> 2t+1,
-        // so the accumulator registers are the A operand as they stand.
+        // float32 / float64, m16n8k8: one key step = one S n8 tile; logical k t <-> key 2t,
+        // t+4 <-> 2t+1, so the accumulator registers are the A operand as they stand.
+        typedef Acc<E> A;
         const int g = lane >> 2, t = lane & 3;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
-            float p_frag[MT][4];
+            A p_frag[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 p_frag[mt][0] = s_frag[mt][j][0]; p_frag[mt][1] = s_frag[mt][j][2];
                 p_frag[mt][2] = s_frag[mt][j][1]; p_frag[mt][3] = s_frag[mt][j][3];
             }
 #pragma unroll
-            for (int dn = 0; dn < D / 8; ++dn) {
+            for (int dn = 0; dn < DO / 8; ++dn) {
                 if (dn * 8 < d_v) {
-                    const float vb0 = v_smem[(j * 8 + 2 * t) * P + dn * 8 + g];
-                    const float vb1 = v_smem[(j * 8 + 2 * t + 1) * P + dn * 8 + g];
+                    const A vb0 = v_smem[(j * 8 + 2 * t) * P + dn * 8 + g];
+                    const A vb1 = v_smem[(j * 8 + 2 * t + 1) * P + dn * 8 + g];
 #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) mma_f32<Elem<E>::split, true>(o_frag[mt][dn], p_frag[mt], vb0, vb1);
+                    for (int mt = 0; mt < MT; ++mt) mma_k8<E, true>(o_frag[mt][dn], p_frag[mt], vb0, vb1);
                 }
             }
         }
@@ -213,8 +226,10 @@ __global__ void __launch_bounds__(NW * 32)
 flash_fwd(const Params p) {
     constexpr bool VARLEN = GENERAL & GEN_VARLEN, BIAS_MASK = GENERAL & GEN_BIAS_MASK;
     typedef typename Elem<E>::storage S;
+    typedef Acc<E> A;                              // float, or double for float64
     constexpr int NT = NW * 32;
     constexpr int MT = BM / (16 * NW);            // 16-row slabs per warp
+    constexpr int DO = Pitch<E, D>::OCols;        // O columns (p.d_v <= DO)
     static_assert(MT * 16 * NW == BM, "BM must be a multiple of 16 * NW");
     static_assert(KSTAGES == 1 || KSTAGES == 2, "one or two K buffers");
     static_assert(!GENERAL || (WINDOW && SCORE_MOD), "GENERAL runs on the window and score-mod paths");
@@ -251,7 +266,7 @@ flash_fwd(const Params p) {
     const S* k_gmem = (const S*)p.k + batch * p.k_stride_b + head_k * p.k_stride_h + k_tok0 * p.k_stride_s;      // [s_k, d]
     const S* v_gmem = (const S*)p.v + batch * p.v_stride_b + head_k * p.v_stride_h + k_tok0 * p.v_stride_s;      // [s_k, d_v]
     S* o_gmem = (S*)p.o + batch * p.o_stride_b + head * p.o_stride_h + (q_tok0 + m0) * p.o_stride_s;             // [m_rows, d_v]
-    float* lse_gmem = p.lse + ((i64)lse_b * p.h + head) * p.s_q + q_tok0 + m0;                                   // [m_rows]
+    A* lse_gmem = (A*)p.lse + ((i64)lse_b * p.h + head) * p.s_q + q_tok0 + m0;                                   // [m_rows]
     // bias / mask planes of this (batch, head): [s_q, s_k] with their own strides (null: off)
     const void* bias_gmem = nullptr;
     const unsigned char* mask_gmem = nullptr;
@@ -270,20 +285,20 @@ flash_fwd(const Params p) {
     const int nb_max = any_key ? (n_hi + BN - 1) / BN : nb_min;
 
     // Per-lane state. Row r of slab mt: warp * MT * 16 + mt * 16 + g (+8 for the second half).
-    float o_frag[MT][D / 8][4];                    // O accumulator [16 rows, D] per slab
-    float m_row[MT][2], l_row[MT][2];              // running max (raw score units), partial denominator
+    A o_frag[MT][DO / 8][4];                       // O accumulator [16 rows, DO] per slab
+    A m_row[MT][2], l_row[MT][2];                  // running max (raw score units), partial denominator
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j) o_frag[mt][j][0] = o_frag[mt][j][1] = o_frag[mt][j][2] = o_frag[mt][j][3] = 0.f;
+        for (int j = 0; j < DO / 8; ++j) o_frag[mt][j][0] = o_frag[mt][j][1] = o_frag[mt][j][2] = o_frag[mt][j][3] = A(0);
         m_row[mt][0] = m_row[mt][1] = -CF_INF;
-        l_row[mt][0] = l_row[mt][1] = 0.f;
+        l_row[mt][0] = l_row[mt][1] = A(0);
     }
     const int warp_row0 = warp * MT * 16;          // first tile row of this warp
     // SCORE_MOD turns scores into base-2 units before the max; otherwise fold scale into exp2.
-    const float sl2 = SCORE_MOD ? 1.f : p.scale_log2;
-    float slope_log2 = 0.f;                         // ALiBi slope in base-2 units
-    if (SCORE_MOD && p.alibi) slope_log2 = p.alibi[batch * p.alibi_stride_b + head] * CF_LOG2E;
+    const A sl2 = SCORE_MOD ? A(1) : scale_log2_of<A>(p);
+    A slope_log2 = A(0);                           // ALiBi slope in base-2 units
+    if (SCORE_MOD) slope_log2 = alibi_slope_log2<A>(p, batch, head);
 
     if (nb_max > nb_min) {
         // Q tile and the last K tile in flight
@@ -301,7 +316,7 @@ flash_fwd(const Params p) {
             cp_async_wait<0>();
             __syncthreads();   // K(nb) (and Q) landed for all threads; every warp finished PV on the V
                                // buffer and S on the other K buffer
-            load_tile<BN, D, PV, NT>(v_smem, v_gmem + (i64)n0 * p.v_stride_s, p.v_stride_s, s_k - n0, p.d_v, p.vec_ok, p.v, tid);
+            load_tile<BN, DO, PV, NT>(v_smem, v_gmem + (i64)n0 * p.v_stride_s, p.v_stride_s, s_k - n0, p.d_v, p.vec_ok, p.v, tid);
             cp_async_commit();
             if (KSTAGES == 2) {   // K(nb-1) into the other buffer: a whole iteration to land
                 if (nb > nb_min) {
@@ -313,11 +328,11 @@ flash_fwd(const Params p) {
             }
 
             // S = Q K(nb)ᵀ   [16 rows, BN] per slab, fp32
-            float s_frag[MT][BN / 8][4];
+            A s_frag[MT][BN / 8][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int j = 0; j < BN / 8; ++j) s_frag[mt][j][0] = s_frag[mt][j][1] = s_frag[mt][j][2] = s_frag[mt][j][3] = 0.f;
+                for (int j = 0; j < BN / 8; ++j) s_frag[mt][j][0] = s_frag[mt][j][1] = s_frag[mt][j][2] = s_frag[mt][j][3] = A(0);
             gemm_qk<E, D, BN, MT>(s_frag, q_smem + warp_row0 * PQK, k_smem, lane, p.d);
 
             // Score modifications, in base-2 units: softcap c·tanh(s/c), + bias, ALiBi −slope·|diag − j|
@@ -378,33 +393,33 @@ flash_fwd(const Params p) {
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    float mx = m_row[mt][half];
+                    A mx = m_row[mt][half];
 #pragma unroll
                     for (int j = 0; j < BN / 8; ++j)
-                        mx = fmaxf(mx, fmaxf(s_frag[mt][j][2 * half], s_frag[mt][j][2 * half + 1]));
+                        mx = max_acc(mx, max_acc(s_frag[mt][j][2 * half], s_frag[mt][j][2 * half + 1]));
                     mx = quad_max(mx);                                   // row max over the 4 lanes
-                    const float m_scaled = mx == -CF_INF ? 0.f : mx * sl2;   // fully masked so far: avoid inf − inf
-                    const float alpha = fast_exp2(m_row[mt][half] * sl2 - m_scaled);  // O, l rescale
+                    const A m_scaled = mx == -CF_INF ? A(0) : mx * sl2;   // fully masked so far: avoid inf − inf
+                    const A alpha = exp2_acc(m_row[mt][half] * sl2 - m_scaled);  // O, l rescale
                     m_row[mt][half] = mx;
-                    float row_sum = 0.f;
+                    A row_sum = A(0);
 #pragma unroll
                     for (int j = 0; j < BN / 8; ++j) {
-                        const float p0 = fast_exp2(s_frag[mt][j][2 * half] * sl2 - m_scaled);
-                        const float p1 = fast_exp2(s_frag[mt][j][2 * half + 1] * sl2 - m_scaled);
+                        const A p0 = exp2_acc(s_frag[mt][j][2 * half] * sl2 - m_scaled);
+                        const A p1 = exp2_acc(s_frag[mt][j][2 * half + 1] * sl2 - m_scaled);
                         s_frag[mt][j][2 * half] = p0;
                         s_frag[mt][j][2 * half + 1] = p1;
                         row_sum += p0 + p1;
                     }
                     l_row[mt][half] = l_row[mt][half] * alpha + row_sum;   // denominator l (this lane's part)
 #pragma unroll
-                    for (int j = 0; j < D / 8; ++j) {
+                    for (int j = 0; j < DO / 8; ++j) {
                         o_frag[mt][j][2 * half] *= alpha;
                         o_frag[mt][j][2 * half + 1] *= alpha;
                     }
                 }
 
             // O += P V(nb)
-            gemm_pv<E, D, BN, MT>(o_frag, s_frag, v_smem, lane, p.d_v);
+            gemm_pv<E, D, DO, BN, MT>(o_frag, s_frag, v_smem, lane, p.d_v);
         }
     }
 
@@ -414,20 +429,20 @@ flash_fwd(const Params p) {
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const float l = quad_sum(l_row[mt][half]);
-            const float inv_l = l > 0.f ? 1.f / l : 0.f;
+            const A l = quad_sum(l_row[mt][half]);
+            const A inv_l = l > A(0) ? A(1) / l : A(0);
             const int r = warp_row0 + mt * 16 + g + half * 8;
             if (t == 0 && r < m_rows)
-                lse_gmem[r] = l > 0.f ? (m_row[mt][half] * sl2 + log2f(l)) * CF_LN2 : -CF_INF;
+                lse_gmem[r] = l > A(0) ? (m_row[mt][half] * sl2 + log2_acc(l)) * ln2<A>() : -CF_INF;
 #pragma unroll
-            for (int j = 0; j < D / 8; ++j) {
-                o_smem[r * PQK + j * 8 + 2 * t] = from_float<E>(o_frag[mt][j][2 * half] * inv_l);
-                o_smem[r * PQK + j * 8 + 2 * t + 1] = from_float<E>(o_frag[mt][j][2 * half + 1] * inv_l);
+            for (int j = 0; j < DO / 8; ++j) {
+                o_smem[r * PQK + j * 8 + 2 * t] = from_acc<E>(o_frag[mt][j][2 * half] * inv_l);
+                o_smem[r * PQK + j * 8 + 2 * t + 1] = from_acc<E>(o_frag[mt][j][2 * half + 1] * inv_l);
             }
         }
     cp_async_wait<0>();
     __syncthreads();   // the whole O tile is in shared memory before the coalesced store
-    constexpr int CH = 16 / sizeof(S), CPR = D / CH;
+    constexpr int CH = 16 / sizeof(S), CPR = DO / CH;
 #pragma unroll
     for (int i = 0; i < (BM * CPR + NT - 1) / NT; ++i) {
         const int c = tid + i * NT;

@@ -67,7 +67,9 @@ def test_runs_on_the_current_stream(rng, cp):
     _close(cp.asnumpy(out), reference.attention(*(cp.asnumpy(x) for x in (q, k, v))), BF16)
 
 
-def test_float64_cupy_runs_on_the_cpu_and_comes_back_on_the_gpu(rng, cp):
+def test_float64_cupy_runs_on_the_gpu(rng, cp):
+    """float64 CuPy inputs run the f64_t kernels and stay CuPy (tests/gpu/test_gpu_float64.py
+    checks that nothing goes to the host)."""
     q, k, v = _qkv(rng, dtype=np.float64)
     out = cf.attention(*(cp.asarray(x) for x in (q, k, v)), softcap=3.0)
     assert isinstance(out, cp.ndarray) and out.dtype == np.float64

@@ -13,7 +13,9 @@ SMEMS = (99 * 1024, 163 * 1024, 227 * 1024)
 @pytest.mark.parametrize("smem", SMEMS)
 def test_every_variant_fits_and_meets_the_kernel_static_asserts(smem):
     vs = plan_bwd.variants(smem)
-    assert len(vs) == len(gpu_variants.ELEMS) * len(gpu_variants.HEAD_DIM_BUCKETS) * 5   # 4 flag pairs + GENERAL
+    # float64 above D = 160 has no tile on the small class (99 KB): 3 buckets x 5 variants fewer
+    missing = 3 * 5 if smem < gpu_variants.BIG_SMEM else 0
+    assert len(vs) == len(gpu_variants.ELEMS) * len(gpu_variants.HEAD_DIM_BUCKETS) * 5 - missing   # 4 flag pairs + GENERAL
     for v in vs:
         cg = 16 if v.elem in ("f16_t", "bf16_t") else 8   # column granularity (portable/bwd.cu CG)
         wmq = v.bm // 16
@@ -198,7 +200,7 @@ def test_use_dbias_kernel(forced, det, hopper, want):
     assert plan_bwd.use_dbias_kernel(forced, det, hopper) is want
 
 
-@pytest.mark.parametrize("elem", gpu_variants.ELEMS)
+@pytest.mark.parametrize("elem", [e for e in gpu_variants.ELEMS if e != "f64_t"])   # (float64: no dbias kernel)
 @pytest.mark.parametrize("smem", [99 * 1024, 163 * 1024, 227 * 1024])
 def test_dbias_variant_tiles(elem, smem):
     """The first flash_bwd_dbias tile of DBIAS_TILES that fits (two buffers: the device's limit;

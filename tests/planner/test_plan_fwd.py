@@ -27,7 +27,8 @@ def test_params_dtype_mirrors_c_struct():
     body = re.search(r"struct Params \{(.*?)\n\};", src, re.S).group(1)
     ctype = {"const void*": np.uint64, "void*": np.uint64, "float*": np.uint64,
              "const float*": np.uint64, "const int*": np.uint64, "const unsigned char*": np.uint64,
-             "unsigned int*": np.uint64, "i64": np.int64, "int": np.int32, "float": np.float32}
+             "unsigned int*": np.uint64, "i64": np.int64, "int": np.int32, "float": np.float32,
+             "double": np.float64}
     fields, tma = [], []
     for line in body.splitlines():
         line = line.split("//")[0].strip().rstrip(";")
@@ -36,7 +37,7 @@ def test_params_dtype_mirrors_c_struct():
         if line.startswith("TmaDesc "):
             tma.append(line.split()[1])
             continue
-        m = re.match(r"(const void\*|void\*|const float\*|float\*|const int\*|const unsigned char\*|unsigned int\*|i64|int|float)\s+(.*)", line)
+        m = re.match(r"(const void\*|void\*|const float\*|float\*|const int\*|const unsigned char\*|unsigned int\*|i64|int|float|double)\s+(.*)", line)
         assert m, line
         for name in m.group(2).split(","):
             fields.append((name.strip(), ctype[m.group(1)]))
@@ -74,14 +75,15 @@ def test_head_dim_too_large():
                                              ("bfloat16", False, "bf16_t"),
                                              ("float32", False, "f32x3_t"),
                                              ("float32", True, "tf32_t"),
-                                             ("bfloat16", True, "bf16_t")])
+                                             ("bfloat16", True, "bf16_t"),
+                                             ("float64", False, "f64_t")])
 def test_elem(dtype, tf32, elem):
     assert gpu_variants.elem_tag(dtype, tf32) == elem
 
 
 def test_unsupported_dtype():
-    with pytest.raises(NotImplementedError, match="float16, bfloat16 or float32"):
-        gpu_variants.elem_tag("float64", False)
+    with pytest.raises(NotImplementedError, match="float16, bfloat16, float32 or float64"):
+        gpu_variants.elem_tag("int8", False)
 
 
 def test_flags():
