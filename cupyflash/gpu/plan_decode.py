@@ -8,11 +8,18 @@ packing). Inside a CTA each of NW warps streams its own 16-key K / V tiles throu
 cp.async ring.
 
 Split count (``num_splits=0``): the cache is read once, so the time is the bytes over the
-bandwidth reached; that needs every SM busy with enough bytes in flight. ``choose_splits``
-takes the split count s (1..s_max) minimizing the waves of the grid per unit of work,
-``ceil(ctas * s / slots) / s`` plus 0.002 per split (the combine's reads and launch), where
-``slots`` = SMs x CTAs resident per SM and s_max keeps every split at >= 8 tiles per warp
-(512 keys at 4 warps) and <= 128 splits.
+bandwidth reached; that needs every SM busy with enough bytes in flight. With ``ctas`` CTAs per
+split (batch x kv heads x row tiles), ``slots`` CTAs resident on the GPU (SMs x CTAs per SM) and
+s splits, the grid runs ``waves = ceil(ctas * s / slots)`` waves, each CTA reading 1/s of its
+keys at the bandwidth's per-slot share and paying a fixed cost (launch, ring prologue, warp
+merge, partial store: CTA_FIXED_S). In units of one unsplit CTA's read time::
+
+    cost(s) = waves(s) * (1 / s + CTA_FIXED_S * HBM_BYTES_PER_S / (key bytes of one CTA * slots))
+
+``choose_splits`` takes the s in 1..s_max with the least cost (the smallest on ties), s_max
+keeping every split at >= 8 tiles per warp (512 keys at 4 warps) and <= 128 splits. On the H200
+(132 SMs, 2 CTAs each at hd 128) this gives 33 splits for 1 x 131k x 32/8, 4 for 8 x 8k x 32/8,
+2 for 4 x 32k x 32/32 and 1 for 64 x 4k x 32/32 and 32 x 16k x 32/8.
 """
 from __future__ import annotations
 
@@ -38,7 +45,8 @@ NW = 4               # warps per CTA
 TILE_KEYS = 16       # keys per warp tile: a tile never straddles a page (pages are multiples of 16)
 MIN_TILES_PER_WARP = 8
 MAX_SPLITS = 128
-SPLIT_COST = 0.002   # per split, in units of one CTA wave's share (combine reads and launch)
+CTA_FIXED_S = 2.5e-6        # fixed cost of one CTA (seconds): prologue, merge, partial store
+HBM_BYTES_PER_S = 4.0e12     # bandwidth the cost model assumes (H200 decode class)
 
 
 # ------------------------------------------------------------------------------------------
@@ -204,17 +212,19 @@ def why_unsupported(dtype_name: str, d: int, d_v: int, cc: int, aligned: bool) -
     return None
 
 
-def choose_splits(ctas: int, key_tiles: int, slots: int, nw: int = NW) -> int:
-    """The split count for ``ctas`` CTAs per split (batch x kv heads x row tiles), ``key_tiles``
-    16-key tiles in the longest key range and ``slots`` CTAs resident on the whole GPU (module
-    docstring)."""
+def choose_splits(ctas: int, key_tiles: int, slots: int, tile_bytes: int = 2 * 16 * 128 * 2,
+                  nw: int = NW) -> int:
+    """The split count for ``ctas`` CTAs per split, ``key_tiles`` 16-key tiles in the longest key
+    range, ``slots`` CTAs resident on the whole GPU and ``tile_bytes`` bytes of K and V per tile
+    (module docstring)."""
     if ctas <= 0 or key_tiles <= 0:
         return 1
     s_max = max(1, min(MAX_SPLITS, key_tiles // (nw * MIN_TILES_PER_WARP)))
+    fixed = CTA_FIXED_S * HBM_BYTES_PER_S / (key_tiles * tile_bytes * slots)
     best, best_cost = 1, math.inf
     for s in range(1, s_max + 1):
-        cost = math.ceil(ctas * s / slots) / s + SPLIT_COST * s
-        if cost < best_cost - 1e-12:
+        cost = math.ceil(ctas * s / slots) * (1.0 / s + fixed)
+        if cost < best_cost * (1 - 1e-9):
             best, best_cost = s, cost
     return best
 
@@ -241,7 +251,7 @@ def plan_decode(dtype_name: str, b: int, s_q: int, h: int, h_k: int, d: int, max
     ctas = b * h_k * m_tiles
     tiles = -(-max(max_keys, 1) // TILE_KEYS)
     if num_splits == 0:
-        splits = choose_splits(ctas, tiles, per_sm * sm_count)
+        splits = choose_splits(ctas, tiles, per_sm * sm_count, 2 * TILE_KEYS * d * 2)
     else:
         splits = max(1, min(int(num_splits), tiles, 1024))
     return DecodePlan(var, (splits, h_k, b * m_tiles), (var.threads, 1, 1), var.smem_bytes,
