@@ -8,6 +8,8 @@ covers (plan_decode.why_unsupported is None); ``prepare`` runs only the append /
 """
 from __future__ import annotations
 
+import struct
+
 import cupy
 import numpy as np
 
@@ -155,9 +157,124 @@ def prepare(q, k_cache, v_cache, k_new, v_new, *, cache_seqlens, seqlens_const, 
     return _prep(prm, prep_fn, q, k_new, rot), 0
 
 
+_F = plan_decode.DECODE_PARAMS_DTYPE.fields
+_PUT_U64 = struct.Struct("<Q").pack_into
+_PUT_I32 = struct.Struct("<i").pack_into
+_OFF = {n: _F[n][1] for n in plan_decode.DECODE_PARAMS_DTYPE.names}
+
+
+class Launch:
+    """Everything one shape signature of an attention_with_kvcache call needs at launch time:
+    the plan, the compiled kernels and a DecodeParams template with sizes, strides and options
+    filled. ``__call__`` copies the template, writes the call's pointers and launches
+    (kvcache_check and its read-back when ``check``, kvcache_prep when there are new rows or
+    rotary, flash_decode, flash_decode_combine when split)."""
+
+    __slots__ = ("plan", "main", "combine", "prep", "check_fn", "template", "prep_rows", "rot",
+                 "q_shape", "dtype", "ws_o", "ws_lse", "b", "name")
+
+    def __init__(self, plan, fns, template, prep_rows, rot, q_shape, dtype):
+        self.plan = plan
+        self.main, self.combine, self.prep, self.check_fn = fns
+        self.template = template
+        self.prep_rows = prep_rows
+        self.rot = rot
+        self.q_shape = q_shape
+        self.dtype = dtype
+        b, s_q, h, _ = q_shape
+        self.b = b
+        self.ws_o = plan.num_splits * b * s_q * h * plan.variant.d if plan.num_splits > 1 else 0
+        self.ws_lse = plan.num_splits * b * h * s_q if plan.num_splits > 1 else 0
+        self.name = plan.variant.name
+
+    def __call__(self, q, kc, vc, kn, vn, out, lse, cs_ptr, seqlens_const, bt_ptr, cos_ptr,
+                 sin_ptr, alibi_ptr, check) -> int:
+        """Launch on the current stream; returns kvcache_check's error bits (0 when ``check``
+        is off or all is well; nonzero: nothing launched after the check)."""
+        rec = self.template.copy()
+        mem = memoryview(rec.view(np.uint8))
+        put, off = _PUT_U64, _OFF
+        put(mem, off["q"], q.data.ptr)
+        put(mem, off["q_in"], q.data.ptr)
+        put(mem, off["k_cache"], kc.data.ptr)
+        put(mem, off["v_cache"], vc.data.ptr)
+        put(mem, off["cache_seqlens"], cs_ptr)
+        _PUT_I32(mem, off["seqlens_const"], seqlens_const)
+        put(mem, off["block_table"], bt_ptr)
+        put(mem, off["alibi"], alibi_ptr)
+        if kn is not None:
+            put(mem, off["k_new"], kn.data.ptr)
+            put(mem, off["v_new"], vn.data.ptr)
+        if self.rot:
+            put(mem, off["rot_cos"], cos_ptr)
+            put(mem, off["rot_sin"], sin_ptr)
+        if check and self.b:
+            err = cupy.zeros(1, np.int32)
+            put(mem, off["err"], err.data.ptr)
+            self.check_fn(((self.b + 127) // 128,), (128,), (rec[0],))
+            bits = int(err.get()[0])
+            if bits:
+                return bits
+        q_att = q
+        if self.rot:
+            q_att = cupy.empty(self.q_shape, self.dtype)
+            put(mem, off["q"], q_att.data.ptr)
+        if self.prep_rows:
+            self.prep(((self.prep_rows + 3) // 4,), (128,), (rec[0],))
+        put(mem, off["o"], out.data.ptr)
+        put(mem, off["lse"], lse.data.ptr)
+        ws = None
+        if self.ws_o:
+            ws = cupy.empty(self.ws_o + self.ws_lse, np.float32)
+            put(mem, off["o_part"], ws.data.ptr)
+            put(mem, off["lse_part"], ws.data.ptr + 4 * self.ws_o)
+        plan = self.plan
+        self.main(plan.grid, plan.block, (rec[0],), shared_mem=plan.smem)
+        if ws is not None:
+            rows = self.ws_lse // plan.num_splits
+            self.combine(((rows + 3) // 4,), (128,), (rec[0],))
+        del ws, q_att   # CuPy's pool hands the memory out again only in this stream's order
+        return 0
+
+
+def _contiguous_strides(shape):
+    b, s, h, d = shape
+    return {"b": s * h * d, "s": h * d, "h": d}
+
+
+def build(q, k_cache, v_cache, k_new, v_new, *, with_lengths, block_table, page_size,
+          max_blocks, rot, opts, num_splits, max_keys) -> Launch:
+    """The Launch of one call signature (shapes, strides, dtypes, options; pointers come with each
+    call). ``with_lengths``: cache_seqlens comes as a device array (else seqlens_const);
+    ``rot``: (cos, sin, interleaved, q per row) or None, the tables' shapes read here."""
+    dev_id = device.get_device()
+    cc, smem, sms = device.info(dev_id)
+    b, s_q, h, d = q.shape
+    h_k = k_cache.shape[2]
+    plan = plan_decode.plan_decode(DTYPE_NAMES[q.dtype], b, s_q, h, h_k, d, max_keys,
+                                   num_splits, sms, smem)
+    fns = compile.get_functions(plan.variant, dev_id)
+    prm = plan_decode.new_params()
+    s_new = 0 if k_new is None else k_new.shape[1]
+    _fill(prm, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=None, seqlens_const=0,
+          block_table=block_table, page_size=page_size, max_blocks=max_blocks, s_new=s_new,
+          opts=opts)
+    _set_inputs(prm, q, k_new, v_new, rot)
+    prm["q"] = prm["k_cache"] = prm["v_cache"] = prm["block_table"] = prm["alibi"] = 0
+    prm["k_new"] = prm["v_new"] = prm["q_in"] = prm["rot_cos"] = prm["rot_sin"] = 0
+    if rot is not None:   # flash_decode reads the rotated contiguous copy
+        for a, st in _contiguous_strides(q.shape).items():
+            prm[f"q_stride_{a}"] = st
+    prm["num_splits"], prm["num_m_tiles"] = plan.num_splits, plan.num_m_tiles
+    for a, st in _contiguous_strides((b, s_q, h, d)).items():
+        prm[f"o_stride_{a}"] = st
+    prep_rows = b * s_new * h_k + (b * s_q * h if rot is not None else 0)
+    return Launch(plan, fns, prm, prep_rows, rot is not None, q.shape, q.dtype)
+
+
 def attend(q, k_cache, v_cache, k_new, v_new, out, lse, *, cache_seqlens, seqlens_const,
            block_table, page_size, max_blocks, rot, opts, num_splits, max_keys, check_device):
-    """One attention_with_kvcache call on the decode kernel: (variant name, error bits).
+    """One attention_with_kvcache call on the decode kernel: (Launch, error bits).
 
     q [b, s_q, h, d]; k_cache / v_cache [num_blocks, page_size, h_k, d] (a contiguous cache is
     [b, seqlen_cache, h_k, d] with page_size = seqlen_cache, max_blocks = 1, no block_table);
@@ -168,46 +285,15 @@ def attend(q, k_cache, v_cache, k_new, v_new, out, lse, *, cache_seqlens, seqlen
     any entry after the append (plans the split count); ``check_device``: run kvcache_check and
     read its bits before any write (nonzero bits: nothing launched after the check).
     """
-    dev_id = device.get_device()
-    cc, smem, sms = device.info(dev_id)
-    b, s_q, h, d = q.shape
-    h_k = k_cache.shape[2]
-    plan = plan_decode.plan_decode(DTYPE_NAMES[q.dtype], b, s_q, h, h_k, d, max_keys,
-                                   num_splits, sms, smem)
-    main, combine, prep_fn, check_fn = compile.get_functions(plan.variant, dev_id)
-    prm = plan_decode.new_params()
-    _fill(prm, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
-          seqlens_const=seqlens_const, block_table=block_table, page_size=page_size,
-          max_blocks=max_blocks, s_new=0 if k_new is None else k_new.shape[1], opts=opts)
-    _set_inputs(prm, q, k_new, v_new, rot)
-    if check_device:
-        bits = device_errors(prm, check_fn)
-        if bits:
-            return plan.variant.name, bits
-    q_att = _prep(prm, prep_fn, q, k_new, rot)
-    _run(prm, plan, main, combine, q_att, out, lse)
-    return plan.variant.name, 0
-
-
-def _run(prm, plan, main, combine, q_att, out, lse):
-    b, s_q, h, d = q_att.shape
-    prm["q"] = q_att.data.ptr
-    _set_bsh(prm, "q", q_att)
-    prm["o"], prm["lse"] = out.data.ptr, lse.data.ptr
-    _set_bsh(prm, "o", out)
-    prm["num_splits"], prm["num_m_tiles"] = plan.num_splits, plan.num_m_tiles
-    ws = None
-    if plan.num_splits > 1:
-        dv = plan.variant.d
-        o_elems = plan.num_splits * b * s_q * h * dv
-        ws = cupy.empty(o_elems + plan.num_splits * b * h * s_q, np.float32)
-        prm["o_part"] = ws.data.ptr
-        prm["lse_part"] = ws.data.ptr + 4 * o_elems
-    main(plan.grid, plan.block, (prm[0],), shared_mem=plan.smem)
-    if ws is not None:
-        rows = b * s_q * h
-        combine(((rows + 3) // 4,), (128,), (prm[0],))
-    del ws   # CuPy's pool hands the memory out again only in this stream's order
+    ent = build(q, k_cache, v_cache, k_new, v_new, with_lengths=cache_seqlens is not None,
+                block_table=block_table, page_size=page_size, max_blocks=max_blocks, rot=rot,
+                opts=opts, num_splits=num_splits, max_keys=max_keys)
+    bits = ent(q, k_cache, v_cache, k_new, v_new, out, lse,
+               0 if cache_seqlens is None else cache_seqlens.data.ptr, seqlens_const,
+               0 if block_table is None else block_table.data.ptr,
+               0 if rot is None else rot[0].data.ptr, 0 if rot is None else rot[1].data.ptr,
+               0 if opts.alibi_slopes is None else opts.alibi_slopes.data.ptr, check_device)
+    return ent, bits
 
 
 def forward_few_rows(q, k, v, out, lse, opts):
@@ -229,13 +315,22 @@ def forward_few_rows(q, k, v, out, lse, opts):
         return None
     if not (aligned(q, k, v) and out.flags.c_contiguous and lse.flags.c_contiguous):
         return None
-    plan = plan_decode.plan_decode(name, b, s_q, h, h_k, d, s_k, 0, sms, smem)
-    main, combine, _, _ = compile.get_functions(plan.variant, dev_id)
-    prm = plan_decode.new_params()
-    _fill(prm, q=q, k_cache=k, v_cache=v, cache_seqlens=None, seqlens_const=s_k,
-          block_table=None, page_size=s_k, max_blocks=1, s_new=0, opts=opts)
-    _run(prm, plan, main, combine, q, out, lse)
-    return plan.variant.name
+    key = (q.shape, q.strides, k.shape, k.strides, v.strides, q.dtype, opts.scale,
+           opts.window_left, opts.window_right, opts.bottom_right, opts.softcap,
+           None if opts.alibi_slopes is None else opts.alibi_slopes.shape, dev_id)
+    ent = _few_rows_cache.get(key)
+    if ent is None:
+        ent = build(q, k, v, None, None, with_lengths=False, block_table=None, page_size=s_k,
+                    max_blocks=1, rot=None, opts=opts, num_splits=0, max_keys=s_k)
+        if len(_few_rows_cache) > 1024:
+            _few_rows_cache.clear()
+        _few_rows_cache[key] = ent
+    ent(q, k, v, None, None, out, lse, 0, s_k, 0, 0, 0,
+        0 if opts.alibi_slopes is None else opts.alibi_slopes.data.ptr, False)
+    return ent.name
+
+
+_few_rows_cache = {}
 
 
 def workspace_bytes(plan, b, s_q, h) -> int:
