@@ -6,9 +6,10 @@ median of 5 loops after warm-up. The copy bandwidth is a CuPy device-to-device c
 buffer in the same run, counted as bytes read + bytes written over time (the HBM traffic of a
 copy, as the decode's bytes read are its HBM traffic).
 
-Columns: ``cupyflash`` with cache_seqlens an int (lengths known on the host: no check to read
-back); ``dev-lens`` with cache_seqlens a device array and the default pre-launch check (one
-read-back per call); the peers attend to the same keys of a contiguous cache (SDPA has no paged
+Columns: ``cupyflash`` with cache_seqlens an int and ``set_device_checks(False)`` (lengths
+checked on the host; the paged rows' device block table not read back: the decode-loop
+setting); ``dev-lens`` with cache_seqlens a device array and the default pre-launch check of
+lengths and block indices (one read-back, i.e. one synchronization, per call); the peers attend to the same keys of a contiguous cache (SDPA has no paged
 cache). ``host us`` is the wall time per cupyflash call of the timing loop.
 
     PYTHONPATH=. python benchmarks/bench_kvcache.py [--rows NAME ...] [--json FILE]
@@ -75,12 +76,29 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", nargs="*", default=None, help="row names to run (default: all)")
     ap.add_argument("--json", default=None, help="write the table as JSON here")
+    ap.add_argument("--ab", action="store_true",
+                    help="also time plan_decode.TUNING's alternatives (grid order split-major; "
+                         "a separate combine kernel; L2 prefetch hints; one CTA per SM)")
+    ap.add_argument("--extra-splits", nargs="*", type=int, default=[],
+                    help="also time these forced num_splits per row (GB/s printed after the table)")
     args = ap.parse_args(argv)
 
     import cupy as cp
 
     import cupyflash as cf
+    from cupyflash import kvcache
     from cupyflash.gpu import device, plan_decode
+
+    def with_tuning(fn, **kw):
+        """fn timed under plan_decode.TUNING changed by kw (repeated-call caches cleared)."""
+        old = dict(plan_decode.TUNING)
+        plan_decode.TUNING.update(kw)
+        kvcache._FAST.clear()
+        try:
+            return _time(cp, fn)[0]
+        finally:
+            plan_decode.TUNING.update(old)
+            kvcache._FAST.clear()
 
     try:
         sys.path.insert(0, ".")
@@ -96,10 +114,13 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     table = []
     hdr = (f"| {'batch x cache x heads/kv':26s} | {'GiB':>5s} | {'splits':>6s} | {'cupyflash':>9s} | "
-           f"{'dev-lens':>8s} | {'FA2':>6s} | {'cuDNN':>6s} | {'/best':>5s} | {'/copy':>5s} | {'host us':>7s} |")
+           f"{'dev-lens':>8s} | {'FA2':>6s} | {'cuDNN':>6s} | {'/best':>5s} | {'/copy':>5s} | {'host us':>7s} |"
+           + (f" {'split-major':>11s} | {'2 kernels':>9s} | {'L2::128B':>8s} | {'L2::256B':>8s} | {'1 CTA/SM':>8s} |"
+              if args.ab else ""))
     print(hdr)
     print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
     contiguous_gbs = {}
+    extra = []
     for name, b, s, h, hk, page in ROWS:
         if args.rows and name not in args.rows:
             continue
@@ -119,7 +140,11 @@ def main(argv=None):
             kc[cp.asarray(perm)] = k.reshape(nb, page, hk, D)
             vc[cp.asarray(perm)] = v.reshape(nb, page, hk, D)
         lens_dev = cp.full(b, s, np.int32)
-        t_cf, wall = _time(cp, lambda: cf.attention_with_kvcache(q, kc, vc, cache_seqlens=s, block_table=bt))
+        kvcache.set_device_checks(False)     # the block table's values: no read-back per call
+        try:
+            t_cf, wall = _time(cp, lambda: cf.attention_with_kvcache(q, kc, vc, cache_seqlens=s, block_table=bt))
+        finally:
+            kvcache.set_device_checks(True)
         t_dev, _ = _time(cp, lambda: cf.attention_with_kvcache(q, kc, vc, cache_seqlens=lens_dev, block_table=bt))
         plan = plan_decode.plan_decode("bfloat16", b, 1, h, hk, D, s, 0, sms, smem)
         gbs = nbytes / t_cf / 1e9
@@ -131,11 +156,30 @@ def main(argv=None):
             contiguous_gbs[(b, s, h, hk)] = (gbs, peers)
         else:
             peers = contiguous_gbs.get((b, s, h, hk), (None, {}))[1]
+        ab = ""
+        if args.ab:
+            call = lambda: cf.attention_with_kvcache(q, kc, vc, cache_seqlens=s, block_table=bt)  # noqa: E731
+            kvcache.set_device_checks(False)
+            try:
+                ts = [with_tuning(call, head_fastest=False), with_tuning(call, fused_combine=False),
+                      with_tuning(call, l2_prefetch=128), with_tuning(call, l2_prefetch=256),
+                      with_tuning(call, ctas_per_sm=1)]
+            finally:
+                kvcache.set_device_checks(True)
+            ab = "".join(f" {nbytes / t / 1e9:{w}.0f} |" for t, w in zip(ts, (11, 9, 8, 8, 8)))
+        kvcache.set_device_checks(False)
+        try:
+            for ns in args.extra_splits:
+                t_ns, _ = _time(cp, lambda: cf.attention_with_kvcache(q, kc, vc, cache_seqlens=s, block_table=bt,
+                                                                        num_splits=ns))
+                extra.append(f"{name}: num_splits={ns}: {nbytes / t_ns / 1e9:.0f} GB/s")
+        finally:
+            kvcache.set_device_checks(True)
         best = max([x for x in peers.values() if x] or [float("nan")])
         fmt = lambda x: f"{x:6.0f}" if x else "     -"   # noqa: E731
         print(f"| {name:26s} | {nbytes / 2**30:5.2f} | {plan.num_splits:6d} | {gbs:9.0f} | "
               f"{nbytes / t_dev / 1e9:8.0f} | {fmt(peers.get('flash'))} | {fmt(peers.get('cudnn'))} | "
-              f"{gbs / best:5.2f} | {gbs / copy_gbs:5.2f} | {wall * 1e6:7.1f} |", flush=True)
+              f"{gbs / best:5.2f} | {gbs / copy_gbs:5.2f} | {wall * 1e6:7.1f} |" + ab, flush=True)
         table.append(dict(row=name, gib=nbytes / 2**30, splits=plan.num_splits, variant=plan.variant.name,
                           cupyflash=gbs, dev_lens=nbytes / t_dev / 1e9, fa2=peers.get("flash"),
                           cudnn=peers.get("cudnn"), copy=copy_gbs, host_us=wall * 1e6))
@@ -145,6 +189,8 @@ def main(argv=None):
             row = next((r for r in table if r["row"] == name), None)
             if row:
                 print(f"{name}: {row['cupyflash'] / cont:.3f} x contiguous")
+    for line in extra:
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(copy_gbs=copy_gbs, rows=table), f, indent=1)

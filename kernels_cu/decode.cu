@@ -12,7 +12,8 @@
 //                    cp.async ring (no CTA barrier in the key loop), keeps its own online softmax
 //                    and O accumulator, and the warps are merged in shared memory at the end.
 //                    num_splits == 1 writes out / lse; else partial (O / l, lse) into the
-//                    workspace for flash_decode_combine.
+//                    workspace, merged by the split that finishes last (split_count: fused
+//                    combine) or by flash_decode_combine.
 //   flash_decode_combine  one warp per output row: lse = log Σ exp(lse_s), O = Σ exp(lse_s − lse) O_s
 //
 // Reads never leave the cache: lengths are clamped to the cache's capacity and block indices to
@@ -75,6 +76,10 @@ struct DecodeParams {
     int rot_interleaved;
     int rot_q_per_row;        // 1: q row i rotated at position cache_seqlens + i; 0: all at cache_seqlens
     int seqlen_ro;            // rows of rot_cos / rot_sin
+    int head_fastest;         // grid order: 1 (kv head, split, batch x row tile), 0 (split, kv head, ...)
+    int pad1;
+    unsigned int* split_count;   // [h_k * b * num_m_tiles] splits finished per CTA group, zero before
+                                 // and after a launch; null: flash_decode_combine merges the splits
     float scale_log2;         // scale * log2(e)
     float softcap_pre;        // scale / softcap (0: off)
     float softcap_post;       // softcap * log2(e)
@@ -199,15 +204,32 @@ template <int D> struct DecodeSmem {
     static constexpr int TILE = 16 * P;           // one 16-key K or V tile (elements)
 };
 
-// Keys [key0, key0 + 16) of K and V into a warp's ring slot (k_smem, v_smem: [16, P] each); rows
-// at or past `len` are zero-filled. The tile lies inside one page (pages are multiples of 16 keys).
-template <typename E, int D>
-__device__ __forceinline__ void load_kv_tile(u16* k_smem, u16* v_smem, const DecodeParams& p,
-                                             int batch, int head_k, int key0, int len, int lane) {
+// The K / V tile copies: cp.async with an L2 prefetch-size hint when KV_L2_PREFETCH is 128 or 256
+// (a build option: plan_decode.TUNING["l2_prefetch"]); a cache row of one kv head is d * 2 bytes
+// contiguous (256 at hd 128)
+#ifndef KV_L2_PREFETCH
+#define KV_L2_PREFETCH 0
+#endif
+__device__ __forceinline__ void cp_async_kv(void* smem, const void* gmem, int src_bytes) {
+#if KV_L2_PREFETCH == 256
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;"
+                 :: "r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
+#elif KV_L2_PREFETCH == 128
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;"
+                 :: "r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
+#else
+    cp_async_16(smem, gmem, src_bytes);
+#endif
+}
+
+// Keys [key0, key0 + 16) of K and V (page blk, first row off) into a warp's ring slot (k_smem,
+// v_smem: [16, P] each); rows at or past `len` are zero-filled. The tile lies inside one page
+// (pages are multiples of 16 keys).
+template <int D>
+__device__ __forceinline__ void load_kv_tile(u16* k_smem, u16* v_smem, const DecodeParams& p, int blk,
+                                             int off, int head_k, int key0, int len, int lane) {
     constexpr int P = DecodeSmem<D>::P;
     constexpr int CPR = D / 8;                    // 16-byte chunks per row
-    int off;
-    const int blk = page_of(p, batch, key0, &off);
     const u16* k_gmem = (const u16*)p.k_cache + blk * p.k_stride_blk + (long long)off * p.k_stride_s + head_k * p.k_stride_h;   // [16, d]
     const u16* v_gmem = (const u16*)p.v_cache + blk * p.v_stride_blk + (long long)off * p.v_stride_s + head_k * p.v_stride_h;   // [16, d]
 #pragma unroll
@@ -215,9 +237,17 @@ __device__ __forceinline__ void load_kv_tile(u16* k_smem, u16* v_smem, const Dec
         const int c = lane + i * 32;
         const int r = c / CPR, col = (c % CPR) * 8;
         const int ok = key0 + r < len ? 16 : 0;
-        cp_async_16(k_smem + r * P + col, ok ? (const void*)(k_gmem + r * p.k_stride_s + col) : p.k_cache, ok);
-        cp_async_16(v_smem + r * P + col, ok ? (const void*)(v_gmem + r * p.v_stride_s + col) : p.v_cache, ok);
+        cp_async_kv(k_smem + r * P + col, ok ? (const void*)(k_gmem + r * p.k_stride_s + col) : p.k_cache, ok);
+        cp_async_kv(v_smem + r * P + col, ok ? (const void*)(v_gmem + r * p.v_stride_s + col) : p.v_cache, ok);
     }
+}
+
+// 16-byte loads through L2 only (partials other CTAs wrote during this launch)
+__device__ __forceinline__ float ld_cg(const float* ptr) {
+    float v; asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(ptr)); return v;
+}
+__device__ __forceinline__ float2 ld_cg2(const float* ptr) {
+    float2 v; asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(ptr)); return v;
 }
 
 template <typename E, int D, int MT, int NW, int STAGES>
@@ -237,7 +267,8 @@ flash_decode(const DecodeParams p) {
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int split = blockIdx.x, head_k = blockIdx.y;
+    const int split = p.head_fastest ? blockIdx.y : blockIdx.x;
+    const int head_k = p.head_fastest ? blockIdx.x : blockIdx.y;
     const int batch = blockIdx.z / p.num_m_tiles, m_tile = blockIdx.z % p.num_m_tiles;
     const int rows = p.s_q * p.g;                              // packed rows of this (batch, kv head)
     const int m0 = m_tile * BM;
@@ -260,11 +291,29 @@ flash_decode(const DecodeParams p) {
     u16* k_ring = ring_smem + warp * STAGES * 2 * TILE;        // [STAGES][16, P]
     u16* v_ring = k_ring + STAGES * TILE;                      // [STAGES][16, P]
 
+    // Pages of this warp's tiles (paged cache), read 32 tiles ahead: lane l of blk_cur holds the
+    // page of tile 32 * chunk + l, blk_nxt those of the next chunk, so no block-table read stalls
+    // the ring (a contiguous cache's "page" is the batch entry)
+    auto tile_key0 = [&](int tile) { return (s_beg + warp + tile * NW) * 16; };   // first key of a warp tile
+    auto fetch_pages = [&](int chunk) {
+        const int tile = chunk * 32 + lane;
+        int off;
+        return (p.block_table && tile < my_tiles) ? page_of(p, batch, tile_key0(tile), &off) : batch;
+    };
+    int blk_cur = fetch_pages(0), blk_nxt = fetch_pages(1), chunk_cur = 0;
+    // Issue warp tile `tile` (issued in order 0, 1, 2, ...; warp-uniform) into ring slot tile % STAGES
+    auto issue = [&](int tile) {
+        if ((tile >> 5) != chunk_cur) { chunk_cur = tile >> 5; blk_cur = blk_nxt; blk_nxt = fetch_pages(chunk_cur + 1); }
+        const int key0 = tile_key0(tile);
+        const int blk = __shfl_sync(0xffffffffu, blk_cur, tile & 31);
+        const int off = p.block_table ? key0 - min(key0 / p.page_size, p.max_blocks - 1) * p.page_size : key0;
+        load_kv_tile<D>(k_ring + (tile % STAGES) * TILE, v_ring + (tile % STAGES) * TILE, p, blk, off, head_k, key0, len, lane);
+    };
+
     // Start this warp's ring before Q is even loaded: STAGES − 1 tiles in flight
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < my_tiles)
-            load_kv_tile<E, D>(k_ring + s * TILE, v_ring + s * TILE, p, batch, head_k, (s_beg + warp + s * NW) * 16, len, lane);
+        if (s < my_tiles) issue(s);
         cp_async_commit();
     }
 
@@ -320,16 +369,14 @@ flash_decode(const DecodeParams p) {
         // next tile into the slot freed by the previous iteration (always commit: counts stay right)
         {
             const int nx = it + STAGES - 1;
-            if (nx < my_tiles)
-                load_kv_tile<E, D>(k_ring + (nx % STAGES) * TILE, v_ring + (nx % STAGES) * TILE, p, batch, head_k,
-                                   (s_beg + warp + nx * NW) * 16, len, lane);
+            if (nx < my_tiles) issue(nx);
             cp_async_commit();
         }
         cp_async_wait<STAGES - 1>();
         __syncwarp();   // tile `it` landed for every lane of this warp (its own ring: no CTA barrier)
         const u16* k_smem = k_ring + (it % STAGES) * TILE;     // [16, P]
         const u16* v_smem = v_ring + (it % STAGES) * TILE;     // [16, P]
-        const int key0 = (s_beg + warp + it * NW) * 16;
+        const int key0 = tile_key0(it);
 
         // S = Q K(tile)ᵀ   [16 rows, 16 keys] per slab, fp32
         float s_frag[MT][2][4];
@@ -496,6 +543,63 @@ flash_decode(const DecodeParams p) {
             *(u32*)dst = pack2<E>(o0, o1);
         }
     }
+    if (!p.o_part || !p.split_count) return;
+
+    // Fused combine: the last split of this (batch, row tile, kv head) to finish merges every
+    // split's partial: lse = log Σ_s exp(lse_s), O = Σ_s exp(lse_s − lse) O_s
+    __shared__ int is_last;
+    __threadfence();   // this thread's partial stores are visible device-wide before the count
+    __syncthreads();   // every thread's stores fenced (and the merge area no longer read)
+    const int group = (batch * p.num_m_tiles + m_tile) * p.h_k + head_k;
+    if (tid == 0) is_last = atomicAdd(p.split_count + group, 1u) == (unsigned)(p.num_splits - 1);
+    __syncthreads();   // is_last visible to every thread
+    if (!is_last) return;
+    __threadfence();   // the other splits counted after their fences: their partials are visible
+    const int S = p.num_splits;
+    float* w_smem = merge_smem;                                  // [BM][S] weights exp(lse_s − lse)
+    const long long split_lse = (long long)p.b * p.h * p.s_q;    // lse_part stride of one split
+    const long long split_o = (long long)p.b * p.s_q * p.h * D;  // o_part stride of one split
+    for (int r = warp; r < BM; r += NW) {                        // one warp per row
+        const int pr = m0 + r;
+        if (pr >= rows) continue;
+        const int qi = pr / p.g, head = head_k * p.g + pr % p.g;
+        const float* lse_in = p.lse_part + ((long long)batch * p.h + head) * p.s_q + qi;   // [S] (strided)
+        float m = -CF_INF;
+        for (int sp = lane; sp < S; sp += 32) m = fmaxf(m, ld_cg(lse_in + sp * split_lse));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        const float m_use = m == -CF_INF ? 0.f : m;
+        float sum = 0.f;
+        for (int sp = lane; sp < S; sp += 32) {
+            const float e = fast_exp2((ld_cg(lse_in + sp * split_lse) - m_use) * CF_LOG2E);
+            w_smem[r * S + sp] = e;
+            sum += e;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int sp = lane; sp < S; sp += 32) w_smem[r * S + sp] *= inv;   // (this lane's own entries)
+        if (lane == 0) p.lse[((long long)batch * p.h + head) * p.s_q + qi] = sum > 0.f ? m_use + logf(sum) : -CF_INF;
+    }
+    __syncthreads();   // the weights are in shared memory
+    for (int c = tid; c < BM * (D / 2); c += NT) {
+        const int r = c / (D / 2), col = (c % (D / 2)) * 2;
+        const int pr = m0 + r;
+        if (pr >= rows || col >= p.d) continue;
+        const int qi = pr / p.g, head = head_k * p.g + pr % p.g;
+        const float* o_in = p.o_part + (((long long)batch * p.s_q + qi) * p.h + head) * D + col;   // [S] (strided)
+        float o0 = 0.f, o1 = 0.f;
+        for (int sp = 0; sp < S; ++sp) {
+            const float wt = w_smem[r * S + sp];
+            if (wt == 0.f) continue;          // a split without keys adds nothing
+            const float2 v = ld_cg2(o_in + sp * split_o);
+            o0 += wt * v.x;
+            o1 += wt * v.y;
+        }
+        u16* dst = (u16*)p.o + batch * p.o_stride_b + qi * p.o_stride_s + head * p.o_stride_h + col;
+        *(u32*)dst = pack2<E>(o0, o1);
+    }
+    if (tid == 0) p.split_count[group] = 0;   // zero again for the next launch
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -23,4 +23,4 @@ timeout 200 python -m pytest -q -p no:cacheprovider -rfs --tb=short tests/gpu/te
 grep -E "passed|failed|error" "$OUT/kvcache_tests.log" | tail -3
 grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/kvcache_tests.log" | head -40
 echo "== bench (bf16, hd 128, one query row)"
-timeout 150 python benchmarks/bench_kvcache.py --json "$OUT/bench_kvcache.json" 2>&1 | tail -30
+timeout 200 python benchmarks/bench_kvcache.py --ab --extra-splits 2 8 --json "$OUT/bench_kvcache.json" 2>&1 | tail -40

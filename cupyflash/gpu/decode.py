@@ -171,7 +171,7 @@ class Launch:
     rotary, flash_decode, flash_decode_combine when split)."""
 
     __slots__ = ("plan", "main", "combine", "prep", "check_fn", "template", "prep_rows", "rot",
-                 "q_shape", "dtype", "ws_o", "ws_lse", "b", "name")
+                 "q_shape", "dtype", "ws_o", "ws_lse", "b", "name", "groups", "dev_id")
 
     def __init__(self, plan, fns, template, prep_rows, rot, q_shape, dtype):
         self.plan = plan
@@ -186,6 +186,9 @@ class Launch:
         self.ws_o = plan.num_splits * b * s_q * h * plan.variant.d if plan.num_splits > 1 else 0
         self.ws_lse = plan.num_splits * b * h * s_q if plan.num_splits > 1 else 0
         self.name = plan.variant.name
+        # CTA groups whose splits a fused combine counts (kv heads x batch x row tiles)
+        self.groups = int(template["h_k"][0]) * b * plan.num_m_tiles
+        self.dev_id = device.get_device()
 
     def __call__(self, q, kc, vc, kn, vn, out, lse, cs_ptr, seqlens_const, bt_ptr, cos_ptr,
                  sin_ptr, alibi_ptr, check) -> int:
@@ -229,12 +232,30 @@ class Launch:
             put(mem, off["o_part"], ws.data.ptr)
             put(mem, off["lse_part"], ws.data.ptr + 4 * self.ws_o)
         plan = self.plan
+        if ws is not None and plan.fused_combine:
+            put(mem, off["split_count"], split_counters(self.dev_id, self.groups))
         self.main(plan.grid, plan.block, (rec[0],), shared_mem=plan.smem)
-        if ws is not None:
+        if ws is not None and not plan.fused_combine:
             rows = self.ws_lse // plan.num_splits
             self.combine(((rows + 3) // 4,), (128,), (rec[0],))
         del ws, q_att   # CuPy's pool hands the memory out again only in this stream's order
         return 0
+
+
+_counters = {}   # (device id, stream) -> zeroed uint32 counters of the fused combine
+
+
+def split_counters(dev_id, n) -> int:
+    """Address of >= n zeroed uint32 split counters for launches on the current stream (one
+    buffer per stream: kernels running at once on two streams must not share one; each launch
+    leaves its counters zeroed). Grown on demand; a replaced buffer goes back to CuPy's pool,
+    which hands it out again only in that stream's order."""
+    key = (dev_id, cupy.cuda.get_current_stream().ptr)
+    buf = _counters.get(key)
+    if buf is None or buf.size < n:
+        buf = _counters[key] = cupy.zeros(max(n, 1024), np.uint32)
+        cupy.cuda.get_current_stream().synchronize()   # zeroed before any kernel reads it
+    return buf.data.ptr
 
 
 def _contiguous_strides(shape):
@@ -253,7 +274,7 @@ def build(q, k_cache, v_cache, k_new, v_new, *, with_lengths, block_table, page_
     h_k = k_cache.shape[2]
     plan = plan_decode.plan_decode(DTYPE_NAMES[q.dtype], b, s_q, h, h_k, d, max_keys,
                                    num_splits, sms, smem)
-    fns = compile.get_functions(plan.variant, dev_id)
+    fns = compile.get_functions(plan.variant, dev_id, plan_decode.build_options())
     prm = plan_decode.new_params()
     s_new = 0 if k_new is None else k_new.shape[1]
     _fill(prm, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=None, seqlens_const=0,
@@ -266,6 +287,7 @@ def build(q, k_cache, v_cache, k_new, v_new, *, with_lengths, block_table, page_
         for a, st in _contiguous_strides(q.shape).items():
             prm[f"q_stride_{a}"] = st
     prm["num_splits"], prm["num_m_tiles"] = plan.num_splits, plan.num_m_tiles
+    prm["head_fastest"] = int(plan.head_fastest)
     for a, st in _contiguous_strides((b, s_q, h, d)).items():
         prm[f"o_stride_{a}"] = st
     prep_rows = b * s_new * h_k + (b * s_q * h if rot is not None else 0)
@@ -317,7 +339,8 @@ def forward_few_rows(q, k, v, out, lse, opts):
         return None
     key = (q.shape, q.strides, k.shape, k.strides, v.strides, q.dtype, opts.scale,
            opts.window_left, opts.window_right, opts.bottom_right, opts.softcap,
-           None if opts.alibi_slopes is None else opts.alibi_slopes.shape, dev_id)
+           None if opts.alibi_slopes is None else opts.alibi_slopes.shape, dev_id,
+           tuple(plan_decode.TUNING.values()))
     ent = _few_rows_cache.get(key)
     if ent is None:
         ent = build(q, k, v, None, None, with_lengths=False, block_table=None, page_size=s_k,

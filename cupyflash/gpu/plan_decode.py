@@ -65,7 +65,8 @@ DECODE_PARAMS_FIELDS = (
                                "num_blocks", "max_blocks", "capacity", "seqlens_const",
                                "num_splits", "num_m_tiles", "window_left", "window_right",
                                "bottom_right", "rot_dim", "rot_interleaved", "rot_q_per_row",
-                               "seqlen_ro")]
+                               "seqlen_ro", "head_fastest", "pad1")]
+    + [("split_count", np.uint64)]
     + [(n, np.float32) for n in ("scale_log2", "softcap_pre", "softcap_post", "pad0")]
 )
 DECODE_PARAMS_DTYPE = np.dtype(DECODE_PARAMS_FIELDS, align=True)
@@ -103,7 +104,7 @@ def choose_stages(d: int, mt: int, smem_optin: int, nw: int = NW) -> tuple:
     that fits (at least 2)."""
     half = smem_optin // 2 - 1024
     for st in range(6, 2, -1):
-        if smem_bytes(d, mt, nw, st) <= half:
+        if TUNING["ctas_per_sm"] >= 2 and smem_bytes(d, mt, nw, st) <= half:
             return st, 2
     for st in range(6, 1, -1):
         if smem_bytes(d, mt, nw, st) <= smem_optin:
@@ -229,6 +230,22 @@ def choose_splits(ctas: int, key_tiles: int, slots: int, tile_bytes: int = 2 * 1
     return best
 
 
+#: Choices the decode benchmark A/Bs (benchmarks/bench_kvcache.py --ab): ``head_fastest`` orders
+#: the grid (kv head, split, batch x row tile) so that the kv heads of one key range run side by
+#: side (their rows interleave in a bshd cache), else (split, kv head, ...); ``fused_combine``
+#: lets the split that finishes last merge the partials (one launch), else flash_decode_combine.
+#: ``l2_prefetch`` (0, 128, 256): the L2 prefetch-size hint of the K / V copies (a build option,
+#: -DKV_L2_PREFETCH); ``ctas_per_sm`` 2: two CTAs per SM where a ring of >= 3 stages allows,
+#: 1: one CTA with the deepest ring.
+TUNING = {"head_fastest": True, "fused_combine": True, "l2_prefetch": 0, "ctas_per_sm": 2}
+
+
+def build_options() -> tuple:
+    """Extra NVRTC options of the decode module under TUNING."""
+    n = int(TUNING["l2_prefetch"])
+    return (f"-DKV_L2_PREFETCH={n}",) if n else ()
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     variant: DecodeVariant
@@ -237,6 +254,14 @@ class DecodePlan:
     smem: int
     num_splits: int
     num_m_tiles: int
+    head_fastest: bool = True
+    fused_combine: bool = True
+
+
+def fused_fits(variant: DecodeVariant, num_splits: int) -> bool:
+    """The fused combine keeps one weight per (row, split) in the merge area."""
+    q = 16 * variant.mt * pitch(variant.d) * 2
+    return 16 * variant.mt * num_splits * 4 <= variant.smem_bytes - q
 
 
 def plan_decode(dtype_name: str, b: int, s_q: int, h: int, h_k: int, d: int, max_keys: int,
@@ -254,8 +279,11 @@ def plan_decode(dtype_name: str, b: int, s_q: int, h: int, h_k: int, d: int, max
         splits = choose_splits(ctas, tiles, per_sm * sm_count, 2 * TILE_KEYS * d * 2)
     else:
         splits = max(1, min(int(num_splits), tiles, 1024))
-    return DecodePlan(var, (splits, h_k, b * m_tiles), (var.threads, 1, 1), var.smem_bytes,
-                      splits, m_tiles)
+    head_fastest = bool(TUNING["head_fastest"])
+    fused = bool(TUNING["fused_combine"]) and splits > 1 and fused_fits(var, splits)
+    grid = (h_k, splits, b * m_tiles) if head_fastest else (splits, h_k, b * m_tiles)
+    return DecodePlan(var, grid, (var.threads, 1, 1), var.smem_bytes, splits, m_tiles,
+                      head_fastest, fused)
 
 
 def route_attention(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, d: int,

@@ -9,6 +9,7 @@ q and keys rounded to the dtype, as the kernels store them).
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -209,7 +210,7 @@ def test_kvcache_matches_reference(rng, name, splits):
     # the cache: new rows where they belong, everything else (NaN poison included) unchanged
     for got, want, nm in ((kc_d, kc2, "k_cache"), (vc_d, vc2, "v_cache")):
         got = cp.asnumpy(got).astype(np.float64)
-        tol = 0 if tabs is None else float(np.finfo(dtype).eps) * 4 * np.nanmax(np.abs(want))
+        tol = 0 if tabs is None else float(ml_dtypes.finfo(dtype).eps) * 4 * np.nanmax(np.abs(want))
         bad = ~((np.isnan(got) & np.isnan(want)) | (np.abs(got - want) <= tol))
         assert not bad.any(), f"{nm}: {int(bad.sum())} elements differ from the expected cache"
     _check(cp.asnumpy(out), cp.asnumpy(lse), q, kc2, vc2, lens, sizes["s_new"], bt, tabs,
@@ -289,3 +290,56 @@ def test_plain_attention_split_route(rng, s_q, h, hk):
         ro, rl = reference.attention(q, k, v, causal=causal, return_lse=True)
         assert np.abs(cp.asnumpy(out).astype(np.float64) - ro).max() < 2e-2
         assert np.abs(cp.asnumpy(lse) - rl).max() < 1e-3
+
+
+@pytest.mark.parametrize("change", [dict(head_fastest=False), dict(fused_combine=False)],
+                         ids=["split_major_grid", "combine_kernel"])
+def test_tuning_alternatives_agree(rng, change):
+    """plan_decode.TUNING's alternatives (benchmarked A/B) give the default's results."""
+    from cupyflash import kvcache
+    from cupyflash.gpu import plan_decode
+
+    q, kc, vc, _, _, bt, _, lens = _make(rng, b=3, s_q=2, h=16, hk=4, d=128, lens=[3000, 17, 0],
+                                         s_new=0, page=32, dtype=BF16)
+    args = (cp.asarray(q), cp.asarray(kc), cp.asarray(vc))
+    kw = dict(cache_seqlens=cp.asarray(lens.astype(np.int32)), block_table=cp.asarray(bt),
+              return_lse=True, causal=True, num_splits=5)
+    o1, l1 = cf.attention_with_kvcache(*args, **kw)
+    old = dict(plan_decode.TUNING)
+    plan_decode.TUNING.update(change)
+    kvcache._FAST.clear()
+    try:
+        o2, l2 = cf.attention_with_kvcache(*args, **kw)
+    finally:
+        plan_decode.TUNING.update(old)
+        kvcache._FAST.clear()
+    np.testing.assert_allclose(cp.asnumpy(o2).astype(np.float32), cp.asnumpy(o1).astype(np.float32),
+                               atol=1e-2, rtol=1e-2)
+    np.testing.assert_allclose(cp.asnumpy(l2), cp.asnumpy(l1), atol=1e-5, rtol=1e-5)
+
+
+def test_repeated_calls_take_the_fast_path_and_agree(rng):
+    """A decode loop: the second and later calls (same shapes) reuse the planned launch, with
+    the int length changing each step."""
+    from cupyflash import kvcache
+
+    q, kc, vc, k, v, bt, _, lens = _make(rng, b=2, s_q=1, h=32, hk=8, d=128, lens=[100, 100],
+                                         s_new=4, page=16, dtype=BF16)
+    kc_d, vc_d, bt_d = cp.asarray(kc), cp.asarray(vc), cp.asarray(bt)
+    kvcache._FAST.clear()
+    outs = []
+    for t in range(4):
+        outs.append(cp.asnumpy(cf.attention_with_kvcache(
+            cp.asarray(q), kc_d, vc_d, cp.asarray(k[:, t:t + 1]), cp.asarray(v[:, t:t + 1]),
+            cache_seqlens=100 + t, block_table=bt_d, causal=True)))
+    assert len(kvcache._FAST) == 1
+    kc2, vc2 = _expected_cache(kc, vc, k, v, lens, bt, None, False, BF16)
+    got = cp.asnumpy(kc_d).astype(np.float64)
+    assert np.array_equal(np.isnan(got), np.isnan(kc2))
+    assert np.array_equal(got[~np.isnan(got)], kc2[~np.isnan(kc2)])
+    for t in range(4):
+        n = 100 + t + 1
+        K = kc2[bt].reshape(2, -1, 8, 128)[:, :n]
+        V = vc2[bt].reshape(2, -1, 8, 128)[:, :n]
+        ref = reference.attention(np.asarray(q, np.float64), K, V, causal=True)
+        assert np.abs(outs[t].astype(np.float64) - ref).max() < 3e-2

@@ -55,7 +55,8 @@ def test_h200_hd128_runs_two_ctas_with_three_stages():
 def test_split_counts_on_the_h200(b, s, h, hk, want):
     plan = pd.plan_decode("bfloat16", b, 1, h, hk, 128, s, 0, **H200)
     assert plan.num_splits == want
-    assert plan.grid == (want, hk, b)
+    assert plan.grid == (hk, want, b) and plan.head_fastest
+    assert plan.fused_combine == (want > 1)
     # every split keeps at least 8 tiles per warp
     assert math.ceil(s / 16) / want >= pd.NW * pd.MIN_TILES_PER_WARP
 
@@ -114,3 +115,17 @@ def test_new_params_defaults():
     assert int(prm["window_left"][0]) == -1 and int(prm["window_right"][0]) == -1
     assert int(prm["bottom_right"][0]) == 1 and int(prm["q"][0]) == 0
     assert prm.dtype == np.dtype(pd.DECODE_PARAMS_FIELDS, align=True)
+
+
+def test_tuning_switches_change_the_grid_order_and_combine(monkeypatch):
+    monkeypatch.setitem(pd.TUNING, "head_fastest", False)
+    monkeypatch.setitem(pd.TUNING, "fused_combine", False)
+    plan = pd.plan_decode("bfloat16", 8, 1, 32, 8, 128, 8192, 0, **H200)
+    assert plan.grid == (4, 8, 8) and not plan.head_fastest and not plan.fused_combine
+
+
+def test_fused_combine_weights_fit_the_merge_area():
+    v, _ = pd.variant_for("bf16_t", 128, 1, H200["smem_optin"])
+    assert pd.fused_fits(v, 1024)
+    v, _ = pd.variant_for("bf16_t", 256, 1, H200["smem_optin"])
+    assert pd.fused_fits(v, 1024)
