@@ -191,6 +191,28 @@ def main(argv=None):
                 print(f"{name}: {row['cupyflash'] / cont:.3f} x contiguous")
     for line in extra:
         print(line)
+    # host overhead of a repeated call (tiny cache: the GPU waits for the host)
+    q = cp.asarray(rng.standard_normal((1, 1, 32, D), np.float32)).astype(BF16)
+    kc = cp.asarray(rng.standard_normal((1, 256, 8, D), np.float32)).astype(BF16)
+    t0 = time.perf_counter()
+    for _ in range(200):
+        cf.attention_with_kvcache(q, kc, kc, cache_seqlens=256)
+    cp.cuda.get_current_stream().synchronize()
+    print(f"host time per repeated call (1 x 256 x 32/8): {(time.perf_counter() - t0) / 200 * 1e6:.1f} us")
+    # the plain attention call on decode shapes: its own forward vs the split-KV route
+    from cupyflash import _checks as ck
+    from cupyflash.gpu import decode, fwd
+    for b, s, h, hk in ((1, 131072, 32, 8), (8, 8192, 32, 8), (4, 32768, 32, 32)):
+        q = cp.asarray(rng.standard_normal((b, 1, h, D), np.float32)).astype(BF16)
+        k = cp.asarray(rng.standard_normal((b, s, hk, D), np.float32)).astype(BF16)
+        opts = ck.make_options(ck.Dims(b, 1, s, h, hk, D, D), cp)
+        out = cp.empty((b, 1, h, D), BF16)
+        lse = cp.empty((b, h, 1), np.float32)
+        nbytes = 2 * b * s * hk * D * 2
+        t_f = _time(cp, lambda: fwd.forward(q, k, k, out, lse, opts))[0]
+        t_d = _time(cp, lambda: decode.forward_few_rows(q, k, k, out, lse, opts))[0]
+        print(f"attention {b}x{s}x{h}/{hk}: forward {nbytes / t_f / 1e9:.0f} GB/s, "
+              f"split-KV route {nbytes / t_d / 1e9:.0f} GB/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(copy_gbs=copy_gbs, rows=table), f, indent=1)
