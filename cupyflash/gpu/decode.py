@@ -333,7 +333,7 @@ def forward_few_rows(q, k, v, out, lse, opts):
     b, s_q, h, d = q.shape
     _, s_k, h_k, _ = k.shape
     if cc < 80 or not plan_decode.route_attention(name, b, s_q, s_k, h, h_k, d, v.shape[3],
-                                                  False, sms):
+                                                  False, sms, cc):
         return None
     if not (aligned(q, k, v) and out.flags.c_contiguous and lse.flags.c_contiguous):
         return None

@@ -237,7 +237,12 @@ def choose_splits(ctas: int, key_tiles: int, slots: int, tile_bytes: int = 2 * 1
 #: ``l2_prefetch`` (0, 128, 256): the L2 prefetch-size hint of the K / V copies (a build option,
 #: -DKV_L2_PREFETCH); ``ctas_per_sm`` 2: two CTAs per SM where a ring of >= 3 stages allows,
 #: 1: one CTA with the deepest ring.
-TUNING = {"head_fastest": True, "fused_combine": True, "l2_prefetch": 0, "ctas_per_sm": 2}
+#: Measured (H200, bf16 hd 128, the seven rows of bench_kvcache.py in one run, GB/s): the grid
+#: order made no difference (within 1 %); the fused combine beat the combine kernel by 1-2 % on
+#: the split rows (1 x 131k: 3694 vs 3606); L2::128B was faster on 6 of 7 rows (+0.5 to +2.5 %,
+#: 1 x 131k 3783 vs 3694, page 16 4163 vs 4061; 32 x 16k contiguous 4032 vs 4131), L2::256B
+#: no better than none; one CTA per SM with a 6-deep ring was 15-35 % slower (1 x 131k 3011).
+TUNING = {"head_fastest": True, "fused_combine": True, "l2_prefetch": 128, "ctas_per_sm": 2}
 
 
 def build_options() -> tuple:
@@ -287,14 +292,20 @@ def plan_decode(dtype_name: str, b: int, s_q: int, h: int, h_k: int, d: int, max
 
 
 def route_attention(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, d: int,
-                    d_v: int, has_bias_or_mask: bool, sm_count: int) -> bool:
+                    d_v: int, has_bias_or_mask: bool, sm_count: int, cc: int = 90) -> bool:
     """True when a plain ``attention`` call should run the split-KV decode path: few packed rows
     (seqlen_q x heads per kv head <= 32, one CTA tile), at least 512 keys, a dtype and head dim the
     decode kernel takes, no bias or mask, and either GQA (the group's heads share one pass over
-    K / V) or too few (batch x heads) for the forward's grid to fill the GPU."""
+    K / V: the forward reads them once per query head, 1456-1473 GB/s against 4218-4827 for this
+    path on the H200's GQA decode rows) or, off compute capability 9.0, fewer (batch x heads)
+    than SMs (the portable forward does not split keys). Multi-head calls on 9.0 stay on the
+    Hopper forward, which splits its last wave along the keys and read 4439-4445 GB/s on the
+    MHA decode rows against this path's 4078-4132."""
     if has_bias_or_mask or ELEM_OF.get(dtype_name) not in DECODE_ELEMS:
         return False
     if d != d_v or d not in DECODE_HEAD_DIMS or h_k == 0 or h % h_k:
         return False
     g = h // h_k
-    return s_q * g <= 32 and s_k >= 512 and (g > 1 or b * h < 2 * sm_count)
+    if s_q * g > 32 or s_k < 512:
+        return False
+    return g > 1 or (cc != 90 and b * h < sm_count)

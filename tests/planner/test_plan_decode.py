@@ -98,14 +98,16 @@ def test_why_unsupported(args, reason):
 
 @pytest.mark.parametrize("args, want", [
     (("bfloat16", 1, 1, 4096, 32, 8, 128, 128, False, 132), True),    # decode, GQA
-    (("bfloat16", 2, 1, 4096, 16, 16, 128, 128, False, 132), True),   # MHA, few (batch, heads)
-    (("bfloat16", 64, 1, 4096, 32, 32, 128, 128, False, 132), False),  # MHA, grid already full
+    (("bfloat16", 2, 1, 4096, 16, 16, 128, 128, False, 132), False),  # MHA on 9.0: Hopper forward
+    (("bfloat16", 2, 1, 4096, 16, 16, 128, 128, False, 108, 80), True),   # MHA, sm_80, few blocks
+    (("bfloat16", 64, 1, 4096, 32, 32, 128, 128, False, 108, 80), False),  # MHA, grid full
     (("bfloat16", 1, 1, 256, 32, 8, 128, 128, False, 132), False),    # few keys
     (("bfloat16", 1, 64, 4096, 32, 8, 128, 128, False, 132), False),  # many rows
     (("bfloat16", 1, 1, 4096, 32, 8, 128, 128, True, 132), False),    # bias / mask
     (("float32", 1, 1, 4096, 32, 8, 128, 128, False, 132), False),
     (("bfloat16", 1, 1, 4096, 32, 8, 80, 80, False, 132), False),
-])
+], ids=["gqa", "mha_sm90", "mha_sm80_few", "mha_sm80_full", "few_keys", "many_rows", "bias",
+        "float32", "hd80"])
 def test_route_attention(args, want):
     assert pd.route_attention(*args) is want
 
