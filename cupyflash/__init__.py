@@ -11,6 +11,7 @@ from .api import (
     attention_varlen_backward,
     attention_vjp,
 )
+from .kvcache import attention_with_kvcache
 
 __version__ = "0.1.0"
 __all__ = [
