@@ -20,4 +20,5 @@ __all__ = [
     "attention_varlen",
     "attention_varlen_backward",
     "attention_vjp",
+    "attention_with_kvcache",
 ]

@@ -1,4 +1,4 @@
-"""Split-KV decode launcher (kernels_cu/decode.cu): CuPy arrays in, kvcache_check, kvcache_prep,
+"""Split-KV decode launcher (kernels_cu/portable/decode.cu): CuPy arrays in, kvcache_check, kvcache_prep,
 flash_decode and flash_decode_combine launched on the current device and stream.
 
 ``attend`` runs one validated ``attention_with_kvcache`` call whose attention the decode kernel

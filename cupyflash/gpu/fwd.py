@@ -16,7 +16,8 @@ import math
 import cupy
 import numpy as np
 
-from . import compile, device, fwd_portable, fwd_sm90, operands, params, plan_fwd, plan_fwd_sm90, tma
+from . import (compile, decode, device, fwd_portable, fwd_sm90, operands, params, plan_fwd,
+               plan_fwd_sm90, tma)
 from .tuning import TUNING
 from .variants import DTYPE_NAMES
 
@@ -100,6 +101,8 @@ def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
     bias it covers, else the portable GENERAL variant.
     float64 runs the portable kernel (f64_t, DMMA); lse is then float64, and a d_v above
     plan_fwd.O_COLS_F64 runs as one launch per 128 columns of v / out (``_f64_pieces``).
+    Few query rows against many keys (plan_decode.route_attention) run the split-KV decode
+    kernel under "auto".
     Raises NotImplementedError for head dims > 256, other dtypes, pre-sm_80 GPUs.
     """
     pieces = _f64_pieces(q, v, out)
@@ -109,6 +112,13 @@ def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
         return name
     if opts.bias is not None or opts.mask is not None:
         return _forward_general(q, k, v, out, lse, opts, kernel)
+    if (kernel == "auto" and k.shape[1] >= 512
+            and q.shape[1] * (q.shape[2] // max(k.shape[2], 1)) <= 32):
+        # few query rows per kv head, many keys: the split-KV decode path where
+        # plan_decode.route_attention takes the call (docs/kvcache.md)
+        name = decode.forward_few_rows(q, k, v, out, lse, opts)
+        if name is not None:
+            return name
     alibi = opts.alibi_slopes
     key = _key(q, k, v, out, opts, kernel)
     ent = _launch_cache.get(key)

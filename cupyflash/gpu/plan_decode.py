@@ -1,4 +1,4 @@
-"""Planner of the split-KV decode kernels (kernels_cu/decode.cu): variants, tile sizes, GQA packing,
+"""Planner of the split-KV decode kernels (kernels_cu/portable/decode.cu): variants, tile sizes, GQA packing,
 the split count, and the DecodeParams record. Pure Python (NumPy): runs without a GPU.
 
 One CTA of ``flash_decode`` covers one (split, kv head, batch entry x packed-row tile). The packed
@@ -31,7 +31,7 @@ import numpy as np
 
 from .variants import KernelVariant
 
-#: err[0] bits written by kvcache_check (KV_ERR_* in kernels_cu/decode.cu)
+#: err[0] bits written by kvcache_check (KV_ERR_* in kernels_cu/portable/decode.cu)
 ERR_LENGTH, ERR_BLOCK, ERR_ROTARY = 1, 2, 4
 
 #: head dims the attention kernel takes (d = d_v = D exactly; others run the gather path)
@@ -50,7 +50,7 @@ HBM_BYTES_PER_S = 4.0e12     # bandwidth the cost model assumes (H200 decode cla
 
 
 # ------------------------------------------------------------------------------------------
-# DecodeParams: mirror of `struct DecodeParams` in kernels_cu/decode.cu (same order, C types)
+# DecodeParams: mirror of `struct DecodeParams` in kernels_cu/portable/decode.cu (same order, C types)
 # ------------------------------------------------------------------------------------------
 DECODE_PARAMS_FIELDS = (
     [(n, np.uint64) for n in ("q", "k_cache", "v_cache", "o", "lse", "o_part", "lse_part",
@@ -124,7 +124,7 @@ class DecodeVariant(KernelVariant):
     stages: int
 
     template: ClassVar[str] = "flash_decode"
-    file: ClassVar[str] = "decode.cu"
+    file: ClassVar[str] = "portable/decode.cu"
 
     def template_args(self) -> tuple:
         return (self.elem, str(self.d), str(self.mt), str(self.nw), str(self.stages))
@@ -155,7 +155,7 @@ class PrepVariant(KernelVariant):
     elem: str
 
     template: ClassVar[str] = "kvcache_prep"
-    file: ClassVar[str] = "decode.cu"
+    file: ClassVar[str] = "portable/decode.cu"
     helper_expressions: ClassVar[tuple] = ("kvcache_check",)
 
     def template_args(self) -> tuple:

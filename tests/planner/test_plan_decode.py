@@ -15,7 +15,7 @@ A100 = dict(sm_count=108, smem_optin=163 * 1024)
 def test_params_record_matches_the_kernel_struct_order():
     """DecodeParams' field order is the struct's (pointers, strides, ints, floats), naturally
     aligned; the source declares the same names in the same order."""
-    src = open(pd.__file__.replace("cupyflash/gpu/plan_decode.py", "kernels_cu/decode.cu")).read()
+    src = open(pd.__file__.replace("cupyflash/gpu/plan_decode.py", "kernels_cu/portable/decode.cu")).read()
     body = src[src.index("struct DecodeParams {"):src.index("};", src.index("struct DecodeParams {"))]
     import re
 

@@ -24,7 +24,8 @@
 //   E       f16_t | bf16_t (the attention kernels); kvcache_prep also f32x3_t (float32 storage)
 //   D       head dim (64, 128, 256) = d = d_v;  MT  16-row slabs per CTA;  NW  warps;
 //   STAGES  16-key K / V tiles in each warp's ring
-#include "common.cuh"
+#include "common/mma.cuh"
+#include "common/types.cuh"
 
 // err[0] bits (also in cupyflash/gpu/plan_decode.py: ERR_*)
 #define KV_ERR_LENGTH 1    // cache_seqlens (+ new rows) < 0 or > the cache's capacity
