@@ -14,7 +14,8 @@ import pytest
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 from cupyflash.gpu import (compile as gpu_compile, plan_bwd, plan_bwd_sm90,  # noqa: E402
-                           plan_bwd_sm90_f32, plan_dbias_sm90, plan_fwd, plan_fwd_sm90)
+                           plan_bwd_sm90_f32, plan_dbias_sm90, plan_decode, plan_fwd,
+                           plan_fwd_sm90)
 
 SMEM = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024}
 
@@ -40,6 +41,8 @@ FAMILIES = {
     "bwd_sm90_bf16": [("sm_90a", [plan_bwd_sm90.variant_for("bf16_t", 128, False)])],
     "bwd_sm90_f32": [("sm_90a", [plan_bwd_sm90_f32.Sm90F32BwdVariant(64, False)])],
     "dbias_sm90": [("sm_90a", [plan_dbias_sm90.variant_for("bf16_t", 128, False, False)])],
+    "decode_and_kvcache_prep": [(arch, [plan_decode.variant_for("bf16_t", 128, 4, SMEM[arch])[0],
+                                        plan_decode.PrepVariant("bf16_t")]) for arch in SMEM],
 }
 JOBS = [(fam, arch, vs) for fam, jobs in FAMILIES.items() for arch, vs in jobs]
 
