@@ -12,7 +12,7 @@
 #include "common/types.cuh"
 #include "hopper/sm90.cuh"
 
-// Work tile tile_i of a persistent backward block, from the ring of `ring` indices the
+// Work tile tile_i of a persistent block's consumers, from the ring of `ring` indices the
 // scheduling thread publishes (tile_smem [ring]; mbarriers tile_full / tile_empty [ring], 8 bytes
 // apart; tile_empty counts one arrival per reading thread): every lane of the calling warp reads
 // the index and frees the slot itself (each read and its release in one thread's program order,
@@ -62,7 +62,7 @@ __device__ __forceinline__ int longest_first_tail(int w, int m, int groups, int 
     return tail0 + (i % tail_groups) * m + i / tail_groups;     // group i % T, its tile i / T
 }
 
-// The sequence a work tile of the forward or backward reads (both FwdTile types name these
+// The sequence a work tile of the forward or backward reads (FwdTile and KeyTile name these
 // fields alike): lengths s_q, s_k, diagonal offset diag (row i's diagonal key is i + diag), first
 // packed rows q_row / k_row and the tensor maps' batch coordinate tma_b. Dense: the batch entry
 // wt.batch of [b, s, h, d] tensors. VARLEN: packed sequence z = wt.batch, rows cu_seqlens[z] ..
@@ -165,7 +165,7 @@ __device__ __forceinline__ FwdTile fwd_work_tile(const Params& p, int w) {
 
 // Query tiles a key tile [n0, n0 + n_rows) of a sequence (s_q, s_k, diag(i) = i + diag) meets:
 // rows i with i + diag - left <= j <= i + diag + right for some key j of the tile (mirror of
-// _gpu_bwd.query_tiles)
+// plan_bwd.query_tiles)
 template <int BN, int BM, bool WINDOW>
 __device__ __forceinline__ void query_tile_range(const Params& p, int s_q, int s_k, int diag, int n0,
                                                  int* m_first, int* m_count) {
@@ -231,8 +231,8 @@ __device__ __forceinline__ i64 head_rows(const Params& p, const KeyTile& wt, int
     return ((i64)wt.batch * p.h + head) * p.s_q;
 }
 
-// The dbias kernel's work tile w: the [BM, BN] dbias tile (m0, n0) of plane (pb, ph), query tiles fastest, then key tiles,
-// then planes (pb · planes_h + ph). The plane sums nb·nh pairs: every batch entry where dbias is
+// The dbias kernel's work tile w: the [BM, BN] dbias tile (m0, n0) of plane (pb, ph), query
+// tiles fastest, then key tiles, then planes (pb · planes_h + ph). The plane sums nb·nh pairs: every batch entry where dbias is
 // summed over the batch (dbias_stride_b = 0), else pb alone; likewise heads.
 struct DbiasTile {
     int m0, n0;        // first query row and first key of the tile
