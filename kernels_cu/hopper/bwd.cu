@@ -49,7 +49,7 @@
 // Covered (the launcher routes the rest to portable/bwd.cu): float16 / bfloat16, d = d_v in {64, 128},
 // causal / window (either alignment), GQA / MQA, any s_q, s_k, scale > 0, no softcap / ALiBi,
 // atomic (non-deterministic) dQ, TMA-compatible strides; dense or (VARLEN) packed sequences;
-// (BIAS) an additive bias with dbias, in the layouts _gpu_bwd_sm90.bias_unsupported accepts. A
+// (BIAS) an additive bias with dbias, in the layouts plan_bwd_sm90.bias_unsupported accepts. A
 // boolean mask, deterministic dbias and other bias layouts run portable/bwd.cu.
 #include "common/bwd_pre_dq.cuh"
 #include "common/mma.cuh"

@@ -79,7 +79,7 @@ constexpr int TILE_READERS = 2 * 4 + 3;   // consumer warps + converter warps
 constexpr int CONSUMER_WARPS = 2 * 4;
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
-// cupyflash/_gpu_bwd_sm90_f32.py: smem_bytes.
+// cupyflash/gpu/plan_bwd_sm90_f32.py: smem_bytes.
 template <int D>
 struct Layout {
     static constexpr int BN = Shape<D>::BN, RAW_STAGES = Shape<D>::RAW_STAGES;
@@ -112,7 +112,7 @@ struct Layout {
     static constexpr int K_LAND = KB, V_LAND = VB;           // where TMA lands K, V
 };
 
-// Design T (hd 128): byte offsets as Layout's, mirrored by _gpu_bwd_sm90_f32.py: smem_bytes.
+// Design T (hd 128): byte offsets as Layout's, mirrored by gpu/plan_bwd_sm90_f32.py: smem_bytes.
 // K, V stay raw (A operands split on the fly in registers). Q, dO of a step land twice (TMA, the
 // second read from L2): in the big halves of their parts, split there in place by the converters
 // (B of Sᵀ, dPᵀ; free once those are done, so step j + 1 lands and is split while step j's later
@@ -232,7 +232,7 @@ __device__ __forceinline__ void add_dq_t(float* dq_bh, i64 stride_s, int m0, int
 
 // Design T's wgmma B descriptors: a swizzled K-major tile (LBO 16, SBO 1024) at base + off, as
 // smem_desc(base + off, 16, 1024): the low word of base's descriptor, computed once (desc_lo),
-// plus off / 16 (sm90.cuh's desc_add), so every wgmma's descriptor is one add on uniform
+// plus off / 16 (hopper/sm90.cuh's desc_add), so every wgmma's descriptor is one add on uniform
 // registers, not smem_desc's mask, shift and or (step-loop code size: see t_first_product)
 __device__ __forceinline__ u32 desc_lo(u32 base) { return (u32)smem_desc(base, 16, 1024); }
 __device__ __forceinline__ u64 desc_at(u32 lo, u32 off) {
@@ -331,7 +331,7 @@ template <typename E, int D, bool WINDOW>
 __global__ void __launch_bounds__(sm90bf::THREADS, 1)
 flash_bwd_sm90_f32(const __grid_constant__ Params p) {
     using namespace sm90bf;
-    // bwd_sm90.cu's red.add; its constants, Layout and WorkTile are named with their namespace
+    // hopper/bwd.cu's red.add; its constants, Layout and WorkTile are named with their namespace
     // where both exist (sm90bf's are used here)
     using sm90b::red_add_v2;
     using L = typename LayoutOf<D>::type;
@@ -563,8 +563,8 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                         // [D/32][BM][32], QT bytes apart) -> qT_big, qT_small, doT_big, doT_small, each
                         // [BM/32][D][32] (row = column d, queries permuted inside each 8-query k-step: query
                         // 2c -> slot c, 2c + 1 -> slot c + 4, matching the P / dS A fragments), split as they
-                        // are written. Item i of tile i / ITEMS (Q, dO) = 4 queries x 4 columns: sm90.cuh's
-                        // TransposeItem, as fwd_sm90_f32.cu's transpose_v with BN := BM (bank-conflict-free
+                        // are written. Item i of tile i / ITEMS (Q, dO) = 4 queries x 4 columns: hopper/sm90.cuh's
+                        // TransposeItem, as hopper/fwd_f32.cu's transpose_v with BN := BM (bank-conflict-free
                         // phases, checked by tests/test_sm90_f32_bwd_layout.py)
                         auto transpose_split = [&](u32 src0) {
                             constexpr int ITEMS = BM * D / 16, ALL = 2 * ITEMS;
@@ -1123,7 +1123,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
 // ---------------------------------------------------------------------------------------------
 // Before the main kernel: D = rowsum(dO ∘ O) [b, h, s_q] and the float32 dq rows zeroed (the main
 // kernel adds its dQ partials into dq). Grid (row blocks, h, b) x 256 threads, D / 4 threads per
-// query row (consecutive lanes of one warp), summed in bwd.cu's flash_bwd_pre order, so D is the
+// query row (consecutive lanes of one warp), summed in common/bwd_pre_dq.cuh's flash_bwd_pre order, so D is the
 // same bits as that kernel's: there lane l sums columns l, l + 32, ... in order and the butterfly
 // adds lanes l ^ 16, l ^ 8, l ^ 4, l ^ 1, l ^ 2. D = 64: lane j of a row (16 lanes) holds that
 // kernel's lanes j, j + 16 (columns j, j + 32 / j + 16, j + 48) and adds them first (its l ^ 16);

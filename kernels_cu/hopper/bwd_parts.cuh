@@ -34,7 +34,7 @@ constexpr int BIAS_LD32 = 2;   // float32 elements, likewise
 constexpr int BIAS_TMA = 3;    // E's 16-bit elements, staged per step into bias_smem by TMA
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
-// cupyflash/_gpu_bwd_sm90.py: smem_bytes.
+// cupyflash/gpu/plan_bwd_sm90.py: smem_bytes.
 template <int D, int KVBUF, bool BIAS_SMEM>
 struct Layout {
     static constexpr int PANELS = D / PANEL_COLS;

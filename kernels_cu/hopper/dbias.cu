@@ -1,5 +1,5 @@
 // cupyflash: Hopper (sm_90a) dbias kernel: portable/bwd.cu's flash_bwd_dbias (same math, same output)
-// with TMA loads and wgmma products. The launcher (cupyflash/_gpu_dbias_sm90.py) runs it after
+// with TMA loads and wgmma products. The launcher (cupyflash/gpu/dbias_sm90.py) runs it after
 // the main backward kernels, which then write no dbias, instead of flash_bwd_dbias wherever it
 // covers the call:
 //
@@ -36,7 +36,7 @@
 // Registers per consumer lane: acc, S, dP are [64, 128] fp32 accumulators over 128 lanes:
 // 64 + 64 + 64 = 192 of the 232 setmaxnreg gives (40·128 + 232·256 <= 64K per SM); BN = 128
 // is the most that fits, BM = 2 x 64 the most consumer rows at that register count.
-// Shared memory (_gpu_dbias_sm90.smem_bytes mirrors Layout): a half stage is BM·D·2 + BN·D·2
+// Shared memory (gpu/plan_dbias_sm90.smem_bytes mirrors Layout): a half stage is BM·D·2 + BN·D·2
 // bytes (d = 128: 64 KB; d = 64: 32 KB), a bias tile BM·BN·(2 or 4) (32 / 64 KB):
 //   d = 128, 16-bit bias: 3 half stages + 1 bias buffer = 192 + 32 = 224 KB
 //   d = 128, float32 bias: 2 + 1 = 128 + 64 = 192 KB (3 + 1 would be 256)
@@ -73,7 +73,7 @@ constexpr int TILE_RING = 2;         // work-tile indices in flight (tile_smem r
 constexpr int CONSUMER_WARPS = 8;    // arrivals that free a tile_smem slot or a bias buffer
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
-// cupyflash/_gpu_dbias_sm90.py: smem_bytes.
+// cupyflash/gpu/plan_dbias_sm90.py: smem_bytes.
 template <int D, bool BIAS_F32, int STAGES, int BIASBUF>
 struct Layout {
     static constexpr int PANELS = D / PANEL_COLS;            // 64-column panels of a [rows, D] tile

@@ -75,7 +75,7 @@ template <bool WIDE> struct Regs<2, WIDE> {
 };
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
-// cupyflash/_plan.py: sm90_f32_smem_bytes. QREG: no q_small tile (the consumers keep it in
+// cupyflash/gpu/plan_fwd_sm90.py: sm90_f32_smem_bytes. QREG: no q_small tile (the consumers keep it in
 // registers).
 template <int D, int BN, int STAGES, int NC, bool QREG>
 struct Layout {

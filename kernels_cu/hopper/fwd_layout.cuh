@@ -26,7 +26,7 @@ constexpr int SMEM_MAX = 227 * 1024;  // dynamic shared memory per block on sm_9
 constexpr int SMEM_PER_SM = 228 * 1024;   // shared memory of one SM (each resident block reserves 1 KB)
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
-// cupyflash/_plan.py: sm90_smem_bytes. O_SMEM: the epilogue stages each consumer's O rows in
+// cupyflash/gpu/plan_fwd_sm90.py: sm90_smem_bytes. O_SMEM: the epilogue stages each consumer's O rows in
 // o_smem for a TMA store, where that fits beside the ring (not VARLEN: a box of 64 rows could
 // reach into the next sequence's rows).
 template <int D, int BN, int STAGES, int NC, bool VARLEN>

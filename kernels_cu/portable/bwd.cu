@@ -17,7 +17,7 @@
 // dK, dV stay in registers for the whole block. Only dS goes through shared memory, for
 // dQ = dS K, where the warps are laid out over query rows instead.
 //
-// Template arguments (cupyflash/_gpu_bwd.py enumerates the instantiated set):
+// Template arguments (cupyflash/gpu/plan_bwd.py enumerates the instantiated set):
 //   E         f16_t | bf16_t | f32x3_t (float32, 3xTF32) | tf32_t (float32, plain TF32) |
 //             f64_t (float64: DMMA products; accumulators, lse, D, dQ / dbias sums in double)
 //   D         head-dim bucket (multiple of 32) covering d and d_v; padding zero-filled, never stored
@@ -499,7 +499,7 @@ flash_bwd(const Params p) {
 
 // ---------------------------------------------------------------------------------------------
 // dbias of a bias with whole query and key dimensions, when flash_bwd does not write it (the
-// launcher's choice, cupyflash/_gpu_bwd.py dbias_by_kernel):
+// launcher's choice, cupyflash/gpu/plan_bwd.py dbias_by_kernel):
 //
 //   dbias[pb, ph, i, j] = Σ over the (batch, query head) pairs that plane (pb, ph) broadcasts to
 //                         of dS[batch, head, i, j],   dS = P ∘ (dP − D) in natural units

@@ -9,7 +9,7 @@
 // layout), becomes P in place, and is fed to the PV product as its A operand: P never touches
 // shared memory. Online softmax in base 2 with the scale folded into one FFMA.
 //
-// Template arguments (the planner in cupyflash/_plan.py enumerates the instantiated set):
+// Template arguments (cupyflash/gpu/plan_fwd.py enumerates the instantiated set):
 //   E        f16_t | bf16_t | f32x3_t (float32, 3xTF32) | tf32_t (float32, plain TF32) |
 //            f64_t (float64: DMMA products, every accumulator and statistic in double)
 //   D        head-dim bucket (multiple of 32) covering both d and d_v; padding columns are
