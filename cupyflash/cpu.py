@@ -182,9 +182,10 @@ def num_threads() -> int:
 
     The spare threads are for shared machines: a fair scheduler gives every runnable thread an
     equal share, so beside two busy processes on 2 cores, 2 threads get half the cores (2x
-    slower) and 4 threads two thirds (1.5x). Measured on two cores (1x4096x8x64 float32,
-    lab/cpu_contention.py, medians of 5): beside two busy loops 2 threads slowed 1.97x, 3 threads
-    1.51x, 4 threads 1.56x, textbook NumPy 2.05x; quiet, 4 threads were no slower than 2."""
+    slower) and 4 threads two thirds (1.5x). Measured on a 2-core machine (1x4096x8x64 float32,
+    lab/cpu_contention.py, medians of 5), slowdown beside two busy loops / one BLAS process:
+    4 threads 1.53x / 1.65x, 2 threads 1.88x / 1.76x, textbook NumPy 1.72x / 1.68x; quiet,
+    4 threads took 1278 ms and 2 threads 1536 ms."""
     env = os.environ.get("CUPYFLASH_CPU_THREADS", "").strip()
     if env:
         try:
