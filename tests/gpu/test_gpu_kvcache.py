@@ -18,80 +18,16 @@ from gpu_util import BF16, DTYPES, FLOOR, cp, naive_attention
 import cupyflash as cf
 from cupyflash import reference
 from cupyflash.kvcache import set_device_checks
+from tests.kvcache_cases import appended_caches, entry_kv, make_case, q_positions, rotate64
 
 pytestmark = pytest.mark.gpu
 
 
-def _rotate64(x, cos, sin, pos, interleaved):
-    """x [n, heads, d] float64 rotated at positions pos [n] (first 2 * cos.shape[1] columns)."""
-    x = np.array(x, np.float64)
-    half = cos.shape[1]
-    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
-    if interleaved:
-        x1, x2 = x[..., 0:2 * half:2].copy(), x[..., 1:2 * half:2].copy()
-        x[..., 0:2 * half:2], x[..., 1:2 * half:2] = x1 * c - x2 * s, x1 * s + x2 * c
-    else:
-        x1, x2 = x[..., :half].copy(), x[..., half:2 * half].copy()
-        x[..., :half], x[..., half:2 * half] = x1 * c - x2 * s, x1 * s + x2 * c
-    return x
-
-
-def _make(rng, *, b, s_q, h, hk, d, lens, s_new, dtype, page=None, cache_len=None, rot=None,
-          extra_pages=3):
-    """Host inputs of one case: q, caches (poisoned with NaN beyond each entry's keys), new k / v,
-    block table (shuffled pages) or None, rotary tables or None."""
-    lens = np.asarray(lens, np.int64)
-    need = lens + s_new
-    if page is None:
-        cap = cache_len or int(need.max())
-        kc = rng.standard_normal((b, cap, hk, d)).astype(dtype)
-        vc = rng.standard_normal((b, cap, hk, d)).astype(dtype)
-        for i in range(b):
-            kc[i, lens[i]:] = np.nan
-            vc[i, lens[i]:] = np.nan
-        bt = None
-    else:
-        max_blocks = int(-(-need.max() // page))
-        nb = b * max_blocks + extra_pages
-        kc = rng.standard_normal((nb, page, hk, d)).astype(dtype)
-        vc = rng.standard_normal((nb, page, hk, d)).astype(dtype)
-        bt = rng.permutation(nb)[:b * max_blocks].reshape(b, max_blocks).astype(np.int32)
-        used = np.zeros((nb, page), bool)
-        for i in range(b):
-            for j in range(lens[i]):
-                used[bt[i, j // page], j % page] = True
-        kc[~used] = np.nan
-        vc[~used] = np.nan
-    q = rng.standard_normal((b, s_q, h, d)).astype(dtype)
-    k = v = None
-    if s_new:
-        k = rng.standard_normal((b, s_new, hk, d)).astype(dtype)
-        v = rng.standard_normal((b, s_new, hk, d)).astype(dtype)
-    tabs = None
-    if rot is not None:
-        rd = rot
-        ro = int(need.max()) + s_q + 4
-        ang = rng.uniform(0, 2 * np.pi, (ro, rd // 2))
-        tabs = (np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32))
-    return q, kc, vc, k, v, bt, tabs, lens
-
-
-def _expected_cache(kc, vc, k, v, lens, bt, tabs, interleaved, dtype):
-    """The caches after the append (rotated keys rounded to the dtype), float64 with NaN kept."""
-    kc2, vc2 = np.array(kc, np.float64), np.array(vc, np.float64)
-    if k is None:
-        return kc2, vc2
-    page = kc.shape[1]
-    for i in range(k.shape[0]):
-        pos = lens[i] + np.arange(k.shape[1])
-        kn = np.asarray(k[i], np.float64)
-        if tabs is not None:
-            kn = _rotate64(kn, np.float64(tabs[0]), np.float64(tabs[1]), pos, interleaved)
-        kn = kn.astype(dtype).astype(np.float64)
-        idx = (i, pos) if bt is None else (bt[i, pos // page], pos % page)
-        kc2[idx] = kn
-        vc2[idx] = np.asarray(v[i], np.float64)
-    return kc2, vc2
+def _make(rng, *, rot=None, extra_pages=3, **sizes):
+    """Host inputs of one case (tests/kvcache_cases.make_case; rot: the rotary dim, float32
+    tables)."""
+    return make_case(rng, rotary_dim=rot or 0, extra_pages=extra_pages, table_dtype=np.float32,
+                     **sizes)
 
 
 def _check(out, lse, q, kc2, vc2, lens, s_new, bt, tabs, interleaved, dtype, dtype_name, opts):
@@ -102,17 +38,10 @@ def _check(out, lse, q, kc2, vc2, lens, s_new, bt, tabs, interleaved, dtype, dty
     per_row = causal or window is not None
     for i in range(b):
         n = int(lens[i]) + s_new
-        if bt is None:
-            K, V = kc2[i:i + 1, :n], vc2[i:i + 1, :n]
-        else:
-            K = kc2[bt[i]].reshape(1, -1, *kc2.shape[2:])[:, :n]
-            V = vc2[bt[i]].reshape(1, -1, *vc2.shape[2:])[:, :n]
-        assert not np.isnan(K).any(), "test setup: poisoned keys inside the attended range"
-        q64 = np.asarray(q[i:i + 1], np.float64)
-        q_r = q64
+        K, V = entry_kv(kc2, vc2, bt, i, n)
+        q_r = np.asarray(q[i:i + 1], np.float64)
         if tabs is not None:
-            pos = lens[i] + (np.arange(s_q) if per_row else np.zeros(s_q, np.int64))
-            q_r = _rotate64(q64[0], np.float64(tabs[0]), np.float64(tabs[1]), pos, interleaved)[None]
+            q_r = rotate64(q_r[0], *tabs, q_positions(lens[i], s_q, per_row), interleaved)[None]
         ro, rl = reference.attention(q_r, K, V, causal=causal, window=window,
                                      softcap=opts.get("softcap"), scale=opts.get("scale"),
                                      alibi_slopes=opts.get("alibi_slopes"), return_lse=True)
@@ -197,7 +126,7 @@ def test_kvcache_matches_reference(rng, name, splits):
     if opts.pop("alibi", False):
         opts["alibi_slopes"] = rng.uniform(0.01, 0.3, sizes["h"])
     q, kc, vc, k, v, bt, tabs, lens = _make(rng, dtype=dtype, **sizes)
-    kc2, vc2 = _expected_cache(kc, vc, k, v, lens, bt, tabs, interleaved, dtype)
+    kc2, vc2 = appended_caches(kc, vc, k, v, lens, bt, tabs, interleaved, dtype)
     g = lambda x: None if x is None else cp.asarray(x)   # noqa: E731
     kc_d, vc_d = g(kc), g(vc)
     kw = {}
@@ -333,7 +262,7 @@ def test_repeated_calls_take_the_fast_path_and_agree(rng):
             cp.asarray(q), kc_d, vc_d, cp.asarray(k[:, t:t + 1]), cp.asarray(v[:, t:t + 1]),
             cache_seqlens=100 + t, block_table=bt_d, causal=True)))
     assert len(kvcache._FAST) == 1
-    kc2, vc2 = _expected_cache(kc, vc, k, v, lens, bt, None, False, BF16)
+    kc2, vc2 = appended_caches(kc, vc, k, v, lens, bt, None, False, BF16)
     got = cp.asnumpy(kc_d).astype(np.float64)
     assert np.array_equal(np.isnan(got), np.isnan(kc2))
     assert np.array_equal(got[~np.isnan(got)], kc2[~np.isnan(kc2)])

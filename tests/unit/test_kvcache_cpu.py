@@ -1,5 +1,5 @@
 """attention_with_kvcache on the CPU implementation against cupyflash.reference, with the cache
-gathered and the rotary applied in float64 by this file's own code.
+gathered and the rotary applied in float64 (tests/kvcache_cases.py).
 
 float64 inputs must match to 1e-10; float32 and bfloat16 within the float32 / bfloat16 bounds of
 docs/semantics.md §9 (the computation in float32 of the same inputs). Caches are poisoned with
@@ -15,86 +15,24 @@ import pytest
 import cupyflash as cf
 from cupyflash import reference
 
+from tests.kvcache_cases import appended_caches, entry_kv, make_case, q_positions, rotate64
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def rotate64(x, cos, sin, pos, interleaved):
-    """x [n, heads, d] rotated in float64 at positions pos [n] on its first 2 * cos.shape[1] columns."""
-    x = np.array(x, np.float64)
-    half = cos.shape[1]
-    c, s = np.float64(cos)[pos][:, None, :], np.float64(sin)[pos][:, None, :]
-    if interleaved:
-        x1, x2 = x[..., 0:2 * half:2].copy(), x[..., 1:2 * half:2].copy()
-        x[..., 0:2 * half:2], x[..., 1:2 * half:2] = x1 * c - x2 * s, x1 * s + x2 * c
-    else:
-        x1, x2 = x[..., :half].copy(), x[..., half:2 * half].copy()
-        x[..., :half], x[..., half:2 * half] = x1 * c - x2 * s, x1 * s + x2 * c
-    return x
-
-
-def make_case(rng, *, b, s_q, h, hk, d, lens, s_new, dtype=np.float64, page=None, cache_len=None,
-              rotary_dim=0, extra_pages=2):
-    lens = np.asarray(lens, np.int64)
-    need = lens + s_new
-    if page is None:
-        cap = cache_len or int(need.max())
-        kc = rng.standard_normal((b, cap, hk, d)).astype(dtype)
-        vc = rng.standard_normal((b, cap, hk, d)).astype(dtype)
-        for i in range(b):
-            kc[i, lens[i]:] = np.nan
-            vc[i, lens[i]:] = np.nan
-        bt = None
-    else:
-        mb = int(-(-max(int(need.max()), 1) // page))
-        nb = b * mb + extra_pages
-        kc = rng.standard_normal((nb, page, hk, d)).astype(dtype)
-        vc = rng.standard_normal((nb, page, hk, d)).astype(dtype)
-        bt = rng.permutation(nb)[:b * mb].reshape(b, mb).astype(np.int32)
-        used = np.zeros((nb, page), bool)
-        for i in range(b):
-            for j in range(lens[i]):
-                used[bt[i, j // page], j % page] = True
-        kc[~used] = np.nan
-        vc[~used] = np.nan
-    q = rng.standard_normal((b, s_q, h, d)).astype(dtype)
-    k = v = None
-    if s_new:
-        k = rng.standard_normal((b, s_new, hk, d)).astype(dtype)
-        v = rng.standard_normal((b, s_new, hk, d)).astype(dtype)
-    tabs = None
-    if rotary_dim:
-        ang = rng.uniform(0, 2 * np.pi, (int(need.max()) + s_q + 3, rotary_dim // 2))
-        tabs = (np.cos(ang), np.sin(ang))
-    return q, kc, vc, k, v, bt, tabs, lens
 
 
 def expected(q, kc, vc, k, v, bt, tabs, lens, *, interleaved=False, **opts):
     """(caches after the append, out and lse of every entry) in float64."""
-    kc2, vc2 = np.array(kc, np.float64), np.array(vc, np.float64)
+    dtype = q.dtype if k is None else k.dtype
+    kc2, vc2 = appended_caches(kc, vc, k, v, lens, bt, tabs, interleaved, dtype)
     b, s_q = q.shape[:2]
     s_new = 0 if k is None else k.shape[1]
-    page = kc.shape[1]
-    for i in range(b if k is not None else 0):
-        pos = lens[i] + np.arange(s_new)
-        kn = np.asarray(k[i], np.float64)
-        if tabs is not None:
-            kn = rotate64(kn, *tabs, pos, interleaved)
-        kn = kn.astype(k.dtype).astype(np.float64)      # the cache holds the rounded keys
-        idx = (i, pos) if bt is None else (bt[i, pos // page], pos % page)
-        kc2[idx], vc2[idx] = kn, np.asarray(v[i], np.float64)
     per_row = opts.get("causal", False) or opts.get("window") is not None
     outs, lses = [], []
     for i in range(b):
-        n = int(lens[i]) + s_new
-        if bt is None:
-            K, V = kc2[i:i + 1, :n], vc2[i:i + 1, :n]
-        else:
-            K = kc2[bt[i]].reshape(1, -1, *kc2.shape[2:])[:, :n]
-            V = vc2[bt[i]].reshape(1, -1, *vc2.shape[2:])[:, :n]
-        assert not np.isnan(K).any()
+        K, V = entry_kv(kc2, vc2, bt, i, int(lens[i]) + s_new)
         qi = np.asarray(q[i], np.float64)
         if tabs is not None:
-            qi = rotate64(qi, *tabs, lens[i] + (np.arange(s_q) if per_row else 0 * np.arange(s_q)), interleaved)
+            qi = rotate64(qi, *tabs, q_positions(lens[i], s_q, per_row), interleaved)
         o_i = dict(opts)
         if np.ndim(opts.get("alibi_slopes")) == 2:
             o_i["alibi_slopes"] = opts["alibi_slopes"][i:i + 1]      # (batch, heads): this entry's row
