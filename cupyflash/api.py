@@ -197,8 +197,9 @@ def _remember_fast(backend, qkv, options, qkv_bshd, out_user, dims, opts, layout
 
 
 def _gpu_module():
-    from .gpu import fwd as _gpu  # imports CuPy: only on the GPU path
+    from .gpu import device, fwd as _gpu  # imports CuPy: only on the GPU path
 
+    device.when_limit_changes(_FAST.clear)   # _FAST's launches are planned for the smem limit
     return _gpu
 
 

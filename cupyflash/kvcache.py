@@ -328,6 +328,7 @@ def _gpu(backend, dims, opts, q, kc, vc, kn, vn, small, lens_host, bt_host, per_
 
     from .gpu import decode, device
 
+    device.when_limit_changes(_FAST.clear)   # its launches are planned for the smem limit
     dtype = np.dtype(q.dtype)
     if dtype == np.float64:
         raise NotImplementedError(

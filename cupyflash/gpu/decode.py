@@ -354,6 +354,7 @@ def forward_few_rows(q, k, v, out, lse, opts):
 
 
 _few_rows_cache = {}
+device.when_limit_changes(_few_rows_cache.clear)
 
 
 def workspace_bytes(plan, b, s_q, h) -> int:

@@ -4,20 +4,54 @@ the split tail's per-stream workspace.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import cupy
 
 
 _device_info = {}   # device id -> (compute capability int, smem opt-in bytes, SM count)
+_smem_cap = [None]  # limit_shared_memory's cap on every device's opt-in (None: none)
+_on_limit_change = []   # callables that drop what was planned under another limit
 
 
 def info(dev_id):
+    """(compute capability as an int, e.g. 90; opt-in shared memory per block in bytes, capped
+    by limit_shared_memory; SM count) of device ``dev_id``."""
     info = _device_info.get(dev_id)
     if info is None:
         dev = cupy.cuda.Device(dev_id)
         cc = int(dev.compute_capability)
         smem = int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
         info = _device_info[dev_id] = (cc, smem, int(dev.attributes["MultiProcessorCount"]))
-    return info
+    cap = _smem_cap[0]
+    return info if cap is None or cap >= info[1] else (info[0], cap, info[2])
+
+
+def when_limit_changes(clear):
+    """Register ``clear()``, called whenever limit_shared_memory changes the limit: the launch
+    caches keyed by shapes alone register their ``clear`` here."""
+    if clear not in _on_limit_change:
+        _on_limit_change.append(clear)
+
+
+@contextmanager
+def limit_shared_memory(nbytes: int):
+    """Plan every launch inside as if each GPU allowed at most ``nbytes`` of shared memory per
+    block, e.g. ``99 * 1024`` for sm_86 / sm_89 / sm_120 (the kernels then chosen are those
+    GPUs' kernels: the Hopper ones need more). For tests and for reproducing a smaller GPU's
+    plan on a larger one; launches planned under another limit are dropped on entry and exit."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+        raise ValueError(f"nbytes: got {nbytes!r}; accepted: a positive int (bytes per block)")
+    old = _smem_cap[0]
+    _smem_cap[0] = nbytes
+    for clear in _on_limit_change:
+        clear()
+    try:
+        yield
+    finally:
+        _smem_cap[0] = old
+        for clear in _on_limit_change:
+            clear()
 
 
 get_device = cupy.cuda.runtime.getDevice

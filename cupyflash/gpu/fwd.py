@@ -23,6 +23,7 @@ from .variants import DTYPE_NAMES
 
 
 _launch_cache = {}  # shape signature -> _Launch
+device.when_limit_changes(_launch_cache.clear)   # planned for the old smem limit
 _LAUNCH_CACHE_MAX = 4096
 
 
