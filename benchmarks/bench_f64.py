@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -37,27 +36,15 @@ import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import cupyflash as cf  # noqa: E402
+from cupyflash._bench import time_ms  # noqa: E402
 
 TOKENS, HIDDEN = 16384, 2048
-
-
-def time_ms(fn, warmup=1, reps=3):
-    """Median milliseconds of ``fn()`` between CUDA events on the current stream."""
-    for _ in range(warmup):
-        fn()
-    ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    ev[-1][1].synchronize()
-    return statistics.median(cp.cuda.get_elapsed_time(a, b) for a, b in ev)
 
 
 def dgemm_tflops(n=8192, reps=5):
     a = cp.random.standard_normal((n, n))
     b = cp.random.standard_normal((n, n))
-    ms = time_ms(lambda: cp.matmul(a, b), warmup=2, reps=reps)
+    ms = time_ms(lambda: cp.matmul(a, b), warmup=2, rep=reps)
     return 2.0 * n ** 3 / ms / 1e9
 
 
@@ -104,8 +91,9 @@ def measure(b, s, h, d, causal, dgemm, max_gb, reps):
     rng = cp.random.default_rng()
     q, k, v, dout = (rng.standard_normal((b, s, h, d)) for _ in range(4))
     out, lse = cf.attention(q, k, v, causal=causal, return_lse=True)
-    f_ms = time_ms(lambda: cf.attention(q, k, v, causal=causal), reps=reps)
-    b_ms = time_ms(lambda: cf.attention_backward(dout, q, k, v, out, lse, causal=causal), reps=reps)
+    f_ms = time_ms(lambda: cf.attention(q, k, v, causal=causal), warmup=1, rep=reps)
+    b_ms = time_ms(lambda: cf.attention_backward(dout, q, k, v, out, lse, causal=causal),
+                   warmup=1, rep=reps)
     row = dict(b=b, s=s, h=h, d=d, causal=causal,
                fwd_tflops=flops(b, h, s, d, causal) / f_ms / 1e9,
                bwd_tflops=flops(b, h, s, d, causal, True) / b_ms / 1e9)
@@ -115,8 +103,8 @@ def measure(b, s, h, d, causal, dgemm, max_gb, reps):
     row["plain_fwd_x"] = row["plain_bwd_x"] = None
     if 4 * score_bytes <= max_gb * 1e9:
         pf, pb = plain_recipe(q, k, v, dout, causal)
-        pf_ms = time_ms(pf, reps=reps)
-        pb_ms = time_ms(pb, reps=reps)
+        pf_ms = time_ms(pf, warmup=1, rep=reps)
+        pb_ms = time_ms(pb, warmup=1, rep=reps)
         row["plain_fwd_tflops"] = flops(b, h, s, d, causal) / pf_ms / 1e9
         row["plain_bwd_tflops"] = flops(b, h, s, d, causal, True) / pb_ms / 1e9
         row["plain_fwd_x"] = pf_ms / f_ms
@@ -155,7 +143,7 @@ def bwd_ab(reps, s=4096):
         grads = [cp.empty_like(x) for x in (q, k, v)]
         for var in vs:
             ms = time_ms(lambda: gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts,
-                                                  kernel=var), reps=reps)
+                                                  kernel=var), warmup=1, rep=reps)
             tag = "planner" if var == base else "alternative"
             lines.append(f"  hd {d:3d} {var.name:34s} {flops(b, h, s, d, False, True) / ms / 1e9:7.2f} "
                          f"TFLOP/s  ({tag})")
@@ -185,7 +173,7 @@ def fwd_mma16(reps, s=4096):
         for extra in ((), ("-DCUPYFLASH_F64_MMA16=1",)):
             out, lse = cp.empty_like(q), cp.empty((b, h, s))
             ms = time_ms(lambda: gpu_fwd.forward(q, k, v, out, lse, opts, kernel=(var, extra)),
-                         reps=reps)
+                         warmup=1, rep=reps)
             outs.append(out)
             lines.append(f"  hd {d:3d} {var.name:30s} {'m16n8k8' if extra else '4 x m8n8k4':10s} "
                          f"{flops(b, h, s, d, False) / ms / 1e9:7.2f} TFLOP/s")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,22 +51,6 @@ def _args(argv=None):
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--ranks-only", default=None, metavar="DIR", help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-def time_ms(cp, fn, warmup, reps):
-    """Median milliseconds of ``fn()`` between CUDA events on the current stream."""
-    for _ in range(warmup):
-        fn()
-    cp.cuda.get_current_stream().synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end))
-    return statistics.median(times)
 
 
 def flops(b, h, s, d, causal, backward=False):
@@ -95,6 +78,7 @@ def single_gpu(a):
     """plain vs ring of one on one GPU: rows of dicts."""
     import cupy as cp
     import cupyflash as cf
+    from cupyflash._bench import time_ms
     from cupyflash.distributed import InProcessTransport, ring_attention, ring_attention_backward
 
     t1 = InProcessTransport(1)
@@ -104,16 +88,16 @@ def single_gpu(a):
         q, k, v, do = (_draw(cp, shape, i) for i in range(4))
         row = dict(seqlen=s, causal=causal)
         out, lse = cf.attention(q, k, v, causal=causal, return_lse=True)
-        row["plain_fwd_ms"] = time_ms(cp, lambda: cf.attention(q, k, v, causal=causal, return_lse=True),
+        row["plain_fwd_ms"] = time_ms(lambda: cf.attention(q, k, v, causal=causal, return_lse=True),
                                       a.warmup, a.reps)
-        row["ring1_fwd_ms"] = time_ms(cp, lambda: ring_attention([q], [k], [v], t1, causal=causal,
+        row["ring1_fwd_ms"] = time_ms(lambda: ring_attention([q], [k], [v], t1, causal=causal,
                                                                  return_lse=True), a.warmup, a.reps)
         if not a.no_backward:
             row["plain_bwd_ms"] = time_ms(
-                cp, lambda: cf.attention_backward(do, q, k, v, out, lse, causal=causal),
+                lambda: cf.attention_backward(do, q, k, v, out, lse, causal=causal),
                 a.warmup, a.reps)
             row["ring1_bwd_ms"] = time_ms(
-                cp, lambda: ring_attention_backward([do], [q], [k], [v], [out], [lse], t1,
+                lambda: ring_attention_backward([do], [q], [k], [v], [out], [lse], t1,
                                                     causal=causal), a.warmup, a.reps)
         q = k = v = do = out = lse = None  # free before the next case
         cp.get_default_memory_pool().free_all_blocks()
@@ -125,6 +109,7 @@ def single_gpu(a):
 def rank_main(a):
     """One rank of the NCCL run (started by the launcher): writes DIR/rank{r}.json."""
     import cupy as cp
+    from cupyflash._bench import time_ms
     from cupyflash.distributed import (NcclTransport, init_process_group, ring_attention,
                                        ring_attention_backward, shard_lengths)
 
@@ -150,11 +135,11 @@ def rank_main(a):
         kw = dict(causal=causal, scheme=scheme)
         row = dict(seqlen=s, causal=causal, rank=rank, world=world, scheme=scheme)
         out, lse = ring_attention(q, k, v, comm, return_lse=True, **kw)
-        row["fwd_ms"] = time_ms(cp, lambda: ring_attention(q, k, v, comm, return_lse=True, **kw),
+        row["fwd_ms"] = time_ms(lambda: ring_attention(q, k, v, comm, return_lse=True, **kw),
                                 a.warmup, a.reps)
         if not a.no_backward:
             row["bwd_ms"] = time_ms(
-                cp, lambda: ring_attention_backward(do, q, k, v, out, lse, comm, **kw),
+                lambda: ring_attention_backward(do, q, k, v, out, lse, comm, **kw),
                 a.warmup, a.reps)
         kv_bytes = k.nbytes + v.nbytes
         for what, fn in (("fwd", lambda: ring_attention(q, k, v, comm, return_lse=True, **kw)),

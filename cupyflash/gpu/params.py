@@ -68,11 +68,10 @@ PARAMS_NBYTES = PARAMS_DTYPE.itemsize   # checked against sizeof(Params) when ke
 LOG2E = 1.4426950408889634
 
 
-def sizes_and_scalars(bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left, window_right,
-                       bottom_right, softcap):
-    """A Params record with the sizes / scalars of one problem filled, and the grid
-    (ceil(s_q / bm), h, b) of a forward kernel with bm query rows per block."""
-    num_m = -(-s_q // bm)
+def problem_params(bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left, window_right,
+                   bottom_right, softcap):
+    """A Params record with the sizes / scalars of one problem filled (num_m_blocks: query
+    tiles of bm rows), as every kernel family reads them."""
     unbounded = s_q + s_k
     prm = np.zeros((), PARAMS_DTYPE)
     prm["b"], prm["h"], prm["h_k"], prm["h_per_hk"] = b, h, h_k, h // h_k
@@ -80,8 +79,18 @@ def sizes_and_scalars(bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left, windo
     prm["window_left"] = window_left if window_left >= 0 else unbounded
     prm["window_right"] = window_right if window_right >= 0 else unbounded
     prm["diag_offset"] = s_k - s_q if bottom_right else 0
-    prm["num_m_blocks"] = num_m
+    prm["num_m_blocks"] = -(-s_q // bm)
     set_scalars(prm, scale, softcap)
+    return prm
+
+
+def sizes_and_scalars(bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left, window_right,
+                      bottom_right, softcap):
+    """problem_params(...) and the grid (ceil(s_q / bm), h, b) of a forward kernel with bm
+    query rows per block."""
+    prm = problem_params(bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left, window_right,
+                         bottom_right, softcap)
+    num_m = int(prm["num_m_blocks"])
     if num_m > 2**31 - 1 or h > 65535 or b > 65535:
         raise NotImplementedError(f"grid ({num_m}, {h}, {b}) exceeds CUDA's grid limits")
     return prm, (num_m, h, b)

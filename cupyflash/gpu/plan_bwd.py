@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import plan_fwd
-from .params import PARAMS_DTYPE, set_scalars
+from .params import problem_params
 from .tuning import TUNING
 from .variants import (ACC_SIZE, ELEM_SIZE, ELEMS, HEAD_DIM_BUCKETS, SM90_SMEM_MAX, KernelVariant, cpp_bool,
                        elem_tag, head_dim_bucket, smem_class)
@@ -194,15 +194,8 @@ def plan_backward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int,
     if h_k > 65535 or b > 65535:
         raise NotImplementedError(f"grid ({num_n}, {h_k}, {b}) exceeds CUDA's grid limits")
     rows = b * h * s_q
-    unbounded = s_q + s_k
-    prm = np.zeros((), PARAMS_DTYPE)
-    prm["b"], prm["h"], prm["h_k"], prm["h_per_hk"] = b, h, h_k, h // h_k
-    prm["s_q"], prm["s_k"], prm["d"], prm["d_v"] = s_q, s_k, d, d_v
-    prm["window_left"] = window_left if window_left >= 0 else unbounded
-    prm["window_right"] = window_right if window_right >= 0 else unbounded
-    prm["diag_offset"] = s_k - s_q if bottom_right else 0
-    prm["num_m_blocks"] = -(-s_q // variant.bm)
-    set_scalars(prm, scale, softcap)
+    prm = problem_params(variant.bm, b, s_q, s_k, h, h_k, d, d_v, scale, window_left,
+                         window_right, bottom_right, softcap)
     prm["num_n_blocks"] = num_n
     prm["bn"] = variant.bn
     prm["deterministic"] = int(bool(deterministic))
