@@ -1,7 +1,8 @@
 """float64 attention speed on the GPU: the f64_t kernels (DMMA) beside cuBLAS DGEMM and the plain
 CuPy float64 recipe.
 
-    PYTHONPATH=. python benchmarks/bench_f64.py [--quick] [--causal] [--bwd-ab] [--mma16] [--json PATH]
+    PYTHONPATH=. python benchmarks/bench_f64.py [--quick] [--causal] [--fwd-ab] [--bwd-ab] [--mma-ab]
+                                                [--json PATH]
 
 Tables:
 1. long sequences: head dims 64 and 128, seqlen 1k, 2k, 4k, 8k, 16k with batch · seqlen = 16k
@@ -18,9 +19,10 @@ float64 CuPy; its backward by hand from the stored P (what autograd keeps): dV =
 dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = scale · dS K, dK = scale · dSᵀ Q. It runs when
 its score-sized arrays (forward 3, backward 4) fit in --max-gb.
 Timing: CUDA events on the current stream, warm-up first, median of the repeats.
---bwd-ab: the backward with alternative tiles (BWD_AB) beside the planner's, seqlen 4096.
---mma16: the forward built with -DCUPYFLASH_F64_MMA16 (sm_90's one-instruction m16n8k8 .f64 in
-place of four m8n8k4) beside the default build, seqlen 4096.
+--fwd-ab / --bwd-ab: the forward / backward with alternative tiles (FWD_AB / BWD_AB) beside the
+planner's, seqlen 4096.
+--mma-ab: the forward built with -DCUPYFLASH_F64_MMA884 (four m8n8k4 per m16n8k8 step, as on
+sm_80) beside the default build (sm_90: one m16n8k8 .f64), seqlen 4096.
 """
 from __future__ import annotations
 
@@ -115,9 +117,25 @@ def measure(b, s, h, d, causal, dgemm, max_gb, reps):
     return row
 
 
-#: backward tiles (BM, NW, WD, NBUF) tried beside the planner's by --bwd-ab: WD halved (fewer
-#: recomputed Sᵀ / dPᵀ, some spills) and BM doubled
-BWD_AB = {64: [(16, 8, 1, 1), (32, 8, 4, 1)], 128: [(16, 8, 2, 1), (32, 8, 8, 1)]}
+#: backward tiles (BM, NW, WD, NBUF) tried beside the planner's by --bwd-ab: WD halved or
+#: quartered (fewer recomputed Sᵀ / dPᵀ, some spills), fewer warps
+BWD_AB = {32: [(16, 8, 1, 1), (32, 8, 1, 1)],
+          64: [(16, 8, 1, 1), (16, 4, 1, 1), (32, 8, 1, 1)],
+          96: [(16, 4, 2, 1), (16, 8, 2, 1), (16, 8, 1, 1)],
+          128: [(16, 8, 2, 1), (16, 4, 2, 1), (16, 8, 1, 1)],
+          192: [(16, 8, 4, 1), (16, 8, 2, 1)],
+          256: [(16, 8, 4, 1), (16, 8, 2, 1)]}
+#: forward tiles (BM, BN, NW, STAGES) tried beside the planner's by --fwd-ab
+FWD_AB = {32: [(64, 64, 4, 2), (128, 64, 8, 1), (64, 32, 4, 1)],
+          64: [(64, 64, 4, 1), (64, 32, 4, 2), (128, 32, 8, 1), (64, 16, 4, 1)],
+          96: [(64, 16, 4, 1), (64, 32, 4, 2), (128, 32, 8, 1)],
+          128: [(64, 16, 4, 1), (64, 32, 4, 2), (128, 32, 8, 1), (128, 16, 8, 1)],
+          192: [(64, 32, 4, 1), (128, 16, 8, 1)],
+          256: [(32, 32, 2, 1), (64, 16, 4, 1)]}
+
+
+def _shape(d, s):
+    return TOKENS // s, HIDDEN // d if HIDDEN // d >= 8 else 8
 
 
 def bwd_ab(reps, s=4096):
@@ -129,7 +147,7 @@ def bwd_ab(reps, s=4096):
     smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
     lines = [f"\n## float64 backward tiles, seqlen {s}, 16k tokens (BM x BN, warps, WD, buffers)"]
     for d, alts in BWD_AB.items():
-        b, h = TOKENS // s, HIDDEN // d
+        b, h = _shape(d, s)
         base = plan_bwd.plan_backward("float64", b, s, s, h, h, d, d, scale=d ** -0.5,
                                       smem_optin=smem).variant
         vs = [base] + [plan_bwd.BwdVariant("f64_t", d, bm, nw, wd, nb, False, False)
@@ -152,16 +170,47 @@ def bwd_ab(reps, s=4096):
     return "\n".join(lines)
 
 
-def fwd_mma16(reps, s=4096):
-    """Forward TFLOP/s of the planner's float64 variant as built (four m8n8k4 DMMAs per m16n8k8
-    step) and with -DCUPYFLASH_F64_MMA16 (sm_90's one m16n8k8 .f64), through the launcher with
-    a forced (variant, options) pair; non-causal, seqlen ``s``, 16k tokens, hidden 2048. Also
-    the largest difference between the two outputs (the same sums in another order)."""
+def fwd_ab(reps, s=4096):
+    """Forward TFLOP/s of the planner's float64 variant and the FWD_AB alternatives (non-causal,
+    seqlen ``s``, 16k tokens, hidden 2048), through the launcher with a forced Variant."""
+    from cupyflash import _checks
+    from cupyflash.gpu import compile as gpu_compile, fwd as gpu_fwd, plan_fwd
+
+    smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    lines = [f"\n## float64 forward tiles, seqlen {s}, 16k tokens (BM x BN, warps, stages)"]
+    for d, alts in FWD_AB.items():
+        b, h = _shape(d, s)
+        base = plan_fwd.plan_forward("float64", b, s, s, h, h, d, d, scale=d ** -0.5,
+                                     smem_optin=smem).variant
+        vs = [base] + [plan_fwd.Variant("f64_t", d, bm, bn, nw, False, False, st)
+                       for bm, bn, nw, st in alts]
+        vs = [v for v in vs if v.smem_bytes <= smem]
+        gpu_compile.precompile(vs, workers=16)
+        rng = cp.random.default_rng()
+        q, k, v = (rng.standard_normal((b, s, h, d)) for _ in range(3))
+        opts = _checks.make_options(_checks.check_qkv(q, k, v), cp, dtype=np.float64)
+        out, lse = cp.empty_like(q), cp.empty((b, h, s))
+        for var in vs:
+            ms = time_ms(lambda: gpu_fwd.forward(q, k, v, out, lse, opts, kernel=var),
+                         warmup=1, rep=reps)
+            tag = "planner" if var == base else "alternative"
+            lines.append(f"  hd {d:3d} {var.name:34s} {flops(b, h, s, d, False) / ms / 1e9:7.2f} "
+                         f"TFLOP/s  ({tag})")
+        del q, k, v, out, lse
+        cp.get_default_memory_pool().free_all_blocks()
+    return "\n".join(lines)
+
+
+def fwd_mma_ab(reps, s=4096):
+    """Forward TFLOP/s of the planner's float64 variant as built (sm_90: one m16n8k8 .f64 per
+    step) and with -DCUPYFLASH_F64_MMA884 (four m8n8k4 DMMAs, as on sm_80), through the launcher
+    with a forced (variant, options) pair; non-causal, seqlen ``s``, 16k tokens, hidden 2048.
+    Also the largest difference between the two outputs (the same sums: 0 expected)."""
     from cupyflash import _checks
     from cupyflash.gpu import fwd as gpu_fwd, plan_fwd
 
     smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
-    lines = [f"\n## float64 forward, 4 x m8n8k4 vs 1 x m16n8k8 (sm_90), seqlen {s}"]
+    lines = [f"\n## float64 forward, 1 x m16n8k8 (sm_90) vs 4 x m8n8k4, seqlen {s}"]
     for d in (64, 128):
         b, h = TOKENS // s, HIDDEN // d
         var = plan_fwd.plan_forward("float64", b, s, s, h, h, d, d, scale=d ** -0.5,
@@ -170,12 +219,12 @@ def fwd_mma16(reps, s=4096):
         q, k, v = (rng.standard_normal((b, s, h, d)) for _ in range(3))
         opts = _checks.make_options(_checks.check_qkv(q, k, v), cp, dtype=np.float64)
         outs = []
-        for extra in ((), ("-DCUPYFLASH_F64_MMA16=1",)):
+        for extra in ((), ("-DCUPYFLASH_F64_MMA884=1",)):
             out, lse = cp.empty_like(q), cp.empty((b, h, s))
             ms = time_ms(lambda: gpu_fwd.forward(q, k, v, out, lse, opts, kernel=(var, extra)),
                          warmup=1, rep=reps)
             outs.append(out)
-            lines.append(f"  hd {d:3d} {var.name:30s} {'m16n8k8' if extra else '4 x m8n8k4':10s} "
+            lines.append(f"  hd {d:3d} {var.name:30s} {'4 x m8n8k4' if extra else 'default':10s} "
                          f"{flops(b, h, s, d, False) / ms / 1e9:7.2f} TFLOP/s")
         lines.append(f"  hd {d:3d} max |difference| {float(cp.abs(outs[0] - outs[1]).max()):.2e}")
     return "\n".join(lines)
@@ -202,9 +251,11 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="seqlens 1k, 4k, 16k only; 2 repeats")
     p.add_argument("--causal", action="store_true", help="causal rows too")
     p.add_argument("--max-gb", type=float, default=80.0, help="memory the plain recipe may use")
+    p.add_argument("--fwd-ab", action="store_true", help="also time alternative forward tiles")
     p.add_argument("--bwd-ab", action="store_true", help="also time alternative backward tiles")
-    p.add_argument("--mma16", action="store_true",
-                   help="also time the forward with sm_90's m16n8k8 .f64 (-DCUPYFLASH_F64_MMA16)")
+    p.add_argument("--mma-ab", action="store_true",
+                   help="also time the forward with four m8n8k4 per step (-DCUPYFLASH_F64_MMA884)")
+    p.add_argument("--ab-only", action="store_true", help="only the A/B tables")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     reps = 2 if a.quick else 3
@@ -213,6 +264,14 @@ def main(argv=None):
     dgemm = dgemm_tflops()
     print(f"# {name}, compute capability {dev.compute_capability}; cuBLAS DGEMM 8192^3: "
           f"{dgemm:.2f} TFLOP/s")
+    if a.fwd_ab:
+        print(fwd_ab(reps))
+    if a.bwd_ab:
+        print(bwd_ab(reps))
+    if a.mma_ab:
+        print(fwd_mma_ab(reps))
+    if a.ab_only:
+        return 0
     seqlens = (1024, 4096, 16384) if a.quick else (1024, 2048, 4096, 8192, 16384)
     causals = (False, True) if a.causal else (False,)
     long_rows = [measure(TOKENS // s, s, HIDDEN // d, d, c, dgemm, a.max_gb, reps)
@@ -221,10 +280,6 @@ def main(argv=None):
     short_rows = [measure(16384 // 16, s, 16, 64, c, dgemm, a.max_gb, reps)
                   for c in causals for s in (64, 128, 256)]
     print(table(short_rows, "\n## float64 short sequences, hd 64, batch x heads = 16384"))
-    if a.bwd_ab:
-        print(bwd_ab(reps))
-    if a.mma16:
-        print(fwd_mma16(reps))
     if a.json:
         Path(a.json).write_text(json.dumps(dict(device=name, dgemm_tflops=dgemm,
                                                 long=long_rows, short=short_rows), indent=1))

@@ -72,12 +72,13 @@ __device__ __forceinline__ void dmma884(double* c, double a, double b) {
 // b0, b1 (8x8), c[4] (16x8)): float -> mma_f32 (3xTF32 or TF32); double -> four DMMAs, which
 // take the same per-lane registers: rows g (a0, a2; c0, c1) and g + 8 (a1, a3; c2, c3), k in
 // two halves t (a0, a1, b0) and t + 4 (a2, a3, b1), each half one m8n8k4.
-// -DCUPYFLASH_F64_MMA16 (an A/B experiment, off by default: benchmarks/bench_f64.py --mma16)
-// takes sm_90's one-instruction m16n8k8 .f64 on the same registers instead.
+// sm_90 has a one-instruction m16n8k8 .f64 on the same registers: the same sums, bit for bit,
+// and 1.3x the forward's speed (H100, hd 64 / 128: 29.7 / 23.9 vs 23.0 / 18.3 TFLOP/s);
+// -DCUPYFLASH_F64_MMA884 forces the four m8n8k4 there (benchmarks/bench_f64.py --mma-ab).
 template <typename E, bool LONG_SUM = false>
 __device__ __forceinline__ void mma_k8(Acc<E>* c, const Acc<E>* a, Acc<E> b0, Acc<E> b1) {
     if constexpr (is_f64<E>) {
-#if defined(CUPYFLASH_F64_MMA16) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if !defined(CUPYFLASH_F64_MMA884) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         asm volatile("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 "
                      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                      : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
