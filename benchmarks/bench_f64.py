@@ -119,7 +119,7 @@ def measure(b, s, h, d, causal, dgemm, max_gb, reps):
 
 #: backward tiles (BM, NW, WD, NBUF) tried beside the planner's by --bwd-ab: WD halved or
 #: quartered (fewer recomputed Sᵀ / dPᵀ, some spills), fewer warps
-BWD_AB = {32: [(16, 8, 1, 1), (32, 8, 1, 1)],
+BWD_AB = {32: [(16, 4, 1, 1), (32, 4, 1, 1)],
           64: [(16, 8, 1, 1), (16, 4, 1, 1), (32, 8, 1, 1)],
           96: [(16, 4, 2, 1), (16, 8, 2, 1), (16, 8, 1, 1)],
           128: [(16, 8, 2, 1), (16, 4, 2, 1), (16, 8, 1, 1)],
@@ -135,14 +135,32 @@ FWD_AB = {32: [(64, 64, 4, 2), (128, 64, 8, 1), (64, 32, 4, 1)],
 
 
 def _shape(d, s):
-    return TOKENS // s, HIDDEN // d if HIDDEN // d >= 8 else 8
+    return TOKENS // s, max(HIDDEN // d, 8)
+
+
+def _compiled(vs, lines):
+    """The variants of ``vs`` that compile (the rest noted in ``lines``)."""
+    from cupyflash.gpu import compile as gpu_compile
+
+    try:
+        gpu_compile.precompile(vs, workers=16)
+        return vs
+    except Exception:  # noqa: BLE001 -- an invalid tile: find which, keep the others
+        ok = []
+        for v in vs:
+            try:
+                gpu_compile.precompile([v], workers=1)
+                ok.append(v)
+            except Exception as e:  # noqa: BLE001
+                lines.append(f"  {v.name}: does not compile ({str(e).splitlines()[0][:60]})")
+        return ok
 
 
 def bwd_ab(reps, s=4096):
     """Backward TFLOP/s of the planner's float64 tiles and the BWD_AB alternatives (non-causal,
     seqlen ``s``, 16k tokens, hidden 2048), through the launcher with a forced BwdVariant."""
     from cupyflash import _checks
-    from cupyflash.gpu import bwd as gpu_bwd, compile as gpu_compile, plan_bwd
+    from cupyflash.gpu import bwd as gpu_bwd, plan_bwd
 
     smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
     lines = [f"\n## float64 backward tiles, seqlen {s}, 16k tokens (BM x BN, warps, WD, buffers)"]
@@ -152,8 +170,7 @@ def bwd_ab(reps, s=4096):
                                       smem_optin=smem).variant
         vs = [base] + [plan_bwd.BwdVariant("f64_t", d, bm, nw, wd, nb, False, False)
                        for bm, nw, wd, nb in alts]
-        vs = [v for v in vs if v.smem_bytes <= smem]
-        gpu_compile.precompile(vs, workers=16)
+        vs = _compiled([v for v in vs if v.smem_bytes <= smem], lines)
         rng = cp.random.default_rng()
         q, k, v, dout = (rng.standard_normal((b, s, h, d)) for _ in range(4))
         out, lse = cf.attention(q, k, v, return_lse=True)
@@ -174,7 +191,7 @@ def fwd_ab(reps, s=4096):
     """Forward TFLOP/s of the planner's float64 variant and the FWD_AB alternatives (non-causal,
     seqlen ``s``, 16k tokens, hidden 2048), through the launcher with a forced Variant."""
     from cupyflash import _checks
-    from cupyflash.gpu import compile as gpu_compile, fwd as gpu_fwd, plan_fwd
+    from cupyflash.gpu import fwd as gpu_fwd, plan_fwd
 
     smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
     lines = [f"\n## float64 forward tiles, seqlen {s}, 16k tokens (BM x BN, warps, stages)"]
@@ -184,8 +201,7 @@ def fwd_ab(reps, s=4096):
                                      smem_optin=smem).variant
         vs = [base] + [plan_fwd.Variant("f64_t", d, bm, bn, nw, False, False, st)
                        for bm, bn, nw, st in alts]
-        vs = [v for v in vs if v.smem_bytes <= smem]
-        gpu_compile.precompile(vs, workers=16)
+        vs = _compiled([v for v in vs if v.smem_bytes <= smem], lines)
         rng = cp.random.default_rng()
         q, k, v = (rng.standard_normal((b, s, h, d)) for _ in range(3))
         opts = _checks.make_options(_checks.check_qkv(q, k, v), cp, dtype=np.float64)
