@@ -71,23 +71,6 @@ constexpr int CONV_BAR = 3;          // named barrier of the converters
 constexpr int WG_BAR = 4;            // named barriers 4, 5: the 128 threads of consumer 0, 1
                                      // (design T's handoffs between the consumers: mbarriers,
                                      // pt_full .. ds_empty in the kernel)
-// A/B (temporary): design T's handoffs. 1: Pᵀ and dSᵀ / dS through mbarriers; 2: Pᵀ through
-// mbarriers, dSᵀ / dS through the named barriers DS_FULL, DS_EMPTY (bar.arrive / bar.sync);
-// 3: as 2, and Pᵀ's waits through named barriers PT_FULL, PT_EMPTY too (each mbarrier waited
-// after the named barrier, so already complete: only for racecheck to see the order).
-// EARLY_DS: c0 loads its dKᵀ_0 fragments before it waits for dSᵀ
-#ifndef CUPYFLASH_T_HANDOFF
-#define CUPYFLASH_T_HANDOFF 1
-#endif
-#ifndef CUPYFLASH_T_EARLY_DS
-#define CUPYFLASH_T_EARLY_DS 0
-#endif
-constexpr int T_HANDOFF = CUPYFLASH_T_HANDOFF;
-constexpr bool T_EARLY_DS = CUPYFLASH_T_EARLY_DS;
-constexpr int DS_FULL = 6;           // (T_HANDOFF 2) c1 wrote the step's dSᵀ, dS (c0 waits)
-constexpr int DS_EMPTY = 7;          // (T_HANDOFF 2) c0 is done with the last dSᵀ, dS (c1 waits)
-constexpr int PT_FULL = 8;           // (T_HANDOFF 3) c0 wrote the step's Pᵀ (c1 waits)
-constexpr int PT_EMPTY = 9;          // (T_HANDOFF 3) c1 is done with the last Pᵀ (c0 waits)
 constexpr int TILE_RING = 2;
 constexpr int TILE_READERS = 2 * 4 + 3;   // consumer warps + converter warps
 constexpr int CONSUMER_WARPS = 2 * 4;
@@ -415,7 +398,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             static_assert(L::BYTES - L::BARS == 8 * (2 * TILE_RING + 3 + 2 * RAW_STAGES + 4 + 4),
                           "LayoutT holds Layout's slots and the four handoff barriers");
             mbar_init(pt_full, 128);                     // each c0 thread after its Pᵀ stores
-            mbar_init(pt_empty, T_HANDOFF == 1 ? 256 : 128);   // each consumer thread after its dVᵀ_h (c1: and its read-back)
+            mbar_init(pt_empty, 256);                    // each consumer thread after its dVᵀ_h (c1: and its read-back)
             mbar_init(ds_full, 128);                     // each c1 thread after its dSᵀ, dS stores
             mbar_init(ds_empty, 256);                    // each consumer thread after its dKᵀ_h, dQᵀ_h
         }
@@ -671,7 +654,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
         // last_raw_read: once its fragments are in registers this warp is done with the raw
         // copies (r_empty arrival).
         float step_acc[NT];
-        auto step_product = [&](u32 x_raw_tile, u32 yb, u32 ys, bool last_raw_read, bool wait_ds, u32 ds_parity) {
+        auto step_product = [&](u32 x_raw_tile, u32 yb, u32 ys, bool last_raw_read) {
             u32 fb[NS], fs[NS];   // [BM/8 k-steps][A(d0, c), A(d0 + 1, c), A(d0, c + 4), A(d0 + 1, c + 4)]
 #pragma unroll
             for (int kk = 0; kk < BM / 8; ++kk) {
@@ -685,10 +668,6 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
             }
             if (last_raw_read) {
                 mbar_arrive(r_empty);                          // this lane's fragments loaded
-            }
-            if (wait_ds) {
-                if constexpr (T_HANDOFF == 1) mbar_wait(ds_full, ds_parity);
-                else named_bar_sync(DS_FULL, 256);
             }
 #pragma unroll
             for (int i = 0; i < NT; ++i) step_acc[i] = 0.f;
@@ -772,10 +751,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     }
                     // every reader of the last Pᵀ is done with it: each c1 thread's read-back and
                     // dVᵀ_1, each c0 thread's dVᵀ_0
-                    if (q_it > 0) {
-                        if constexpr (T_HANDOFF == 3) named_bar_sync(PT_EMPTY, 256);
-                        mbar_wait(pt_empty, (q_it - 1) & 1);
-                    }
+                    if (q_it > 0) mbar_wait(pt_empty, (q_it - 1) & 1);
                     // ---- Pᵀ big / small -> pT tile [BN keys][BM query slots]: B of dVᵀ_0, dVᵀ_1
 #pragma unroll
                     for (int i = 0; i < NS; ++i) {
@@ -786,12 +762,10 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     }
                     fence_proxy_async();                       // read by wgmma (async proxy)
                     mbar_arrive(pt_full);                      // this thread's Pᵀ written (for c1)
-                    if constexpr (T_HANDOFF == 3) named_bar_arrive(PT_FULL, 256);
                     named_bar_sync(WG_BAR, 128);               // every c0 warp's Pᵀ rows, for dVᵀ_0
                 } else {
                     // every c0 thread's Pᵀ of the step written; each arrived after the last step's
                     // dKᵀ_0, dQᵀ_0, so c0's reads of the last dSᵀ, dS are done too
-                    if constexpr (T_HANDOFF == 3) named_bar_sync(PT_FULL, 256);
                     mbar_wait(pt_full, q_it & 1);
                     // ---- dSᵀ = Pᵀ ∘ (dPᵀ − D)·scale, Pᵀ read back (big + small) where c0's lane t
                     //      wrote it: the same accumulator position as this lane's dPᵀ register
@@ -804,11 +778,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     }
                     // every reader of the last dSᵀ, dS is done with them: each c1 thread's dKᵀ_1,
                     // dQᵀ_1 (its other warps' reads: nothing else orders them) and each c0 thread's
-                    if constexpr (T_HANDOFF == 1) {
-                        if (q_it > 0) mbar_wait(ds_empty, (q_it - 1) & 1);
-                    } else {
-                        if (q_it > 0) named_bar_sync(DS_EMPTY, 256);
-                    }
+                    if (q_it > 0) mbar_wait(ds_empty, (q_it - 1) & 1);
                     // ---- dSᵀ [BN keys][BM query slots] (B of dKᵀ_h) and dS [BN/32][BM queries]
                     //      [32 key slots] (B of dQᵀ_h), big / small
 #pragma unroll
@@ -822,25 +792,20 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                         sts32(smem + L::DSS + off, ds_small[i]);
                     }
                     fence_proxy_async();                       // read by wgmma (async proxy)
-                    if constexpr (T_HANDOFF == 1) mbar_arrive(ds_full);   // this thread's dSᵀ, dS written (for c0)
-                    else named_bar_arrive(DS_FULL, 256);
+                    mbar_arrive(ds_full);                      // this thread's dSᵀ, dS written (for c0)
                     named_bar_sync(WG_BAR + 1, 128);           // every c1 warp's rows, for dKᵀ_1, dQᵀ_1
                 }
 
                 // ---- dVᵀ_h [DH, BN] += dOᵀ_h P  (A from the raw dO copy, B = Pᵀ)
                 mbar_wait(r_full, q_it & 1);                   // the raw Q, dO copies landed
-                step_product(smem + L::RDO, smem + L::PTB, smem + L::PTS, false, false, 0);
+                step_product(smem + L::RDO, smem + L::PTB, smem + L::PTS, false);
 #pragma unroll
                 for (int i = 0; i < NT; ++i) dvt_acc[i] += step_acc[i];
-                if (T_HANDOFF == 1 || cw == 1) mbar_arrive(pt_empty);   // this thread is done with the step's Pᵀ
-                if (T_HANDOFF == 3 && cw == 1) named_bar_arrive(PT_EMPTY, 256);
-                if (!T_EARLY_DS && cw == 0) {                  // every c1 thread's dSᵀ, dS of the step written
-                    if constexpr (T_HANDOFF == 1) mbar_wait(ds_full, q_it & 1);
-                    else named_bar_sync(DS_FULL, 256);
-                }
+                mbar_arrive(pt_empty);                         // this thread is done with the step's Pᵀ
+                if (cw == 0) mbar_wait(ds_full, q_it & 1);     // every c1 thread's dSᵀ, dS of the step written
                 // ---- dKᵀ_h [DH, BN] += Qᵀ_h dS  (A from the raw Q copy, B = dSᵀ); once its
                 //      fragments are loaded, this warp is done with the raw copies
-                step_product(smem + L::RQ, smem + L::DSTB, smem + L::DSTS, true, T_EARLY_DS && cw == 0, q_it & 1);
+                step_product(smem + L::RQ, smem + L::DSTB, smem + L::DSTS, true);
 #pragma unroll
                 for (int i = 0; i < NT; ++i) dkt_acc[i] += step_acc[i];
 
@@ -878,8 +843,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 fence_regs<NS>(dq_acc);
                 fence_regs<NT>(kt_big);
                 fence_regs<NT>(kt_small);
-                if constexpr (T_HANDOFF == 1) mbar_arrive(ds_empty);   // this thread is done with the step's dSᵀ, dS
-                else if (cw == 0) named_bar_arrive(DS_EMPTY, 256);
+                mbar_arrive(ds_empty);                         // this thread is done with the step's dSᵀ, dS
 
                 // ---- dq rows m0 .. += dQᵀ_hᵀ: this consumer's columns over the tile's keys
                 float* dq_bh = (float*)p.dq + wt.batch * p.dq_stride_b + head * p.dq_stride_h;   // [s_q, D]
@@ -911,12 +875,6 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
         // The handoff mbarriers need no drain: each thread they count arrives once per step,
         // unconditionally, so each completes one phase per step (parity q_it & 1, q_it running on
         // across work tiles); the last pt_empty / ds_empty phases complete with nobody waiting
-        if constexpr (T_HANDOFF >= 2) {
-            if (q_it > 0 && cw == 1) named_bar_sync(DS_EMPTY, 256);   // c0's last DS_EMPTY arrival taken
-        }
-        if constexpr (T_HANDOFF == 3) {
-            if (q_it > 0 && cw == 0) named_bar_sync(PT_EMPTY, 256);   // c1's last PT_EMPTY arrival taken
-        }
     } else {
         const int cw = wg - 1;                                 // consumer 0 or 1: keys n0 + 64·cw ..
         const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8

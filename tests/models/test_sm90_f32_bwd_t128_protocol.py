@@ -36,35 +36,28 @@ class PMBar(MBar):
 
 
 class NBar:
-    """A named barrier of ``parties`` warps: each role (acting for ``n`` warps) arrives
-    (bar.arrive) or arrives and waits (bar.sync) once per generation; a second arrival of a role
-    in one generation fails the model (the hardware would count it into the wrong one)."""
+    """A named barrier of ``parties`` roles, each of which bar.syncs once per generation."""
 
     def __init__(self, name, parties):
-        self.name, self.parties, self.cur, self.count, self.done = name, parties, set(), 0, 0
+        self.name, self.parties, self.cur, self.done = name, parties, set(), 0
 
-    def arrive(self, who, n=1):
+    def arrive(self, who):
         if who in self.cur:
             raise Hazard(f"{self.name}: {who} arrives twice in generation {self.done}")
         self.cur.add(who)
-        self.count += n
         gen = self.done
-        if self.count == self.parties:
-            self.cur, self.count, self.done = set(), 0, self.done + 1
+        if len(self.cur) == self.parties:
+            self.cur, self.done = set(), self.done + 1
         return gen
 
 
-def protocol(tiles, drop=None, lockstep_c1=False, mode=1, early_ds=False):
+def protocol(tiles, drop=None, lockstep_c1=False):
     """Role generators for work tiles with ``tiles`` steps each (0 allowed). Per step, Q and dO
     land twice: raw in the big halves of their parts (raw_full), split there in place by the
     converters (nat_full) and read by the first products (Sᵀ: Q parts, c0; dPᵀ: dO parts, c1;
     nat_empty frees them for the next step's landing), and raw in the copies (r_full) that the
     dVᵀ_h / dKᵀ_h fragment loads read (r_empty). Rows (lse, D) in two buffers by step parity.
-    ``lockstep_c1``: c1's four warps as one role (they act together, arriving for all four).
-    ``mode`` (the kernel's T_HANDOFF): 1, Pᵀ and dSᵀ / dS through mbarriers; 2, Pᵀ through
-    mbarriers, dSᵀ / dS through named barriers (DS_FULL, DS_EMPTY); 3, as 2 with Pᵀ's waits
-    through named barriers too (PT_FULL, PT_EMPTY), each mbarrier waited after them.
-    ``early_ds``: c0 loads its dKᵀ_0 fragments before it waits for dSᵀ."""
+    ``lockstep_c1``: c1's four warps as one role (they act together, arriving for all four)."""
     groups = {"c0": [(w,) for w in range(WARPS)],
               "c1": [tuple(range(WARPS))] if lockstep_c1 else [(w,) for w in range(WARPS)]}
     role = {(c, w): f"{c}w{ws[0]}" if len(ws) == 1 else c for c in groups for ws in groups[c] for w in ws}
@@ -79,11 +72,9 @@ def protocol(tiles, drop=None, lockstep_c1=False, mode=1, early_ds=False):
     nat_full, nat_empty = B("nat_full", 1), B("nat_empty", 8)
     # the handoffs: pt_full / ds_full count the writing consumer's warps, pt_empty / ds_empty
     # every consumer warp (all read Pᵀ and dSᵀ)
-    pt_full, pt_empty = B("pt_full", WARPS), B("pt_empty", (2 if mode == 1 else 1) * WARPS)
+    pt_full, pt_empty = B("pt_full", WARPS), B("pt_empty", 2 * WARPS)
     ds_full, ds_empty = B("ds_full", WARPS), B("ds_empty", 2 * WARPS)
-    wg_bar = {"c0": NBar("WG_BAR", WARPS), "c1": NBar("WG_BAR+1", WARPS)}
-    # bar.arrive on one side, bar.sync on the other: both consumers' warps
-    nbar = {n: NBar(n, 2 * WARPS) for n in ("PT_FULL", "PT_EMPTY", "DS_FULL", "DS_EMPTY")}
+    wg_bar = {"c0": NBar("WG_BAR", len(C0)), "c1": NBar("WG_BAR+1", len(C1))}
     ring = [Buf("tile_smem0"), Buf("tile_smem1")]
     QP, DOP = Buf("q_parts"), Buf("do_parts")       # big halves: TMA raw, then split in place
     RQ, RDO = Buf("q_raw_copy"), Buf("do_raw_copy")
@@ -101,14 +92,7 @@ def protocol(tiles, drop=None, lockstep_c1=False, mode=1, early_ds=False):
         """bar.sync of consumer c's four warps: arrive, then wait for the generation."""
         if drop == f"{c}:WG_BAR":
             return None
-        return W(wg_bar[c], wg_bar[c].arrive(me, WARPS if me == c else 1))
-
-    def nsync(name, me, n):
-        """bar.sync on a handoff named barrier (name "c0:PT_EMPTY" and the like)."""
-        if drop == name:
-            return None
-        bar = nbar[name[3:]]
-        return W(bar, bar.arrive(me, n))
+        return W(wg_bar[c], wg_bar[c].arrive(me))
 
     def tma():
         kv_it = q_it = 0
@@ -194,18 +178,12 @@ def protocol(tiles, drop=None, lockstep_c1=False, mode=1, early_ds=False):
                     yield None
                     row.end(me)
                     if q_it > 0:
-                        if mode == 3:
-                            yield nsync("c0:PT_EMPTY", me, n)
                         yield wait("c0:pt_empty", pt_empty, q_it - 1)
                     for w in ws:
                         PT[w].write(q_it, ALL)
                     pt_full.arrive(n, q_it)
-                    if mode == 3:
-                        nbar["PT_FULL"].arrive(me, n)
                     yield wg_sync(c, me)               # every c0 warp's Pᵀ rows, for dVᵀ_0
                 else:
-                    if mode == 3:
-                        yield nsync("c1:PT_FULL", me, n)
                     yield wait("c1:pt_full", pt_full, q_it)
                     for w in ws:                       # read back for dSᵀ (open until dVᵀ_1)
                         PT[w].start(me, q_it)
@@ -213,17 +191,11 @@ def protocol(tiles, drop=None, lockstep_c1=False, mode=1, early_ds=False):
                     yield None
                     row.end(me)
                     if q_it > 0:
-                        if mode == 1:
-                            yield wait("c1:ds_empty", ds_empty, q_it - 1)
-                        else:
-                            yield nsync("c1:DS_EMPTY", me, n)
+                        yield wait("c1:ds_empty", ds_empty, q_it - 1)
                     for w in ws:
                         DST[w].write(q_it, ALL)
                         DSN[w].write(q_it, ALL)
-                    if mode == 1:
-                        ds_full.arrive(n, q_it)
-                    else:
-                        nbar["DS_FULL"].arrive(me, n)
+                    ds_full.arrive(n, q_it)
                     yield wg_sync(c, me)               # every c1 warp's rows, for dKᵀ_1, dQᵀ_1
                 yield wait(f"{c}:r_full", r_full, q_it)
                 for buf in PT:
@@ -234,23 +206,13 @@ def protocol(tiles, drop=None, lockstep_c1=False, mode=1, early_ds=False):
                 yield None                             # dVᵀ_h: Pᵀ
                 for buf in PT:
                     buf.end(me)
-                if mode == 1 or c == "c1":
-                    pt_empty.arrive(n, q_it)
-                if mode == 3 and c == "c1":
-                    nbar["PT_EMPTY"].arrive(me, n)
-
-                def ds_wait():
-                    if mode == 1:
-                        return wait("c0:ds_full", ds_full, q_it)
-                    return nsync("c0:DS_FULL", me, n)
-                if c == "c0" and not early_ds:
-                    yield ds_wait()
+                pt_empty.arrive(n, q_it)
+                if c == "c0":
+                    yield wait("c0:ds_full", ds_full, q_it)
                 RQ.start(me, q_it)                     # dKᵀ_h fragments
                 yield None
                 RQ.end(me)
                 r_empty.arrive(n, q_it)
-                if c == "c0" and early_ds:
-                    yield ds_wait()
                 for buf in DST:
                     buf.start(me, q_it)
                 yield None                             # dKᵀ_h: dSᵀ
@@ -268,61 +230,45 @@ def protocol(tiles, drop=None, lockstep_c1=False, mode=1, early_ds=False):
                 yield None
                 for buf in DSN:
                     buf.end(me)
-                if mode == 1:
-                    ds_empty.arrive(n, q_it)
-                elif c == "c0":
-                    nbar["DS_EMPTY"].arrive(me, n)
+                ds_empty.arrive(n, q_it)
                 q_it += 1
             if steps > 0:
                 kv_it += 1
-        # the handoff mbarriers' last phases complete with nobody waiting; a named barrier's
-        # last arrivals are taken
-        if q_it > 0 and mode >= 2 and c == "c1":
-            yield nsync("c1:DS_EMPTY", me, n)
-        if q_it > 0 and mode == 3 and c == "c0":
-            yield nsync("c0:PT_EMPTY", me, n)
+        # no drain: the handoff mbarriers' last phases complete with nobody waiting
 
     roles = {"tma": tma(), "conv": converters()}
     for c in ("c0", "c1"):
         for ws in groups[c]:
             roles[role[c, ws[0]]] = consumer(c, ws)
-    return roles, {**wg_bar, **nbar}
+    return roles, wg_bar
 
 
 TILES = [[3], [1], [0, 2], [5, 0, 0, 1, 4], [2, 3, 1], [1, 1, 1, 1, 1, 1], [0], [7, 2]]
-MODES = [(1, False), (1, True), (2, False), (3, False), (3, True)]
 
 
-@pytest.mark.parametrize("mode,early_ds", MODES)
 @pytest.mark.parametrize("tiles", TILES, ids=lambda t: "tiles" + "-".join(map(str, t)))
-def test_protocol_has_no_hazard(tiles, mode, early_ds):
+def test_protocol_has_no_hazard(tiles):
     for seed in range(60):
-        roles, nb = protocol(tiles, mode=mode, early_ds=early_ds)
+        roles, nb = protocol(tiles)
         run(roles, seed, skew=seed % 2 == 1)
         for bar in nb.values():   # every named barrier's last generation completed
             assert not bar.cur, (bar.name, bar.cur)
 
 
-COMMON_WAITS = ["tma:nat_empty", "tma:r_empty", "tma:kv_empty", "tma:tile_empty", "conv:raw_full",
-                "c0:nat_full", "c1:nat_full", "c0:kv_raw", "c1:kv_raw", "c0:r_full", "c1:r_full",
-                "c0:WG_BAR", "c1:WG_BAR"]
-WAITS = {1: ["c0:pt_empty", "c1:pt_full", "c1:ds_empty", "c0:ds_full"],
-         2: ["c0:pt_empty", "c1:pt_full", "c1:DS_EMPTY", "c0:DS_FULL"],
-         3: ["c0:PT_EMPTY", "c1:PT_FULL", "c1:DS_EMPTY", "c0:DS_FULL"]}
+WAITS = ["tma:nat_empty", "tma:r_empty", "tma:kv_empty", "tma:tile_empty", "conv:raw_full",
+         "c0:nat_full", "c1:nat_full", "c0:kv_raw", "c1:kv_raw", "c0:r_full", "c1:r_full",
+         "c0:pt_empty", "c1:pt_full", "c1:ds_empty", "c0:ds_full", "c0:WG_BAR", "c1:WG_BAR"]
 
 
-@pytest.mark.parametrize("mode,early_ds", MODES)
-@pytest.mark.parametrize("drop", COMMON_WAITS + ["handoff0", "handoff1", "handoff2", "handoff3"])
-def test_the_model_catches_a_missing_wait(drop, mode, early_ds):
+@pytest.mark.parametrize("drop", WAITS)
+def test_the_model_catches_a_missing_wait(drop):
     """Each of these waits is needed: without it some interleaving breaks a rule. c1:ds_empty
-    (mode 1) for c1's own warps (a c1 warp would store the next dSᵀ rows while another still
-    reads the last ones): c0's reads of them are ordered by pt_full already."""
-    if drop.startswith("handoff"):
-        drop = WAITS[mode][int(drop[-1])]
+    for c1's own warps (a c1 warp would store the next dSᵀ rows while another still reads the
+    last ones): c0's reads of them are ordered by pt_full already."""
     with pytest.raises(Hazard):
         for seed in range(300):
             for tiles in ([4, 3, 5, 2], [4, 0, 0, 3, 0, 0, 5]):
-                roles, nb = protocol(tiles, drop=drop, mode=mode, early_ds=early_ds)
+                roles, nb = protocol(tiles, drop=drop)
                 run(roles, seed, skew=seed % 2 == 1)   # c1:r_full: with a slow TMA thread
                 for bar in nb.values():
                     if bar.cur:
