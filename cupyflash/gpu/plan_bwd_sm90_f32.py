@@ -27,7 +27,8 @@ HEAD_DIMS = (64, 128)
 BN_OF = {64: 128, 128: 64}
 BN = BN_OF[64]     # the hd 64 kernel's (kept for callers that predate hd 128)
 TILE_RING = 2
-N_BARRIERS = 15
+#: mbarrier slots per head dim (Layout: 15; LayoutT: those 15 and the four handoffs between its consumers)
+N_BARRIERS = {64: 15, 128: 17}
 
 
 @dataclass(frozen=True)
@@ -75,14 +76,16 @@ def smem_bytes(d: int) -> int:
     and dO (twelve [32, d] tiles); dS big and small [32, 64] per consumer; lse / D rows [2, 32].
     d = 128: k, v raw [64, d]; q / dO big (landing) and small, raw copies of q and dO (six [32, d]
     tiles); Pᵀ, dSᵀ and dS big and small (six [64, 32] tiles); lse / D rows [2 steps][2, 32].
-    Both: the work-tile ring (16 bytes); 15 mbarrier slots; 1024 bytes to align the swizzled
-    panels."""
+    Both: the work-tile ring (16 bytes); N_BARRIERS mbarrier slots; 1024 bytes to align the
+    swizzled panels."""
     f = 4
     if d == 128:
         body = 2 * 64 * d * f + 6 * BM * d * f + 6 * 64 * BM * f + 2 * 2 * BM * f
+        bars = N_BARRIERS[128]
     else:
         body = 3 * BN * d * f + 12 * BM * d * f + 2 * 2 * BM * 64 * f + 2 * BM * f
-    return body + 16 + 8 * N_BARRIERS + 1024
+        bars = N_BARRIERS[64]
+    return body + 16 + 8 * bars + 1024
 
 
 def variants():

@@ -18,6 +18,8 @@ positions); the wgmma reads of B go through the descriptor (start + n·128 + 4·
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from cupyflash.gpu import plan_bwd_sm90_f32
@@ -25,6 +27,7 @@ from cupyflash.gpu import plan_bwd_sm90_f32
 from test_sm90_f32_bwd_layout import key_of_slot, slot_of_key
 from test_sm90_f32_layout import a_frag_pos, acc_pos, swz, tma_store
 
+ROOT = Path(__file__).resolve().parents[2]
 D, BM = 128, plan_bwd_sm90_f32.BM
 BN = plan_bwd_sm90_f32.BN_OF[D]          # 64 keys per work tile
 DH = D // 2                 # columns per consumer
@@ -38,7 +41,7 @@ def layout_t(d=D):
     for name, size in (("KR", kvt), ("VR", kvt), ("QB", qt), ("QS", qt), ("DOB", qt), ("DOS", qt),
                        ("RQ", qt), ("RDO", qt), ("PTB", pt), ("PTS", pt), ("DSTB", pt),
                        ("DSTS", pt), ("DSB", pt), ("DSS", pt), ("ROWS", 2 * 2 * BM * 4), ("TILE", 16),
-                       ("BARS", 8 * 15)):
+                       ("BARS", 8 * 17)):
         off[name] = o
         o += size
     off["BYTES"] = o
@@ -100,6 +103,23 @@ def test_layout_fits_and_matches_the_mirror():
         assert off[name] % 1024 == 0, name   # swizzled panels, descriptors, TMA: 1024-byte aligned
     # the kernel takes the small part at big + QT
     assert off["QS"] == off["QB"] + BM * D * 4 and off["DOS"] == off["DOB"] + BM * D * 4
+
+
+def test_barrier_slots_match_the_kernel():
+    """LayoutT's 17 mbarrier slots: Layout's 15 (one landing stage: the slots run up to t_empty,
+    13 of them) and the four handoffs between the consumers (pt_full, pt_empty, ds_full,
+    ds_empty after t_empty), as the kernel's text declares them."""
+    src = (ROOT / "kernels_cu" / "hopper" / "bwd_f32.cu").read_text()
+    layout_t_src = src[src.index("struct LayoutT {"):src.index("template <int D> struct LayoutOf")]
+    assert "BYTES = BARS + 8 * 17;" in layout_t_src
+    assert plan_bwd_sm90_f32.N_BARRIERS[D] == 17
+    slots = 2 * plan_bwd_sm90_f32.TILE_RING + 3 + 2 * 1 + 4      # tile ring, kv, raw, nat / t
+    assert slots + 4 == 17
+    for decl in ("const u32 pt_full = t_empty + 8;", "const u32 pt_empty = pt_full + 8;",
+                 "const u32 ds_full = pt_empty + 8;", "const u32 ds_empty = ds_full + 8;"):
+        assert decl in src, decl
+    for bar, count in (("pt_full", 128), ("pt_empty", 256), ("ds_full", 128), ("ds_empty", 256)):
+        assert f"mbar_init({bar}, {count});" in src, bar
 
 
 def jit_a_first_product(t, kk, x_smem):

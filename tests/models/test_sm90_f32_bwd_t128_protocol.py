@@ -1,13 +1,18 @@
 """The synchronization of the float32 Hopper backward's hd 128 path (design T in
 kernels_cu/hopper/bwd_f32.cu) as a discrete model, run under many random interleavings on the
 CPU, with tests/models/test_sm90_f32_bwd_protocol.py's machinery (mbarriers, tagged buffers, deadlock /
-parity-alias / overwrite checks) plus the named barriers of the consumers' handoffs (PT_FULL,
-DS_FULL, PT_EMPTY, DS_EMPTY: one side bar.arrive, the other bar.sync, 256 threads = both
-warpgroups). A named barrier fails the model when one party arrives twice in one generation
-(the hardware would then complete it without the other side) or when a generation is left open
-at the end. Q, dO land twice per step (in the big halves of their parts, split in place; and as
-raw copies for the transposed products' fragments); K and V raw (read by the consumers only).
-A protocol with one wait removed must fail.
+parity-alias / overwrite checks). Each consumer warp is its own role (c0w0 .. c1w3), so the model
+also sees the order between the warps of one consumer: the named barrier of a consumer's 128
+threads (WG_BAR, bar.sync of its four warps) and the mbarriers of the handoffs between the
+consumers (pt_full, pt_empty, ds_full, ds_empty), on which every thread arrives after its own
+accesses (one arrival per warp here; the kernel's counts are 32 times these). Every arrival
+names the phase it is meant for and fails the model if it lands in another (the phases follow
+the step count across work tiles). Pᵀ, dSᵀ and dS are four buffers each, one per writing warp's
+rows; wgmma reads all four (B of the transposed products), c1's read-back of Pᵀ only its own
+lane's places (the rows of c0's warp of the same index). Q, dO land twice per step (in the big
+halves of their parts, split in place; and as raw copies for the transposed products'
+fragments); K and V raw (read by the consumers only). A protocol with one wait removed must
+fail.
 
 The model follows the kernel's text by hand: change both together.
 """
@@ -15,60 +20,88 @@ from __future__ import annotations
 
 import pytest
 
-from test_sm90_f32_bwd_protocol import Buf, Hazard, MBar, W, publish_tile, run, take_tile
+from test_sm90_f32_bwd_protocol import Buf, Hazard, MBar, W, run
+
+WARPS = 4
+
+
+class PMBar(MBar):
+    """An mbarrier whose arrivals name their phase: an arrival that would complete or count
+    towards another phase than the one it is meant for fails the model."""
+
+    def arrive(self, n=1, phase=None):
+        if phase is not None and phase != self.done:
+            raise Hazard(f"{self.name}: an arrival for phase {phase} lands in phase {self.done}")
+        super().arrive(n)
 
 
 class NBar:
-    """A named barrier over two parties (c0's and c1's 128 threads)."""
+    """A named barrier of ``parties`` roles, each of which bar.syncs once per generation."""
 
-    def __init__(self, name):
-        self.name, self.cur, self.done = name, set(), 0
+    def __init__(self, name, parties):
+        self.name, self.parties, self.cur, self.done = name, parties, set(), 0
 
     def arrive(self, who):
         if who in self.cur:
             raise Hazard(f"{self.name}: {who} arrives twice in generation {self.done}")
         self.cur.add(who)
         gen = self.done
-        if len(self.cur) == 2:
+        if len(self.cur) == self.parties:
             self.cur, self.done = set(), self.done + 1
         return gen
 
 
-def protocol(tiles, drop=None):
+def protocol(tiles, drop=None, lockstep_c1=False):
     """Role generators for work tiles with ``tiles`` steps each (0 allowed). Per step, Q and dO
     land twice: raw in the big halves of their parts (raw_full), split there in place by the
     converters (nat_full) and read by the first products (Sᵀ: Q parts, c0; dPᵀ: dO parts, c1;
     nat_empty frees them for the next step's landing), and raw in the copies (r_full) that the
-    dVᵀ_h / dKᵀ_h fragment loads read (r_empty). Rows (lse, D) in two buffers by step parity."""
-    B = MBar
+    dVᵀ_h / dKᵀ_h fragment loads read (r_empty). Rows (lse, D) in two buffers by step parity.
+    ``lockstep_c1``: c1's four warps as one role (they act together, arriving for all four)."""
+    groups = {"c0": [(w,) for w in range(WARPS)],
+              "c1": [tuple(range(WARPS))] if lockstep_c1 else [(w,) for w in range(WARPS)]}
+    role = {(c, w): f"{c}w{ws[0]}" if len(ws) == 1 else c for c in groups for ws in groups[c] for w in ws}
+    C0 = tuple(dict.fromkeys(role["c0", w] for w in range(WARPS)))
+    C1 = tuple(dict.fromkeys(role["c1", w] for w in range(WARPS)))
+    ALL = C0 + C1
+    B = PMBar
     tile_full = [B("tile_full0", 1), B("tile_full1", 1)]
     tile_empty = [B("tile_empty0", 8 + 3), B("tile_empty1", 8 + 3)]
     kv_raw, kv_empty = B("kv_raw", 1), B("kv_empty", 8)
     raw_full, r_full, r_empty = B("raw_full", 1), B("r_full", 1), B("r_empty", 8)
     nat_full, nat_empty = B("nat_full", 1), B("nat_empty", 8)
-    nb = {n: NBar(n) for n in ("PT_FULL", "DS_FULL", "PT_EMPTY", "DS_EMPTY")}
+    # the handoffs: pt_full / ds_full count the writing consumer's warps, pt_empty / ds_empty
+    # every consumer warp (all read Pᵀ and dSᵀ)
+    pt_full, pt_empty = B("pt_full", WARPS), B("pt_empty", 2 * WARPS)
+    ds_full, ds_empty = B("ds_full", WARPS), B("ds_empty", 2 * WARPS)
+    wg_bar = {"c0": NBar("WG_BAR", len(C0)), "c1": NBar("WG_BAR+1", len(C1))}
     ring = [Buf("tile_smem0"), Buf("tile_smem1")]
     QP, DOP = Buf("q_parts"), Buf("do_parts")       # big halves: TMA raw, then split in place
     RQ, RDO = Buf("q_raw_copy"), Buf("do_raw_copy")
     K, V = Buf("k_raw"), Buf("v_raw")
     rows = [Buf("rows0"), Buf("rows1")]
-    PT, DST, DSN = Buf("pT"), Buf("dsT"), Buf("ds")
+    PT = [Buf(f"pT_rows{w}") for w in range(WARPS)]      # written by c0's warp w
+    DST = [Buf(f"dsT_rows{w}") for w in range(WARPS)]    # written by c1's warp w
+    DSN = [Buf(f"ds_part{w}") for w in range(WARPS)]     # written by c1's warp w
     seq = list(tiles) + [None]
 
     def wait(name, bar, phase):
         return None if drop == name else W(bar, phase)
 
-    def nsync(name, who):
-        """bar.sync: arrive, then wait for the generation to complete."""
-        if drop == name:
+    def wg_sync(c, me):
+        """bar.sync of consumer c's four warps: arrive, then wait for the generation."""
+        if drop == f"{c}:WG_BAR":
             return None
-        bar = nb[name[name.index(":") + 1:]]
-        return W(bar, bar.arrive(who))
+        return W(wg_bar[c], wg_bar[c].arrive(me))
 
     def tma():
         kv_it = q_it = 0
         for i, steps in enumerate(seq):
-            yield from publish_tile(i, ring, tile_full, tile_empty, wait)
+            ts = i % 2                                  # the two-slot work-tile ring
+            if i >= 2:
+                yield wait("tma:tile_empty", tile_empty[ts], i // 2 - 1)
+            ring[ts].write(i, ALL + ("conv",))
+            tile_full[ts].arrive(1, i // 2)
             if steps is None:
                 return
             for st in range(steps):
@@ -76,26 +109,33 @@ def protocol(tiles, drop=None):
                     yield wait("tma:nat_empty", nat_empty, q_it - 1)
                 QP.write(("raw", q_it), ("conv",))
                 DOP.write(("raw", q_it), ("conv",))
-                raw_full.arrive()
+                raw_full.arrive(1, q_it)
                 if q_it >= 1:
                     yield wait("tma:r_empty", r_empty, q_it - 1)
-                RQ.write(q_it, ("c0", "c1"))
-                RDO.write(q_it, ("c0", "c1"))
-                r_full.arrive()
+                RQ.write(q_it, ALL)
+                RDO.write(q_it, ALL)
+                r_full.arrive(1, q_it)
                 if st == 0:
                     if kv_it > 0:
                         yield wait("tma:kv_empty", kv_empty, kv_it - 1)
-                    K.write(kv_it, ("c0", "c1"))
-                    V.write(kv_it, ("c1",))
-                    kv_raw.arrive()
+                    K.write(kv_it, ALL)
+                    V.write(kv_it, C1)
+                    kv_raw.arrive(1, kv_it)
                     kv_it += 1
                 q_it += 1
                 yield None
 
+    def take_tile(who, i, warps):
+        ts = i % 2
+        yield wait(f"{'conv' if who == 'conv' else who[:2]}:tile_full", tile_full[ts], i // 2)
+        ring[ts].start(who, i)
+        ring[ts].end(who)
+        tile_empty[ts].arrive(warps, i // 2)
+
     def converters():
         q_it = 0
         for i, steps in enumerate(seq):
-            yield from take_tile("conv", i, 3, ring, tile_full, tile_empty, wait)
+            yield from take_tile("conv", i, 3)
             if steps is None:
                 return
             for st in range(steps):
@@ -105,16 +145,17 @@ def protocol(tiles, drop=None):
                 yield None
                 for buf in (QP, DOP):
                     buf.end("conv")
-                QP.write(("split", q_it), ("c0",))          # Sᵀ's B
-                DOP.write(("split", q_it), ("c1",))         # dPᵀ's B
-                rows[q_it % 2].write(q_it, ("c0", "c1"))
-                nat_full.arrive()
+                QP.write(("split", q_it), C0)            # Sᵀ's B
+                DOP.write(("split", q_it), C1)           # dPᵀ's B
+                rows[q_it % 2].write(q_it, ALL)
+                nat_full.arrive(1, q_it)
                 q_it += 1
 
-    def consumer(c):
+    def consumer(c, ws):
+        me, n = role[c, ws[0]], len(ws)                # the role and the warps it acts for
         kv_it = q_it = 0
         for i, steps in enumerate(seq):
-            yield from take_tile(c, i, 4, ring, tile_full, tile_empty, wait)
+            yield from take_tile(me, i, n)
             if steps is None:
                 break
             if steps > 0:
@@ -126,69 +167,80 @@ def protocol(tiles, drop=None):
                 first = ((K, kv_it), (QP, ("split", q_it))) if c == "c0" else \
                     ((V, kv_it), (DOP, ("split", q_it)))
                 for buf, tag in first:
-                    buf.start(c, tag)
+                    buf.start(me, tag)
                 yield None
                 for buf, _ in first:
                     if buf is not K:
-                        buf.end(c)
-                nat_empty.arrive(4)                    # its four warps
+                        buf.end(me)
+                nat_empty.arrive(n, q_it)
                 if c == "c0":
-                    row.start(c, q_it)                 # lse for Pᵀ
+                    row.start(me, q_it)                # lse for Pᵀ
                     yield None
-                    row.end(c)
+                    row.end(me)
                     if q_it > 0:
-                        yield nsync("c0:PT_EMPTY", c)
-                    PT.write(q_it, ("c0", "c1"))
-                    nb["PT_FULL"].arrive(c)
+                        yield wait("c0:pt_empty", pt_empty, q_it - 1)
+                    for w in ws:
+                        PT[w].write(q_it, ALL)
+                    pt_full.arrive(n, q_it)
+                    yield wg_sync(c, me)               # every c0 warp's Pᵀ rows, for dVᵀ_0
                 else:
-                    yield nsync("c1:PT_FULL", c)
-                    PT.start(c, q_it)                  # read back for dSᵀ (open until dVᵀ_1)
-                    row.start(c, q_it)                 # D for dSᵀ
+                    yield wait("c1:pt_full", pt_full, q_it)
+                    for w in ws:                       # read back for dSᵀ (open until dVᵀ_1)
+                        PT[w].start(me, q_it)
+                    row.start(me, q_it)                # D for dSᵀ
                     yield None
-                    row.end(c)
+                    row.end(me)
                     if q_it > 0:
-                        yield nsync("c1:DS_EMPTY", c)
-                    DST.write(q_it, ("c0", "c1"))
-                    DSN.write(q_it, ("c0", "c1"))
-                    nb["DS_FULL"].arrive(c)
+                        yield wait("c1:ds_empty", ds_empty, q_it - 1)
+                    for w in ws:
+                        DST[w].write(q_it, ALL)
+                        DSN[w].write(q_it, ALL)
+                    ds_full.arrive(n, q_it)
+                    yield wg_sync(c, me)               # every c1 warp's rows, for dKᵀ_1, dQᵀ_1
                 yield wait(f"{c}:r_full", r_full, q_it)
-                if c == "c0":
-                    PT.start(c, q_it)
-                RDO.start(c, q_it)                     # dVᵀ_h fragments
+                for buf in PT:
+                    buf.start(me, q_it)                # dVᵀ_h's B: the whole Pᵀ
+                RDO.start(me, q_it)                    # dVᵀ_h fragments
                 yield None
-                RDO.end(c)
+                RDO.end(me)
                 yield None                             # dVᵀ_h: Pᵀ
-                PT.end(c)
-                if c == "c1":
-                    nb["PT_EMPTY"].arrive(c)
-                else:
-                    yield nsync("c0:DS_FULL", c)
-                RQ.start(c, q_it)                      # dKᵀ_h fragments
-                yield None
-                RQ.end(c)
-                r_empty.arrive(4)
-                DST.start(c, q_it)
-                yield None                             # dKᵀ_h: dSᵀ
-                DST.end(c)
-                if c == "c1":
-                    V.end(c)
-                K.start(c, kv_it)
-                DSN.start(c, q_it)
-                yield None                             # dQᵀ_h: Kᵀ_h loads, dS
-                K.end(c)
-                if st == steps - 1:
-                    kv_empty.arrive(4)
-                yield None
-                DSN.end(c)
+                for buf in PT:
+                    buf.end(me)
+                pt_empty.arrive(n, q_it)
                 if c == "c0":
-                    nb["DS_EMPTY"].arrive(c)
+                    yield wait("c0:ds_full", ds_full, q_it)
+                RQ.start(me, q_it)                     # dKᵀ_h fragments
+                yield None
+                RQ.end(me)
+                r_empty.arrive(n, q_it)
+                for buf in DST:
+                    buf.start(me, q_it)
+                yield None                             # dKᵀ_h: dSᵀ
+                for buf in DST:
+                    buf.end(me)
+                if c == "c1":
+                    V.end(me)
+                K.start(me, kv_it)
+                for buf in DSN:
+                    buf.start(me, q_it)
+                yield None                             # dQᵀ_h: Kᵀ_h loads, dS
+                K.end(me)
+                if st == steps - 1:
+                    kv_empty.arrive(n, kv_it)
+                yield None
+                for buf in DSN:
+                    buf.end(me)
+                ds_empty.arrive(n, q_it)
                 q_it += 1
             if steps > 0:
                 kv_it += 1
-        if q_it > 0:
-            yield nsync(f"{c}:{'PT_EMPTY' if c == 'c0' else 'DS_EMPTY'}", c)
+        # no drain: the handoff mbarriers' last phases complete with nobody waiting
 
-    return {"tma": tma(), "conv": converters(), "c0": consumer("c0"), "c1": consumer("c1")}, nb
+    roles = {"tma": tma(), "conv": converters()}
+    for c in ("c0", "c1"):
+        for ws in groups[c]:
+            roles[role[c, ws[0]]] = consumer(c, ws)
+    return roles, wg_bar
 
 
 TILES = [[3], [1], [0, 2], [5, 0, 0, 1, 4], [2, 3, 1], [1, 1, 1, 1, 1, 1], [0], [7, 2]]
@@ -198,24 +250,37 @@ TILES = [[3], [1], [0, 2], [5, 0, 0, 1, 4], [2, 3, 1], [1, 1, 1, 1, 1, 1], [0], 
 def test_protocol_has_no_hazard(tiles):
     for seed in range(60):
         roles, nb = protocol(tiles)
-        run(roles, seed)
+        run(roles, seed, skew=seed % 2 == 1)
         for bar in nb.values():   # every named barrier's last generation completed
             assert not bar.cur, (bar.name, bar.cur)
 
 
 WAITS = ["tma:nat_empty", "tma:r_empty", "tma:kv_empty", "tma:tile_empty", "conv:raw_full",
          "c0:nat_full", "c1:nat_full", "c0:kv_raw", "c1:kv_raw", "c0:r_full", "c1:r_full",
-         "c0:PT_EMPTY", "c1:PT_FULL", "c1:DS_EMPTY", "c0:DS_FULL"]
+         "c0:pt_empty", "c1:pt_full", "c1:ds_empty", "c0:ds_full", "c0:WG_BAR", "c1:WG_BAR"]
 
 
 @pytest.mark.parametrize("drop", WAITS)
 def test_the_model_catches_a_missing_wait(drop):
-    """Each of these waits is needed: without it some interleaving breaks a rule."""
+    """Each of these waits is needed: without it some interleaving breaks a rule. c1:ds_empty
+    for c1's own warps (a c1 warp would store the next dSᵀ rows while another still reads the
+    last ones): c0's reads of them are ordered by pt_full already."""
     with pytest.raises(Hazard):
         for seed in range(300):
             for tiles in ([4, 3, 5, 2], [4, 0, 0, 3, 0, 0, 5]):
                 roles, nb = protocol(tiles, drop=drop)
-                run(roles, seed)
+                run(roles, seed, skew=seed % 2 == 1)   # c1:r_full: with a slow TMA thread
                 for bar in nb.values():
                     if bar.cur:
                         raise Hazard(f"{bar.name} left open")
+
+
+def test_ds_empty_orders_only_c1s_own_warps():
+    """With c1's four warps as one role (they cannot drift apart), the protocol holds without
+    c1's ds_empty wait: pt_full orders c0's reads of the last dSᵀ, dS before c1's next stores
+    (each c0 thread arrives on pt_full after its dKᵀ_0, dQᵀ_0). The wait is kept for c1's warps
+    (test_the_model_catches_a_missing_wait)."""
+    for seed in range(60):
+        for tiles in ([4, 3, 5, 2], [4, 0, 0, 3, 0, 0, 5]):
+            roles, _ = protocol(tiles, drop="c1:ds_empty", lockstep_c1=True)
+            run(roles, seed, skew=seed % 2 == 1)
