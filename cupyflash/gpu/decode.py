@@ -273,7 +273,7 @@ def build(q, k_cache, v_cache, k_new, v_new, *, with_lengths, block_table, page_
     b, s_q, h, d = q.shape
     h_k = k_cache.shape[2]
     plan = plan_decode.plan_decode(DTYPE_NAMES[q.dtype], b, s_q, h, h_k, d, max_keys,
-                                   num_splits, sms, smem)
+                                   num_splits, sms, smem, cc)
     fns = compile.get_functions(plan.variant, dev_id, plan_decode.build_options())
     prm = plan_decode.new_params()
     s_new = 0 if k_new is None else k_new.shape[1]
@@ -288,6 +288,7 @@ def build(q, k_cache, v_cache, k_new, v_new, *, with_lengths, block_table, page_
             prm[f"q_stride_{a}"] = st
     prm["num_splits"], prm["num_m_tiles"] = plan.num_splits, plan.num_m_tiles
     prm["head_fastest"] = int(plan.head_fastest)
+    prm["l2_ahead"] = plan.l2_ahead
     for a, st in _contiguous_strides((b, s_q, h, d)).items():
         prm[f"o_stride_{a}"] = st
     prep_rows = b * s_new * h_k + (b * s_q * h if rot is not None else 0)

@@ -65,7 +65,7 @@ DECODE_PARAMS_FIELDS = (
                                "num_blocks", "max_blocks", "capacity", "seqlens_const",
                                "num_splits", "num_m_tiles", "window_left", "window_right",
                                "bottom_right", "rot_dim", "rot_interleaved", "rot_q_per_row",
-                               "seqlen_ro", "head_fastest", "pad1")]
+                               "seqlen_ro", "head_fastest", "l2_ahead")]
     + [("split_count", np.uint64)]
     + [(n, np.float32) for n in ("scale_log2", "softcap_pre", "softcap_post", "pad0")]
 )
@@ -99,13 +99,15 @@ def smem_bytes(d: int, mt: int, nw: int, stages: int) -> int:
 
 
 def choose_stages(d: int, mt: int, smem_optin: int, nw: int = NW) -> tuple:
-    """(stages, CTAs per SM): two CTAs per SM with the deepest ring (2..6) that fits half the
-    opt-in shared memory when that ring is at least 3 deep; else one CTA with the deepest ring
-    that fits (at least 2)."""
-    half = smem_optin // 2 - 1024
-    for st in range(6, 2, -1):
-        if TUNING["ctas_per_sm"] >= 2 and smem_bytes(d, mt, nw, st) <= half:
-            return st, 2
+    """(stages, CTAs per SM): c = TUNING["ctas_per_sm"] CTAs per SM with the deepest ring (up to
+    6) that fits 1 / c of the opt-in shared memory when that ring is at least 3 deep (c = 2) or 2
+    deep (c > 2); else one CTA with the deepest ring that fits (at least 2)."""
+    c = int(TUNING["ctas_per_sm"])
+    if c >= 2:
+        share = smem_optin // c - 1024
+        for st in range(6, 2 if c == 2 else 1, -1):
+            if smem_bytes(d, mt, nw, st) <= share:
+                return st, c
     for st in range(6, 1, -1):
         if smem_bytes(d, mt, nw, st) <= smem_optin:
             return st, 1
@@ -114,20 +116,22 @@ def choose_stages(d: int, mt: int, smem_optin: int, nw: int = NW) -> tuple:
 
 @dataclass(frozen=True)
 class DecodeVariant(KernelVariant):
-    """flash_decode<E, D, MT, NW, STAGES> with its combine kernel, kvcache_prep<E> and
-    kvcache_check in the same module."""
+    """flash_decode<E, D, MT, NW, STAGES, BULK> with its combine kernel, kvcache_prep<E> and
+    kvcache_check in the same module. BULK 1 (sm_90+): K / V rows by cp.async.bulk, completion
+    on one mbarrier per ring slot; 0: cp.async, 16 bytes per lane."""
 
     elem: str
     d: int
     mt: int
     nw: int
     stages: int
+    bulk: int = 0
 
     template: ClassVar[str] = "flash_decode"
     file: ClassVar[str] = "portable/decode.cu"
 
     def template_args(self) -> tuple:
-        return (self.elem, str(self.d), str(self.mt), str(self.nw), str(self.stages))
+        return (self.elem, str(self.d), str(self.mt), str(self.nw), str(self.stages), str(self.bulk))
 
     @property
     def helper_expressions(self) -> tuple:
@@ -136,7 +140,8 @@ class DecodeVariant(KernelVariant):
 
     @property
     def name(self) -> str:
-        return f"decode_{self.elem}_d{self.d}_m{16 * self.mt}_w{self.nw}_s{self.stages}"
+        return (f"decode_{self.elem}_d{self.d}_m{16 * self.mt}_w{self.nw}_s{self.stages}"
+                + ("_bulk" if self.bulk else ""))
 
     @property
     def threads(self) -> int:
@@ -174,20 +179,27 @@ def mt_for(rows: int, d: int) -> int:
     return 1 if rows <= 16 or d > 128 else 2
 
 
-def variant_for(elem: str, d: int, rows: int, smem_optin: int) -> tuple:
-    """(DecodeVariant, CTAs per SM) for ``rows`` packed rows (seqlen_q * heads per kv head)."""
+def use_bulk(cc: int) -> bool:
+    """Bulk copies (TUNING["bulk"]) where the device has them (compute capability 9.0+)."""
+    return bool(TUNING["bulk"]) and cc >= 90
+
+
+def variant_for(elem: str, d: int, rows: int, smem_optin: int, cc: int = 80) -> tuple:
+    """(DecodeVariant, CTAs per SM) for ``rows`` packed rows (seqlen_q * heads per kv head) on a
+    device of compute capability ``cc`` (x 10)."""
     mt = mt_for(rows, d)
-    stages, per_sm = choose_stages(d, mt, smem_optin)
-    return DecodeVariant(elem, d, mt, NW, stages), per_sm
+    nw = int(TUNING["nw"])
+    stages, per_sm = choose_stages(d, mt, smem_optin, nw)
+    return DecodeVariant(elem, d, mt, nw, stages, int(use_bulk(cc))), per_sm
 
 
-def variants(smem_optin: int) -> list:
+def variants(smem_optin: int, cc: int = 80) -> list:
     """Every attention variant the planner can pick on a device with ``smem_optin`` bytes."""
     out = []
     for elem in DECODE_ELEMS:
         for d in DECODE_HEAD_DIMS:
             for rows in (1, 32):
-                v, _ = variant_for(elem, d, rows, smem_optin)
+                v, _ = variant_for(elem, d, rows, smem_optin, cc)
                 if v not in out:
                     out.append(v)
     return out
@@ -242,7 +254,8 @@ def choose_splits(ctas: int, key_tiles: int, slots: int, tile_bytes: int = 2 * 1
 #: the split rows (1 x 131k: 3694 vs 3606); L2::128B was faster on 6 of 7 rows (+0.5 to +2.5 %,
 #: 1 x 131k 3783 vs 3694, page 16 4163 vs 4061; 32 x 16k contiguous 4032 vs 4131), L2::256B
 #: no better than none; one CTA per SM with a 6-deep ring was 15-35 % slower (1 x 131k 3011).
-TUNING = {"head_fastest": True, "fused_combine": True, "l2_prefetch": 128, "ctas_per_sm": 2}
+TUNING = {"head_fastest": True, "fused_combine": True, "l2_prefetch": 128, "ctas_per_sm": 2,
+          "nw": NW, "bulk": False, "l2_ahead": 0}
 
 
 def build_options() -> tuple:
@@ -261,6 +274,7 @@ class DecodePlan:
     num_m_tiles: int
     head_fastest: bool = True
     fused_combine: bool = True
+    l2_ahead: int = 0
 
 
 def fused_fits(variant: DecodeVariant, num_splits: int) -> bool:
@@ -270,25 +284,26 @@ def fused_fits(variant: DecodeVariant, num_splits: int) -> bool:
 
 
 def plan_decode(dtype_name: str, b: int, s_q: int, h: int, h_k: int, d: int, max_keys: int,
-                num_splits: int, sm_count: int, smem_optin: int) -> DecodePlan:
+                num_splits: int, sm_count: int, smem_optin: int, cc: int = 80) -> DecodePlan:
     """Grid and variant of one call: ``max_keys`` bounds the keys of the longest batch entry
     (after the append; the cache's capacity when the lengths live on the device);
     ``num_splits`` 0 = choose_splits, else used as given (capped at the key tiles)."""
     g = h // h_k
     rows = s_q * g
-    var, per_sm = variant_for(ELEM_OF[dtype_name], d, rows, smem_optin)
+    var, per_sm = variant_for(ELEM_OF[dtype_name], d, rows, smem_optin, cc)
     m_tiles = -(-rows // (16 * var.mt))
     ctas = b * h_k * m_tiles
     tiles = -(-max(max_keys, 1) // TILE_KEYS)
     if num_splits == 0:
-        splits = choose_splits(ctas, tiles, per_sm * sm_count, 2 * TILE_KEYS * d * 2)
+        splits = choose_splits(ctas, tiles, per_sm * sm_count, 2 * TILE_KEYS * d * 2, var.nw)
     else:
         splits = max(1, min(int(num_splits), tiles, 1024))
     head_fastest = bool(TUNING["head_fastest"])
     fused = bool(TUNING["fused_combine"]) and splits > 1 and fused_fits(var, splits)
     grid = (h_k, splits, b * m_tiles) if head_fastest else (splits, h_k, b * m_tiles)
+    ahead = max(0, min(32, int(TUNING["l2_ahead"])))
     return DecodePlan(var, grid, (var.threads, 1, 1), var.smem_bytes, splits, m_tiles,
-                      head_fastest, fused)
+                      head_fastest, fused, ahead)
 
 
 def route_attention(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, d: int,

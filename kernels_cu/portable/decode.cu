@@ -78,7 +78,7 @@ struct DecodeParams {
     int rot_q_per_row;        // 1: q row i rotated at position cache_seqlens + i; 0: all at cache_seqlens
     int seqlen_ro;            // rows of rot_cos / rot_sin
     int head_fastest;         // grid order: 1 (kv head, split, batch x row tile), 0 (split, kv head, ...)
-    int pad1;
+    int l2_ahead;             // 0..32: each warp also prefetches into L2 its tile this many tiles past the one it issues
     unsigned int* split_count;   // [h_k * b * num_m_tiles] splits finished per CTA group, zero before
                                  // and after a launch; null: flash_decode_combine merges the splits
     float scale_log2;         // scale * log2(e)
@@ -223,24 +223,90 @@ __device__ __forceinline__ void cp_async_kv(void* smem, const void* gmem, int sr
 #endif
 }
 
+// Bulk copies (sm_90): one cp.async.bulk per 16-key tile row, completion counted in bytes on an
+// mbarrier (one per ring slot of each warp; `bar` a shared-memory address)
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void kv_mbar_init(u32 bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void kv_mbar_fence_init() {   // the inits visible to the async proxy
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void kv_mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void kv_mbar_wait(u32 bar, u32 parity) {   // the phase of this parity completed
+    asm volatile("{\n.reg .pred done;\n"
+                 "KV_MBAR_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra KV_MBAR_WAIT;\n}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void kv_bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void kv_fence_proxy_async() {   // generic-proxy smem writes before async-proxy ones
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+#endif
+
 // Keys [key0, key0 + 16) of K and V (page blk, first row off) into a warp's ring slot (k_smem,
 // v_smem: [16, P] each); rows at or past `len` are zero-filled. The tile lies inside one page
 // (pages are multiples of 16 keys).
-template <int D>
+//   BULK 0: cp.async, 16 bytes per lane and copy; the caller commits the group.
+//   BULK 1 (sm_90): lane r < 16 copies K row r, lane 16 + r V row r, one bulk copy each, counted
+//           on `bar` (lane 0 announces the bytes); rows past `len` are zeroed by their lane.
+template <int D, int BULK>
 __device__ __forceinline__ void load_kv_tile(u16* k_smem, u16* v_smem, const DecodeParams& p, int blk,
-                                             int off, int head_k, int key0, int len, int lane) {
+                                             int off, int head_k, int key0, int len, int lane, u32 bar) {
     constexpr int P = DecodeSmem<D>::P;
-    constexpr int CPR = D / 8;                    // 16-byte chunks per row
     const u16* k_gmem = (const u16*)p.k_cache + blk * p.k_stride_blk + (long long)off * p.k_stride_s + head_k * p.k_stride_h;   // [16, d]
     const u16* v_gmem = (const u16*)p.v_cache + blk * p.v_stride_blk + (long long)off * p.v_stride_s + head_k * p.v_stride_h;   // [16, d]
+    if constexpr (BULK) {
+#if __CUDA_ARCH__ >= 900
+        const int rows = max(min(len - key0, 16), 0);   // rows of the tile inside the keys
+        if (lane == 0) kv_mbar_arrive_expect_tx(bar, 2 * rows * D * 2);
+        const int r = lane & 15;
+        u16* dst = (lane < 16 ? k_smem : v_smem) + r * P;                    // [D]
+        if (r < rows) {
+            const u16* src = lane < 16 ? k_gmem + r * p.k_stride_s : v_gmem + r * p.v_stride_s;   // [D]
+            kv_bulk_copy(smem_addr(dst), src, D * 2, bar);
+        } else {
 #pragma unroll
-    for (int i = 0; i < 16 * CPR / 32; ++i) {
-        const int c = lane + i * 32;
-        const int r = c / CPR, col = (c % CPR) * 8;
-        const int ok = key0 + r < len ? 16 : 0;
-        cp_async_kv(k_smem + r * P + col, ok ? (const void*)(k_gmem + r * p.k_stride_s + col) : p.k_cache, ok);
-        cp_async_kv(v_smem + r * P + col, ok ? (const void*)(v_gmem + r * p.v_stride_s + col) : p.v_cache, ok);
+            for (int c = 0; c < D / 8; ++c) *(uint4*)(dst + c * 8) = make_uint4(0, 0, 0, 0);
+            kv_fence_proxy_async();   // ordered before a later bulk copy into this slot
+        }
+#endif
+    } else {
+        constexpr int CPR = D / 8;                    // 16-byte chunks per row
+#pragma unroll
+        for (int i = 0; i < 16 * CPR / 32; ++i) {
+            const int c = lane + i * 32;
+            const int r = c / CPR, col = (c % CPR) * 8;
+            const int ok = key0 + r < len ? 16 : 0;
+            cp_async_kv(k_smem + r * P + col, ok ? (const void*)(k_gmem + r * p.k_stride_s + col) : p.k_cache, ok);
+            cp_async_kv(v_smem + r * P + col, ok ? (const void*)(v_gmem + r * p.v_stride_s + col) : p.v_cache, ok);
+        }
     }
+}
+
+// The same tile's rows (those inside the keys) prefetched into L2 only: lane r < 16 K row r,
+// lane 16 + r V row r (a bulk prefetch per row on sm_90, else one prefetch per 128-byte line)
+template <int D>
+__device__ __forceinline__ void prefetch_kv_tile(const DecodeParams& p, int blk, int off, int head_k,
+                                                 int key0, int len, int lane) {
+    const int r = lane & 15;
+    if (key0 + r >= len) return;
+    const u16* row = lane < 16
+        ? (const u16*)p.k_cache + blk * p.k_stride_blk + (long long)(off + r) * p.k_stride_s + head_k * p.k_stride_h
+        : (const u16*)p.v_cache + blk * p.v_stride_blk + (long long)(off + r) * p.v_stride_s + head_k * p.v_stride_h;   // [D]
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(row), "r"(D * 2) : "memory");
+#else
+#pragma unroll
+    for (int c = 0; c < D * 2 / 128; ++c)
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(row + c * 64) : "memory");
+#endif
 }
 
 // 16-byte loads through L2 only (partials other CTAs wrote during this launch)
@@ -251,7 +317,7 @@ __device__ __forceinline__ float2 ld_cg2(const float* ptr) {
     float2 v; asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(ptr)); return v;
 }
 
-template <typename E, int D, int MT, int NW, int STAGES>
+template <typename E, int D, int MT, int NW, int STAGES, int BULK>
 __global__ void __launch_bounds__(NW * 32)
 flash_decode(const DecodeParams p) {
     constexpr int BM = 16 * MT;                   // packed rows per CTA
@@ -259,6 +325,9 @@ flash_decode(const DecodeParams p) {
     constexpr int NT = NW * 32;
     constexpr bool QREG = D * MT <= 128;          // Q fragments kept in registers (else re-read from smem)
     static_assert(D % 64 == 0 && D <= 256, "head dims 64, 128, 192, 256");
+#if __CUDA_ARCH__ < 900
+    static_assert(!BULK, "bulk copies need sm_90");
+#endif
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* q_smem = (u16*)smem_raw;                              // [BM, P]
@@ -291,6 +360,18 @@ flash_decode(const DecodeParams p) {
 
     u16* k_ring = ring_smem + warp * STAGES * 2 * TILE;        // [STAGES][16, P]
     u16* v_ring = k_ring + STAGES * TILE;                      // [STAGES][16, P]
+    // BULK: one mbarrier per ring slot of each warp (static: the merge area overlays the rings)
+    __shared__ __align__(8) unsigned long long slot_bar[BULK ? NW * STAGES : 1];
+    const u32 bar0 = smem_addr(slot_bar + (BULK ? warp * STAGES : 0));
+#if __CUDA_ARCH__ >= 900
+    if constexpr (BULK) {
+        if (lane == 0) {
+            for (int s = 0; s < STAGES; ++s) kv_mbar_init(bar0 + 8 * s);
+            kv_mbar_fence_init();
+        }
+        __syncwarp();   // this warp's barriers initialized before any lane issues a copy
+    }
+#endif
 
     // Pages of this warp's tiles (paged cache), read 32 tiles ahead: lane l of blk_cur holds the
     // page of tile 32 * chunk + l, blk_nxt those of the next chunk, so no block-table read stalls
@@ -302,21 +383,36 @@ flash_decode(const DecodeParams p) {
         return (p.block_table && tile < my_tiles) ? page_of(p, batch, tile_key0(tile), &off) : batch;
     };
     int blk_cur = fetch_pages(0), blk_nxt = fetch_pages(1), chunk_cur = 0;
-    // Issue warp tile `tile` (issued in order 0, 1, 2, ...; warp-uniform) into ring slot tile % STAGES
+    auto page_off = [&](int key0) {   // row of key0 inside its page
+        return p.block_table ? key0 - min(key0 / p.page_size, p.max_blocks - 1) * p.page_size : key0;
+    };
+    // Tile `tile` (< 32 past the current chunk's first) into L2 only (warp-uniform call)
+    auto prefetch = [&](int tile) {
+        const int b_cur = __shfl_sync(0xffffffffu, blk_cur, tile & 31);
+        const int b_nxt = __shfl_sync(0xffffffffu, blk_nxt, tile & 31);
+        const int key0 = tile_key0(tile);
+        prefetch_kv_tile<D>(p, (tile >> 5) == chunk_cur ? b_cur : b_nxt, page_off(key0), head_k, key0, len, lane);
+    };
+    const int ahead = p.l2_ahead;
+    // Issue warp tile `tile` (issued in order 0, 1, 2, ...; warp-uniform) into ring slot tile % STAGES;
+    // with l2_ahead, tile + l2_ahead into L2
     auto issue = [&](int tile) {
         if ((tile >> 5) != chunk_cur) { chunk_cur = tile >> 5; blk_cur = blk_nxt; blk_nxt = fetch_pages(chunk_cur + 1); }
         const int key0 = tile_key0(tile);
         const int blk = __shfl_sync(0xffffffffu, blk_cur, tile & 31);
-        const int off = p.block_table ? key0 - min(key0 / p.page_size, p.max_blocks - 1) * p.page_size : key0;
-        load_kv_tile<D>(k_ring + (tile % STAGES) * TILE, v_ring + (tile % STAGES) * TILE, p, blk, off, head_k, key0, len, lane);
+        load_kv_tile<D, BULK>(k_ring + (tile % STAGES) * TILE, v_ring + (tile % STAGES) * TILE, p, blk, page_off(key0),
+                              head_k, key0, len, lane, bar0 + 8 * (tile % STAGES));
+        if (ahead > 0 && tile + ahead < my_tiles) prefetch(tile + ahead);
     };
 
-    // Start this warp's ring before Q is even loaded: STAGES − 1 tiles in flight
+    // Start this warp's ring before Q is even loaded: STAGES − 1 tiles in flight (and, with
+    // l2_ahead, the tiles up to STAGES - 1 + l2_ahead in L2)
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < my_tiles) issue(s);
-        cp_async_commit();
+        if constexpr (!BULK) cp_async_commit();
     }
+    for (int tile = STAGES - 1; tile < min(ahead, my_tiles); ++tile) prefetch(tile);
 
     // Q tile [BM, D]: packed row r = qi * g + head in group; rows past the end are zeros
     {
@@ -371,9 +467,12 @@ flash_decode(const DecodeParams p) {
         {
             const int nx = it + STAGES - 1;
             if (nx < my_tiles) issue(nx);
-            cp_async_commit();
+            if constexpr (!BULK) cp_async_commit();
         }
-        cp_async_wait<STAGES - 1>();
+#if __CUDA_ARCH__ >= 900
+        if constexpr (BULK) kv_mbar_wait(bar0 + 8 * (it % STAGES), (it / STAGES) & 1);   // slot's (it / STAGES)-th fill
+#endif
+        if constexpr (!BULK) cp_async_wait<STAGES - 1>();
         __syncwarp();   // tile `it` landed for every lane of this warp (its own ring: no CTA barrier)
         const u16* k_smem = k_ring + (it % STAGES) * TILE;     // [16, P]
         const u16* v_smem = v_ring + (it % STAGES) * TILE;     // [16, P]
@@ -472,7 +571,7 @@ flash_decode(const DecodeParams p) {
 
     // Merge the warps: each writes its unnormalized O, m and l; then O = Σ_w 2^(m_w − m) O_w,
     // l = Σ_w 2^(m_w − m) l_w with m = max_w m_w
-    cp_async_wait<0>();
+    if constexpr (!BULK) cp_async_wait<0>();   // (BULK: every issued tile was waited for in the loop)
     __syncthreads();   // every warp left its ring (the merge area overlays the rings)
     {
         float* o_w = merge_smem + warp * BM * D;   // [BM, D]

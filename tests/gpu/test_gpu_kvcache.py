@@ -221,8 +221,11 @@ def test_plain_attention_split_route(rng, s_q, h, hk):
         assert np.abs(cp.asnumpy(lse) - rl).max() < 1e-3
 
 
-@pytest.mark.parametrize("change", [dict(head_fastest=False), dict(fused_combine=False)],
-                         ids=["split_major_grid", "combine_kernel"])
+@pytest.mark.parametrize("change", [dict(head_fastest=False), dict(fused_combine=False),
+                                    dict(bulk=True), dict(bulk=False), dict(l2_ahead=5),
+                                    dict(ctas_per_sm=3), dict(nw=2, ctas_per_sm=4)],
+                         ids=["split_major_grid", "combine_kernel", "bulk", "no_bulk", "l2_ahead",
+                              "three_ctas", "two_warps"])
 def test_tuning_alternatives_agree(rng, change):
     """plan_decode.TUNING's alternatives (benchmarked A/B) give the default's results."""
     from cupyflash import kvcache

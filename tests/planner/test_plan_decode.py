@@ -41,7 +41,7 @@ def test_h200_hd128_runs_two_ctas_with_three_stages():
     v, per_sm = pd.variant_for("bf16_t", 128, 4, H200["smem_optin"])
     assert (per_sm, v.stages, v.mt, v.nw) == (2, 3, 1, 4)
     assert v.name == "decode_bf16_t_d128_m16_w4_s3"
-    assert v.name_expression == "flash_decode<bf16_t, 128, 1, 4, 3>"
+    assert v.name_expression == "flash_decode<bf16_t, 128, 1, 4, 3, 0>"
     assert "flash_decode_combine<bf16_t, 128>" in v.helper_expressions
 
 
