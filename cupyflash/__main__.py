@@ -172,7 +172,6 @@ def precompile(args) -> int:
 
     cp = _interop.cupy_module()
     smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
-    cc = int(cp.cuda.Device().compute_capability)
     t0 = time.perf_counter()
     elems = set(args.elems.split(",")) if args.elems else None
     dims = {int(x) for x in args.head_dims.split(",")} if args.head_dims else None
@@ -194,7 +193,7 @@ def precompile(args) -> int:
         bwd += compile.precompile([v for v in plan_bwd_sm90_f32.variants() if wanted(v)],
                                   args.workers)
     dec = [] if args.general else compile.precompile(
-        [v for v in plan_decode.variants(smem, cc) if wanted(v)], args.workers,
+        [v for v in plan_decode.variants(smem) if wanted(v)], args.workers,
         plan_decode.build_options())
     print(f"compiled {len(fwd)} forward, {len(bwd)} backward and {len(dec)} decode variants in "
           f"{time.perf_counter() - t0:.1f} s ({args.workers} processes)")

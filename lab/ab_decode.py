@@ -2,11 +2,13 @@
 """Interleaved A/B of flash_decode candidates on benchmarks/bench_kvcache.py's rows (bf16, hd 128,
 one query row, every cache row attended; GB/s = bytes of K and V read / time).
 
-Candidates are plan_decode.TUNING overrides (``bulk``: cp.async.bulk rows on sm_90; ``l2_ahead``:
-L2 prefetch distance in tiles; ``ctas_per_sm`` / ``nw``: occupancy), a forced split count
-(``x2``: twice the planner's), two probes with the key loop's math cut out of the kernel text
-(``nomath``: what the load machinery alone reaches; outputs are garbage and not compared), and
-for the contiguous multi-head rows the plain ``attention`` forward (Hopper kernel on sm_90).
+Candidates are plan_decode.TUNING overrides (``dyn_tiles`` off: static tiles per split;
+``dyn_min_splits``; ``ctas_per_sm`` / ``nw``: occupancy; ``mha_forward`` off: multi-head rows
+on the decode kernel), a forced split count (``x2``: twice the planner's, which also keeps
+multi-head rows on the decode kernel), probes with the key loop's math cut out of the kernel
+text (``nomath``, ``static nm``: what the load machinery alone reaches; outputs are garbage and
+not compared), and for the contiguous multi-head rows the plain ``attention`` forward (the
+Hopper kernel on sm_90).
 Every candidate's output is compared with the default's (max |diff| printed when above 2e-2 x
 max |out|). Each round times every candidate once (CUDA events around n calls, ~20 ms), so clock
 drift hits all alike; medians over rounds.
@@ -37,21 +39,14 @@ NOMATH = "-DKV_PROBE_NOMATH=1"
 #: label -> (TUNING overrides, split rule, probe option)
 CANDIDATES = {
     "base": ({}, None, None),
-    "bulk": ({"bulk": True}, None, None),
-    "ahead2": ({"l2_ahead": 2}, None, None),
-    "ahead6": ({"l2_ahead": 6}, None, None),
-    "bulk+a2": ({"bulk": True, "l2_ahead": 2}, None, None),
-    "bulk+a6": ({"bulk": True, "l2_ahead": 6}, None, None),
-    "ahead16": ({"l2_ahead": 16}, None, None),
-    "bulk+a16": ({"bulk": True, "l2_ahead": 16}, None, None),
+    "static": ({"dyn_tiles": False}, None, None),
+    "dyn>=2": ({"dyn_min_splits": 2}, None, None),
     "3cta": ({"ctas_per_sm": 3}, None, None),
-    "bulk3cta": ({"bulk": True, "ctas_per_sm": 3}, None, None),
     "2w4cta": ({"nw": 2, "ctas_per_sm": 4}, None, None),
-    "bulk2w4": ({"bulk": True, "nw": 2, "ctas_per_sm": 4}, None, None),
+    "no route": ({"mha_forward": False}, None, None),
     "x2": ({}, "x2", None),
-    "bulk x2": ({"bulk": True}, "x2", None),
-    "nomath": ({}, None, NOMATH),
-    "bulk nm": ({"bulk": True}, None, NOMATH),
+    "nomath": ({"mha_forward": False}, None, NOMATH),
+    "static nm": ({"mha_forward": False, "dyn_tiles": False}, None, NOMATH),
     "fwd": ({}, "fwd", None),
 }
 
@@ -129,7 +124,6 @@ def main(argv=None):
     ap.add_argument("--rows", nargs="*", default=None)
     ap.add_argument("--only", nargs="*", default=None, help="candidate labels (default: all)")
     ap.add_argument("--no-roof", action="store_true")
-    ap.add_argument("--no-bulk", action="store_true", help="leave out the bulk-copy candidates")
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -148,7 +142,7 @@ def main(argv=None):
         src, opts, names = orig_program(variants, extra_options)
         if NOMATH in extra_options:
             a = src.index("        // S = Q K(tile)ᵀ")
-            b = src.index("        __syncwarp();   // every lane finished reading this slot")
+            b = src.index("#pragma unroll\n        for (int i = 0; i < STAGES - 1; ++i) ring_key0[i]")
             src = src[:a] + src[b:]
         return src, opts, names
 
@@ -167,8 +161,6 @@ def main(argv=None):
               + ", ".join(f"heads {h}: {g:.0f} GB/s" for h, g in roof.items())
               + f"  ({time.time() - t0:.1f} s)")
     labels = [c for c in CANDIDATES if not args.only or c in args.only or c == "base"]
-    if cc < 90 or args.no_bulk:
-        labels = [c for c in labels if not CANDIDATES[c][0].get("bulk")]
     kvcache.set_device_checks(False)
     print("| row | " + " | ".join(labels) + " |")
     print("|---|" + "---|" * len(labels))

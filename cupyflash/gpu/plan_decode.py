@@ -65,7 +65,7 @@ DECODE_PARAMS_FIELDS = (
                                "num_blocks", "max_blocks", "capacity", "seqlens_const",
                                "num_splits", "num_m_tiles", "window_left", "window_right",
                                "bottom_right", "rot_dim", "rot_interleaved", "rot_q_per_row",
-                               "seqlen_ro", "head_fastest", "l2_ahead")]
+                               "seqlen_ro", "grid_order", "dyn_tiles")]
     + [("split_count", np.uint64)]
     + [(n, np.float32) for n in ("scale_log2", "softcap_pre", "softcap_post", "pad0")]
 )
@@ -116,22 +116,20 @@ def choose_stages(d: int, mt: int, smem_optin: int, nw: int = NW) -> tuple:
 
 @dataclass(frozen=True)
 class DecodeVariant(KernelVariant):
-    """flash_decode<E, D, MT, NW, STAGES, BULK> with its combine kernel, kvcache_prep<E> and
-    kvcache_check in the same module. BULK 1 (sm_90+): K / V rows by cp.async.bulk, completion
-    on one mbarrier per ring slot; 0: cp.async, 16 bytes per lane."""
+    """flash_decode<E, D, MT, NW, STAGES> with its combine kernel, kvcache_prep<E> and
+    kvcache_check in the same module."""
 
     elem: str
     d: int
     mt: int
     nw: int
     stages: int
-    bulk: int = 0
 
     template: ClassVar[str] = "flash_decode"
     file: ClassVar[str] = "portable/decode.cu"
 
     def template_args(self) -> tuple:
-        return (self.elem, str(self.d), str(self.mt), str(self.nw), str(self.stages), str(self.bulk))
+        return (self.elem, str(self.d), str(self.mt), str(self.nw), str(self.stages))
 
     @property
     def helper_expressions(self) -> tuple:
@@ -140,8 +138,7 @@ class DecodeVariant(KernelVariant):
 
     @property
     def name(self) -> str:
-        return (f"decode_{self.elem}_d{self.d}_m{16 * self.mt}_w{self.nw}_s{self.stages}"
-                + ("_bulk" if self.bulk else ""))
+        return f"decode_{self.elem}_d{self.d}_m{16 * self.mt}_w{self.nw}_s{self.stages}"
 
     @property
     def threads(self) -> int:
@@ -179,27 +176,21 @@ def mt_for(rows: int, d: int) -> int:
     return 1 if rows <= 16 or d > 128 else 2
 
 
-def use_bulk(cc: int) -> bool:
-    """Bulk copies (TUNING["bulk"]) where the device has them (compute capability 9.0+)."""
-    return bool(TUNING["bulk"]) and cc >= 90
-
-
-def variant_for(elem: str, d: int, rows: int, smem_optin: int, cc: int = 80) -> tuple:
-    """(DecodeVariant, CTAs per SM) for ``rows`` packed rows (seqlen_q * heads per kv head) on a
-    device of compute capability ``cc`` (x 10)."""
+def variant_for(elem: str, d: int, rows: int, smem_optin: int) -> tuple:
+    """(DecodeVariant, CTAs per SM) for ``rows`` packed rows (seqlen_q * heads per kv head)."""
     mt = mt_for(rows, d)
     nw = int(TUNING["nw"])
     stages, per_sm = choose_stages(d, mt, smem_optin, nw)
-    return DecodeVariant(elem, d, mt, nw, stages, int(use_bulk(cc))), per_sm
+    return DecodeVariant(elem, d, mt, nw, stages), per_sm
 
 
-def variants(smem_optin: int, cc: int = 80) -> list:
+def variants(smem_optin: int) -> list:
     """Every attention variant the planner can pick on a device with ``smem_optin`` bytes."""
     out = []
     for elem in DECODE_ELEMS:
         for d in DECODE_HEAD_DIMS:
             for rows in (1, 32):
-                v, _ = variant_for(elem, d, rows, smem_optin, cc)
+                v, _ = variant_for(elem, d, rows, smem_optin)
                 if v not in out:
                     out.append(v)
     return out
@@ -255,7 +246,7 @@ def choose_splits(ctas: int, key_tiles: int, slots: int, tile_bytes: int = 2 * 1
 #: 1 x 131k 3783 vs 3694, page 16 4163 vs 4061; 32 x 16k contiguous 4032 vs 4131), L2::256B
 #: no better than none; one CTA per SM with a 6-deep ring was 15-35 % slower (1 x 131k 3011).
 TUNING = {"head_fastest": True, "fused_combine": True, "l2_prefetch": 128, "ctas_per_sm": 2,
-          "nw": NW, "bulk": False, "l2_ahead": 0}
+          "nw": NW, "dyn_tiles": True, "dyn_min_splits": 1, "mha_forward": True}
 
 
 def build_options() -> tuple:
@@ -272,9 +263,9 @@ class DecodePlan:
     smem: int
     num_splits: int
     num_m_tiles: int
-    head_fastest: bool = True
+    grid_order: int = 1
     fused_combine: bool = True
-    l2_ahead: int = 0
+    dyn_tiles: bool = False
 
 
 def fused_fits(variant: DecodeVariant, num_splits: int) -> bool:
@@ -284,26 +275,44 @@ def fused_fits(variant: DecodeVariant, num_splits: int) -> bool:
 
 
 def plan_decode(dtype_name: str, b: int, s_q: int, h: int, h_k: int, d: int, max_keys: int,
-                num_splits: int, sm_count: int, smem_optin: int, cc: int = 80) -> DecodePlan:
+                num_splits: int, sm_count: int, smem_optin: int) -> DecodePlan:
     """Grid and variant of one call: ``max_keys`` bounds the keys of the longest batch entry
     (after the append; the cache's capacity when the lengths live on the device);
     ``num_splits`` 0 = choose_splits, else used as given (capped at the key tiles)."""
     g = h // h_k
     rows = s_q * g
-    var, per_sm = variant_for(ELEM_OF[dtype_name], d, rows, smem_optin, cc)
+    var, per_sm = variant_for(ELEM_OF[dtype_name], d, rows, smem_optin)
     m_tiles = -(-rows // (16 * var.mt))
     ctas = b * h_k * m_tiles
     tiles = -(-max(max_keys, 1) // TILE_KEYS)
     if num_splits == 0:
         splits = choose_splits(ctas, tiles, per_sm * sm_count, 2 * TILE_KEYS * d * 2, var.nw)
+        if TUNING["dyn_tiles"] and TUNING["fused_combine"]:
+            splits = max(splits, min(int(TUNING["dyn_min_splits"]), tiles))
     else:
         splits = max(1, min(int(num_splits), tiles, 1024))
-    head_fastest = bool(TUNING["head_fastest"])
     fused = bool(TUNING["fused_combine"]) and splits > 1 and fused_fits(var, splits)
-    grid = (h_k, splits, b * m_tiles) if head_fastest else (splits, h_k, b * m_tiles)
-    ahead = max(0, min(32, int(TUNING["l2_ahead"])))
+    dyn = bool(TUNING["dyn_tiles"]) and fused
+    order = 2 if dyn else 1 if TUNING["head_fastest"] else 0
+    grid = ((splits, h_k, b * m_tiles), (h_k, splits, b * m_tiles), (h_k, b * m_tiles, splits))[order]
     return DecodePlan(var, grid, (var.threads, 1, 1), var.smem_bytes, splits, m_tiles,
-                      head_fastest, fused, ahead)
+                      order, fused, dyn)
+
+
+#: Multi-head calls read at least this many bytes of K and V to take the Hopper forward
+#: (route_forward): a call whose length changes replans the forward (host time), which a call of
+#: this size hides behind the GPU's.
+FORWARD_ROUTE_MIN_BYTES = 1 << 30
+
+
+def route_forward(cc: int, h: int, h_k: int, paged: bool, device_lengths: bool, num_splits: int,
+                  kv_bytes: int) -> bool:
+    """True when an attention_with_kvcache call should attend on the Hopper forward instead of
+    flash_decode (TUNING["mha_forward"]): compute capability 9.0, multi-head (no GQA packing to
+    gain), a contiguous cache whose entries hold the same number of keys (host-held lengths),
+    the planner's split count, and at least FORWARD_ROUTE_MIN_BYTES of K / V."""
+    return (bool(TUNING["mha_forward"]) and cc == 90 and h == h_k and not paged
+            and not device_lengths and num_splits == 0 and kv_bytes >= FORWARD_ROUTE_MIN_BYTES)
 
 
 def route_attention(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, d: int,

@@ -77,10 +77,12 @@ struct DecodeParams {
     int rot_interleaved;
     int rot_q_per_row;        // 1: q row i rotated at position cache_seqlens + i; 0: all at cache_seqlens
     int seqlen_ro;            // rows of rot_cos / rot_sin
-    int head_fastest;         // grid order: 1 (kv head, split, batch x row tile), 0 (split, kv head, ...)
-    int l2_ahead;             // 0..32: each warp also prefetches into L2 its tile this many tiles past the one it issues
-    unsigned int* split_count;   // [h_k * b * num_m_tiles] splits finished per CTA group, zero before
-                                 // and after a launch; null: flash_decode_combine merges the splits
+    int grid_order;           // (blockIdx.x, .y, .z): 0 (split, kv head, batch x row tile),
+                              // 1 (kv head, split, batch x row tile), 2 (kv head, batch x row tile, split)
+    int dyn_tiles;            // 1: the splits of a CTA group take its 16-key tiles from a shared counter
+    unsigned int* split_count;   // [2][h_k * b * num_m_tiles]: splits finished per CTA group, then the
+                                 // groups' tile counters (dyn_tiles); zero before and after a launch;
+                                 // null: flash_decode_combine merges the splits
     float scale_log2;         // scale * log2(e)
     float softcap_pre;        // scale / softcap (0: off)
     float softcap_post;       // softcap * log2(e)
@@ -223,90 +225,24 @@ __device__ __forceinline__ void cp_async_kv(void* smem, const void* gmem, int sr
 #endif
 }
 
-// Bulk copies (sm_90): one cp.async.bulk per 16-key tile row, completion counted in bytes on an
-// mbarrier (one per ring slot of each warp; `bar` a shared-memory address)
-#if __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void kv_mbar_init(u32 bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ void kv_mbar_fence_init() {   // the inits visible to the async proxy
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void kv_mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void kv_mbar_wait(u32 bar, u32 parity) {   // the phase of this parity completed
-    asm volatile("{\n.reg .pred done;\n"
-                 "KV_MBAR_WAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra KV_MBAR_WAIT;\n}\n" :: "r"(bar), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void kv_bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-__device__ __forceinline__ void kv_fence_proxy_async() {   // generic-proxy smem writes before async-proxy ones
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-#endif
-
 // Keys [key0, key0 + 16) of K and V (page blk, first row off) into a warp's ring slot (k_smem,
 // v_smem: [16, P] each); rows at or past `len` are zero-filled. The tile lies inside one page
 // (pages are multiples of 16 keys).
-//   BULK 0: cp.async, 16 bytes per lane and copy; the caller commits the group.
-//   BULK 1 (sm_90): lane r < 16 copies K row r, lane 16 + r V row r, one bulk copy each, counted
-//           on `bar` (lane 0 announces the bytes); rows past `len` are zeroed by their lane.
-template <int D, int BULK>
+template <int D>
 __device__ __forceinline__ void load_kv_tile(u16* k_smem, u16* v_smem, const DecodeParams& p, int blk,
-                                             int off, int head_k, int key0, int len, int lane, u32 bar) {
+                                             int off, int head_k, int key0, int len, int lane) {
     constexpr int P = DecodeSmem<D>::P;
+    constexpr int CPR = D / 8;                    // 16-byte chunks per row
     const u16* k_gmem = (const u16*)p.k_cache + blk * p.k_stride_blk + (long long)off * p.k_stride_s + head_k * p.k_stride_h;   // [16, d]
     const u16* v_gmem = (const u16*)p.v_cache + blk * p.v_stride_blk + (long long)off * p.v_stride_s + head_k * p.v_stride_h;   // [16, d]
-    if constexpr (BULK) {
-#if __CUDA_ARCH__ >= 900
-        const int rows = max(min(len - key0, 16), 0);   // rows of the tile inside the keys
-        if (lane == 0) kv_mbar_arrive_expect_tx(bar, 2 * rows * D * 2);
-        const int r = lane & 15;
-        u16* dst = (lane < 16 ? k_smem : v_smem) + r * P;                    // [D]
-        if (r < rows) {
-            const u16* src = lane < 16 ? k_gmem + r * p.k_stride_s : v_gmem + r * p.v_stride_s;   // [D]
-            kv_bulk_copy(smem_addr(dst), src, D * 2, bar);
-        } else {
 #pragma unroll
-            for (int c = 0; c < D / 8; ++c) *(uint4*)(dst + c * 8) = make_uint4(0, 0, 0, 0);
-            kv_fence_proxy_async();   // ordered before a later bulk copy into this slot
-        }
-#endif
-    } else {
-        constexpr int CPR = D / 8;                    // 16-byte chunks per row
-#pragma unroll
-        for (int i = 0; i < 16 * CPR / 32; ++i) {
-            const int c = lane + i * 32;
-            const int r = c / CPR, col = (c % CPR) * 8;
-            const int ok = key0 + r < len ? 16 : 0;
-            cp_async_kv(k_smem + r * P + col, ok ? (const void*)(k_gmem + r * p.k_stride_s + col) : p.k_cache, ok);
-            cp_async_kv(v_smem + r * P + col, ok ? (const void*)(v_gmem + r * p.v_stride_s + col) : p.v_cache, ok);
-        }
+    for (int i = 0; i < 16 * CPR / 32; ++i) {
+        const int c = lane + i * 32;
+        const int r = c / CPR, col = (c % CPR) * 8;
+        const int ok = key0 + r < len ? 16 : 0;
+        cp_async_kv(k_smem + r * P + col, ok ? (const void*)(k_gmem + r * p.k_stride_s + col) : p.k_cache, ok);
+        cp_async_kv(v_smem + r * P + col, ok ? (const void*)(v_gmem + r * p.v_stride_s + col) : p.v_cache, ok);
     }
-}
-
-// The same tile's rows (those inside the keys) prefetched into L2 only: lane r < 16 K row r,
-// lane 16 + r V row r (a bulk prefetch per row on sm_90, else one prefetch per 128-byte line)
-template <int D>
-__device__ __forceinline__ void prefetch_kv_tile(const DecodeParams& p, int blk, int off, int head_k,
-                                                 int key0, int len, int lane) {
-    const int r = lane & 15;
-    if (key0 + r >= len) return;
-    const u16* row = lane < 16
-        ? (const u16*)p.k_cache + blk * p.k_stride_blk + (long long)(off + r) * p.k_stride_s + head_k * p.k_stride_h
-        : (const u16*)p.v_cache + blk * p.v_stride_blk + (long long)(off + r) * p.v_stride_s + head_k * p.v_stride_h;   // [D]
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(row), "r"(D * 2) : "memory");
-#else
-#pragma unroll
-    for (int c = 0; c < D * 2 / 128; ++c)
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(row + c * 64) : "memory");
-#endif
 }
 
 // 16-byte loads through L2 only (partials other CTAs wrote during this launch)
@@ -317,7 +253,7 @@ __device__ __forceinline__ float2 ld_cg2(const float* ptr) {
     float2 v; asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(ptr)); return v;
 }
 
-template <typename E, int D, int MT, int NW, int STAGES, int BULK>
+template <typename E, int D, int MT, int NW, int STAGES>
 __global__ void __launch_bounds__(NW * 32)
 flash_decode(const DecodeParams p) {
     constexpr int BM = 16 * MT;                   // packed rows per CTA
@@ -325,9 +261,6 @@ flash_decode(const DecodeParams p) {
     constexpr int NT = NW * 32;
     constexpr bool QREG = D * MT <= 128;          // Q fragments kept in registers (else re-read from smem)
     static_assert(D % 64 == 0 && D <= 256, "head dims 64, 128, 192, 256");
-#if __CUDA_ARCH__ < 900
-    static_assert(!BULK, "bulk copies need sm_90");
-#endif
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* q_smem = (u16*)smem_raw;                              // [BM, P]
@@ -337,9 +270,11 @@ flash_decode(const DecodeParams p) {
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int split = p.head_fastest ? blockIdx.y : blockIdx.x;
-    const int head_k = p.head_fastest ? blockIdx.x : blockIdx.y;
-    const int batch = blockIdx.z / p.num_m_tiles, m_tile = blockIdx.z % p.num_m_tiles;
+    const int split = p.grid_order == 0 ? blockIdx.x : p.grid_order == 1 ? blockIdx.y : blockIdx.z;
+    const int head_k = p.grid_order == 0 ? blockIdx.y : blockIdx.x;
+    const int bm = p.grid_order == 2 ? blockIdx.y : blockIdx.z;   // batch x row tile
+    const int batch = bm / p.num_m_tiles, m_tile = bm % p.num_m_tiles;
+    const int group = (batch * p.num_m_tiles + m_tile) * p.h_k + head_k;   // CTAs of one (batch, row tile, kv head)
     const int rows = p.s_q * p.g;                              // packed rows of this (batch, kv head)
     const int m0 = m_tile * BM;
 
@@ -353,29 +288,26 @@ flash_decode(const DecodeParams p) {
     if (p.window_left >= 0) n_lo = max(0, qi_first + diag0 - p.window_left);
     if (p.window_right >= 0) n_hi = min(len, qi_last + diag0 + p.window_right + 1);
     const int t_lo = n_lo / 16, t_all = n_hi > n_lo ? (n_hi + 15) / 16 - t_lo : 0;
-    // this split's tiles (balanced), then warp w takes tiles w, w + NW, ...
+    // Tile source of each warp (warp-uniform), one of:
+    //   static:  this split's tiles (a balanced range), warp w taking tiles w, w + NW, ...
+    //   dynamic (dyn_tiles): every warp of the group's splits takes the next tile from the group's
+    //            counter, so the splits of a group finish together however the memory bandwidth
+    //            is shared among the SMs (tile order does not matter to the online softmax)
+    const bool dyn = p.dyn_tiles && p.split_count;
     const int s_beg = t_lo + (int)((long long)t_all * split / p.num_splits);
     const int s_end = t_lo + (int)((long long)t_all * (split + 1) / p.num_splits);
-    const int my_tiles = s_end - s_beg > warp ? (s_end - s_beg - warp + NW - 1) / NW : 0;
+    const int my_tiles = dyn ? 0 : s_end - s_beg > warp ? (s_end - s_beg - warp + NW - 1) / NW : 0;
+    unsigned int* tile_ctr = dyn ? p.split_count + (long long)p.b * p.num_m_tiles * p.h_k + group : nullptr;
 
     u16* k_ring = ring_smem + warp * STAGES * 2 * TILE;        // [STAGES][16, P]
     u16* v_ring = k_ring + STAGES * TILE;                      // [STAGES][16, P]
-    // BULK: one mbarrier per ring slot of each warp (static: the merge area overlays the rings)
-    __shared__ __align__(8) unsigned long long slot_bar[BULK ? NW * STAGES : 1];
-    const u32 bar0 = smem_addr(slot_bar + (BULK ? warp * STAGES : 0));
-#if __CUDA_ARCH__ >= 900
-    if constexpr (BULK) {
-        if (lane == 0) {
-            for (int s = 0; s < STAGES; ++s) kv_mbar_init(bar0 + 8 * s);
-            kv_mbar_fence_init();
-        }
-        __syncwarp();   // this warp's barriers initialized before any lane issues a copy
-    }
-#endif
+    auto page_off = [&](int key0) {   // row of key0 inside its page
+        return p.block_table ? key0 - min(key0 / p.page_size, p.max_blocks - 1) * p.page_size : key0;
+    };
 
-    // Pages of this warp's tiles (paged cache), read 32 tiles ahead: lane l of blk_cur holds the
-    // page of tile 32 * chunk + l, blk_nxt those of the next chunk, so no block-table read stalls
-    // the ring (a contiguous cache's "page" is the batch entry)
+    // Static: pages of this warp's tiles (paged cache), read 32 tiles ahead: lane l of blk_cur
+    // holds the page of tile 32 * chunk + l, blk_nxt those of the next chunk, so no block-table
+    // read stalls the ring (a contiguous cache's "page" is the batch entry)
     auto tile_key0 = [&](int tile) { return (s_beg + warp + tile * NW) * 16; };   // first key of a warp tile
     auto fetch_pages = [&](int chunk) {
         const int tile = chunk * 32 + lane;
@@ -383,36 +315,72 @@ flash_decode(const DecodeParams p) {
         return (p.block_table && tile < my_tiles) ? page_of(p, batch, tile_key0(tile), &off) : batch;
     };
     int blk_cur = fetch_pages(0), blk_nxt = fetch_pages(1), chunk_cur = 0;
-    auto page_off = [&](int key0) {   // row of key0 inside its page
-        return p.block_table ? key0 - min(key0 / p.page_size, p.max_blocks - 1) * p.page_size : key0;
-    };
-    // Tile `tile` (< 32 past the current chunk's first) into L2 only (warp-uniform call)
-    auto prefetch = [&](int tile) {
-        const int b_cur = __shfl_sync(0xffffffffu, blk_cur, tile & 31);
-        const int b_nxt = __shfl_sync(0xffffffffu, blk_nxt, tile & 31);
-        const int key0 = tile_key0(tile);
-        prefetch_kv_tile<D>(p, (tile >> 5) == chunk_cur ? b_cur : b_nxt, page_off(key0), head_k, key0, len, lane);
-    };
-    const int ahead = p.l2_ahead;
-    // Issue warp tile `tile` (issued in order 0, 1, 2, ...; warp-uniform) into ring slot tile % STAGES;
-    // with l2_ahead, tile + l2_ahead into L2
-    auto issue = [&](int tile) {
-        if ((tile >> 5) != chunk_cur) { chunk_cur = tile >> 5; blk_cur = blk_nxt; blk_nxt = fetch_pages(chunk_cur + 1); }
-        const int key0 = tile_key0(tile);
-        const int blk = __shfl_sync(0xffffffffu, blk_cur, tile & 31);
-        load_kv_tile<D, BULK>(k_ring + (tile % STAGES) * TILE, v_ring + (tile % STAGES) * TILE, p, blk, page_off(key0),
-                              head_k, key0, len, lane, bar0 + 8 * (tile % STAGES));
-        if (ahead > 0 && tile + ahead < my_tiles) prefetch(tile + ahead);
+    int issued = 0;   // tiles this warp has issued
+
+    // Dynamic: lane 0 grabs tiles one issue ahead and reads their pages one issue ahead, so
+    // neither the counter's nor the block table's latency stalls the ring. The prologue's
+    // STAGES − 1 tiles come from one grab (lane s reads the page of tile base + s).
+    int dyn_next = t_all;              // next tile to issue (relative to t_lo; >= t_all: none)
+    int dyn_blk = batch;               // lane 0: its page
+    unsigned int dyn_raw = 0;          // lane 0: the grab after it (read at the next issue)
+    int dyn_base = t_all, dyn_pblk = batch;   // the prologue's first tile; lane s: the page of base + s
+    if (dyn) {
+        unsigned int r_pro = 0;
+        if (lane == 0) {
+            r_pro = atomicAdd(tile_ctr, (unsigned)(STAGES - 1));
+            dyn_raw = atomicAdd(tile_ctr, 1u);
+        }
+        dyn_base = __shfl_sync(0xffffffffu, (int)r_pro, 0);
+        int off;
+        if (p.block_table && lane < STAGES - 1 && dyn_base + lane < t_all)
+            dyn_pblk = page_of(p, batch, (t_lo + dyn_base + lane) * 16, &off);
+    }
+    auto dyn_advance = [&]() {   // the grab read at the last issue becomes the next tile
+        dyn_next = __shfl_sync(0xffffffffu, (int)dyn_raw, 0);
+        if (lane == 0 && dyn_next < t_all) {
+            int off;
+            if (p.block_table) dyn_blk = page_of(p, batch, (t_lo + dyn_next) * 16, &off);
+            dyn_raw = atomicAdd(tile_ctr, 1u);
+        }
     };
 
-    // Start this warp's ring before Q is even loaded: STAGES − 1 tiles in flight (and, with
-    // l2_ahead, the tiles up to STAGES - 1 + l2_ahead in L2)
+    // Issue this warp's next tile into ring slot issued % STAGES; returns its first key, or −1
+    // when the warp has no tile left (warp-uniform)
+    auto issue_next = [&]() -> int {
+        int key0, blk;
+        if (dyn) {
+            if (issued < STAGES - 1) {          // prologue: tiles base, base + 1, ...
+                if (dyn_base + issued >= t_all) return -1;
+                key0 = (t_lo + dyn_base + issued) * 16;
+                blk = __shfl_sync(0xffffffffu, dyn_pblk, issued);
+                if (issued == STAGES - 2) dyn_advance();
+            } else {
+                if (dyn_next >= t_all) return -1;
+                key0 = (t_lo + dyn_next) * 16;
+                blk = __shfl_sync(0xffffffffu, dyn_blk, 0);
+                dyn_advance();
+            }
+        } else {
+            const int tile = issued;
+            if (tile >= my_tiles) return -1;
+            if ((tile >> 5) != chunk_cur) { chunk_cur = tile >> 5; blk_cur = blk_nxt; blk_nxt = fetch_pages(chunk_cur + 1); }
+            key0 = tile_key0(tile);
+            blk = __shfl_sync(0xffffffffu, blk_cur, tile & 31);
+        }
+        load_kv_tile<D>(k_ring + (issued % STAGES) * TILE, v_ring + (issued % STAGES) * TILE, p, blk, page_off(key0),
+                        head_k, key0, len, lane);
+        ++issued;
+        return key0;
+    };
+
+    // Start this warp's ring before Q is even loaded: STAGES − 1 tiles in flight. ring_key0[i]:
+    // first key of the tile in the ring's i-th oldest slot (−1: none; in issue order)
+    int ring_key0[STAGES];
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < my_tiles) issue(s);
-        if constexpr (!BULK) cp_async_commit();
+        ring_key0[s] = issue_next();
+        cp_async_commit();
     }
-    for (int tile = STAGES - 1; tile < min(ahead, my_tiles); ++tile) prefetch(tile);
 
     // Q tile [BM, D]: packed row r = qi * g + head in group; rows past the end are zeros
     {
@@ -462,21 +430,16 @@ flash_decode(const DecodeParams p) {
     }
     const bool need_mask_any = p.window_left >= 0 || p.window_right >= 0;
 
-    for (int it = 0; it < my_tiles; ++it) {
+    for (int it = 0;; ++it) {
         // next tile into the slot freed by the previous iteration (always commit: counts stay right)
-        {
-            const int nx = it + STAGES - 1;
-            if (nx < my_tiles) issue(nx);
-            if constexpr (!BULK) cp_async_commit();
-        }
-#if __CUDA_ARCH__ >= 900
-        if constexpr (BULK) kv_mbar_wait(bar0 + 8 * (it % STAGES), (it / STAGES) & 1);   // slot's (it / STAGES)-th fill
-#endif
-        if constexpr (!BULK) cp_async_wait<STAGES - 1>();
+        ring_key0[STAGES - 1] = ring_key0[STAGES - 2] < 0 ? -1 : issue_next();
+        cp_async_commit();
+        const int key0 = ring_key0[0];
+        if (key0 < 0) break;   // this warp's tiles are done (warp-uniform)
+        cp_async_wait<STAGES - 1>();
         __syncwarp();   // tile `it` landed for every lane of this warp (its own ring: no CTA barrier)
         const u16* k_smem = k_ring + (it % STAGES) * TILE;     // [16, P]
         const u16* v_smem = v_ring + (it % STAGES) * TILE;     // [16, P]
-        const int key0 = tile_key0(it);
 
         // S = Q K(tile)ᵀ   [16 rows, 16 keys] per slab, fp32
         float s_frag[MT][2][4];
@@ -566,12 +529,14 @@ flash_decode(const DecodeParams p) {
                 mma16816<E>(o_frag[mt][2 * dd + 1], p_frag, v_frag[2], v_frag[3]);
             }
         }
+#pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i) ring_key0[i] = ring_key0[i + 1];
         __syncwarp();   // every lane finished reading this slot before the next iteration refills it
     }
 
     // Merge the warps: each writes its unnormalized O, m and l; then O = Σ_w 2^(m_w − m) O_w,
     // l = Σ_w 2^(m_w − m) l_w with m = max_w m_w
-    if constexpr (!BULK) cp_async_wait<0>();   // (BULK: every issued tile was waited for in the loop)
+    cp_async_wait<0>();
     __syncthreads();   // every warp left its ring (the merge area overlays the rings)
     {
         float* o_w = merge_smem + warp * BM * D;   // [BM, D]
@@ -650,7 +615,6 @@ flash_decode(const DecodeParams p) {
     __shared__ int is_last;
     __threadfence();   // this thread's partial stores are visible device-wide before the count
     __syncthreads();   // every thread's stores fenced (and the merge area no longer read)
-    const int group = (batch * p.num_m_tiles + m_tile) * p.h_k + head_k;
     if (tid == 0) is_last = atomicAdd(p.split_count + group, 1u) == (unsigned)(p.num_splits - 1);
     __syncthreads();   // is_last visible to every thread
     if (!is_last) return;
@@ -699,7 +663,10 @@ flash_decode(const DecodeParams p) {
         u16* dst = (u16*)p.o + batch * p.o_stride_b + qi * p.o_stride_s + head * p.o_stride_h + col;
         *(u32*)dst = pack2<E>(o0, o1);
     }
-    if (tid == 0) p.split_count[group] = 0;   // zero again for the next launch
+    if (tid == 0) {   // zero again for the next launch (every split has taken its last tile)
+        p.split_count[group] = 0;
+        if (dyn) *tile_ctr = 0;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

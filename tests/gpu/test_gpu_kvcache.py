@@ -221,11 +221,11 @@ def test_plain_attention_split_route(rng, s_q, h, hk):
         assert np.abs(cp.asnumpy(lse) - rl).max() < 1e-3
 
 
-@pytest.mark.parametrize("change", [dict(head_fastest=False), dict(fused_combine=False),
-                                    dict(bulk=True), dict(bulk=False), dict(l2_ahead=5),
+@pytest.mark.parametrize("change", [dict(dyn_tiles=False, head_fastest=False),
+                                    dict(dyn_tiles=False), dict(fused_combine=False),
                                     dict(ctas_per_sm=3), dict(nw=2, ctas_per_sm=4)],
-                         ids=["split_major_grid", "combine_kernel", "bulk", "no_bulk", "l2_ahead",
-                              "three_ctas", "two_warps"])
+                         ids=["static_split_major", "static_tiles", "combine_kernel", "three_ctas",
+                              "two_warps"])
 def test_tuning_alternatives_agree(rng, change):
     """plan_decode.TUNING's alternatives (benchmarked A/B) give the default's results."""
     from cupyflash import kvcache
@@ -275,3 +275,75 @@ def test_repeated_calls_take_the_fast_path_and_agree(rng):
         V = vc2[bt].reshape(2, -1, 8, 128)[:, :n]
         ref = reference.attention(np.asarray(q, np.float64), K, V, causal=True)
         assert np.abs(outs[t].astype(np.float64) - ref).max() < 3e-2
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_dynamic_tiles_at_the_planner_split_count(rng, paged):
+    """dyn_tiles with the planner's split count and dyn_min_splits=2 (CTAs of a group take its
+    tiles from a shared counter, whatever order they come in) against static tiles, twice in a
+    row (the counters are left zeroed for the next launch)."""
+    from cupyflash import kvcache
+    from cupyflash.gpu import plan_decode
+
+    sizes = dict(b=3, s_q=1, h=16, hk=4, d=128, lens=[5000, 2999, 40], s_new=0)
+    sizes.update(page=16) if paged else sizes.update(cache_len=5000)
+    q, kc, vc, _, _, bt, _, lens = _make(rng, dtype=BF16, **sizes)
+    args = (cp.asarray(q), cp.asarray(kc), cp.asarray(vc))
+    kw = dict(cache_seqlens=cp.asarray(lens.astype(np.int32)),
+              block_table=None if bt is None else cp.asarray(bt), return_lse=True)
+    old = dict(plan_decode.TUNING)
+    try:
+        res = {}
+        for name, change in (("static", dict(dyn_tiles=False)), ("dyn", dict(dyn_tiles=True)),
+                             ("dyn2", dict(dyn_tiles=True, dyn_min_splits=2))):
+            plan_decode.TUNING.update(old)
+            plan_decode.TUNING.update(change)
+            kvcache._FAST.clear()
+            res[name] = [cf.attention_with_kvcache(*args, **kw) for _ in range(2)]
+    finally:
+        plan_decode.TUNING.update(old)
+        kvcache._FAST.clear()
+    o0, l0 = res["static"][0]
+    for name, runs in res.items():
+        for o, l in runs:
+            np.testing.assert_allclose(cp.asnumpy(o).astype(np.float32), cp.asnumpy(o0).astype(np.float32),
+                                       atol=1e-2, rtol=1e-2, err_msg=name)
+            np.testing.assert_allclose(cp.asnumpy(l), cp.asnumpy(l0), atol=1e-4, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("s_q, causal, rot", [(1, True, 64), (3, True, 0), (2, False, 128)],
+                         ids=["decode_rotary", "chunk_causal", "noncausal_rotary"])
+def test_multi_head_calls_on_the_hopper_forward(rng, monkeypatch, s_q, causal, rot):
+    """plan_decode.route_forward (threshold lowered): a multi-head call with int cache_seqlens on
+    a contiguous cache attends on the Hopper forward after the append / rotary kernel; the
+    result matches the reference, and a repeated call with another length reuses the route."""
+    from cupyflash import kvcache
+    from cupyflash.gpu import decode_route, device, plan_decode
+
+    if device.info(cp.cuda.Device().id)[0] != 90:
+        pytest.skip("the Hopper forward route needs compute capability 9.0")
+    monkeypatch.setattr(plan_decode, "FORWARD_ROUTE_MIN_BYTES", 0)
+    kvcache._FAST.clear()
+    n0 = 600
+    q, kc, vc, k, v, bt, tabs, lens = _make(rng, b=2, s_q=s_q, h=8, hk=8, d=128, lens=[n0, n0],
+                                            s_new=s_q, cache_len=700, rot=rot, dtype=BF16)
+    kc_d, vc_d = cp.asarray(kc), cp.asarray(vc)
+    kw = {}
+    if tabs is not None:
+        kw = dict(rotary_cos=cp.asarray(tabs[0]), rotary_sin=cp.asarray(tabs[1]))
+    for step in range(2):   # the second call: the entry of the first (another length)
+        n = n0 + step * s_q
+        q_s = q if step == 0 else rng.standard_normal(q.shape).astype(BF16)
+        k_s = k if step == 0 else rng.standard_normal(k.shape).astype(BF16)
+        v_s = v if step == 0 else rng.standard_normal(v.shape).astype(BF16)
+        kc_before, vc_before = cp.asnumpy(kc_d), cp.asnumpy(vc_d)
+        out, lse = cf.attention_with_kvcache(cp.asarray(q_s), kc_d, vc_d, cp.asarray(k_s),
+                                             cp.asarray(v_s), cache_seqlens=n, return_lse=True,
+                                             causal=causal, **kw)
+        ents = list(kvcache._FAST.values())
+        assert len(ents) == 1 and isinstance(ents[0].launch, decode_route.ForwardRoute)
+        lens_s = np.array([n, n], np.int64)
+        kc2, vc2 = appended_caches(kc_before, vc_before, k_s, v_s, lens_s, None, tabs, False, BF16)
+        _check(cp.asnumpy(out), cp.asnumpy(lse), q_s, kc2, vc2, lens_s, s_q, None, tabs, False,
+               BF16, "bfloat16", dict(causal=causal))
+    kvcache._FAST.clear()
