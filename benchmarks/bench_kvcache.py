@@ -80,9 +80,9 @@ def main(argv=None):
     ap.add_argument("--rows", nargs="*", default=None, help="row names to run (default: all)")
     ap.add_argument("--json", default=None, help="write the table as JSON here")
     ap.add_argument("--ab", action="store_true",
-                    help="also time plan_decode.TUNING's alternatives (static tiles per split; "
-                         "dynamic tiles with >= 2 splits; multi-head rows on the decode kernel "
-                         "instead of the Hopper forward; 3 CTAs per SM)")
+                    help="also time plan_decode.TUNING's alternatives (multi-head rows on the "
+                         "decode kernel instead of the Hopper forward; a separate combine kernel; "
+                         "3 CTAs per SM)")
     ap.add_argument("--extra-splits", nargs="*", type=int, default=[],
                     help="also time these forced num_splits per row (GB/s printed after the table)")
     args = ap.parse_args(argv)
@@ -120,7 +120,7 @@ def main(argv=None):
     table = []
     hdr = (f"| {'batch x cache x heads/kv':26s} | {'GiB':>5s} | {'splits':>6s} | {'cupyflash':>9s} | "
            f"{'dev-lens':>8s} | {'FA2':>6s} | {'cuDNN':>6s} | {'/best':>5s} | {'/copy':>5s} | {'host us':>7s} |"
-           + (f" {'static':>6s} | {'dyn >=2 sp':>10s} | {'no fwd route':>12s} | {'3 CTAs/SM':>9s} |"
+           + (f" {'no fwd route':>12s} | {'2 kernels':>9s} | {'3 CTAs/SM':>9s} |"
               if args.ab else ""))
     print(hdr)
     print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
@@ -168,11 +168,11 @@ def main(argv=None):
             call = lambda: cf.attention_with_kvcache(q, kc, vc, cache_seqlens=s, block_table=bt)  # noqa: E731
             kvcache.set_device_checks(False)
             try:
-                ts = [with_tuning(call, dyn_tiles=False), with_tuning(call, dyn_min_splits=2),
-                      with_tuning(call, mha_forward=False), with_tuning(call, ctas_per_sm=3)]
+                ts = [with_tuning(call, mha_forward=False), with_tuning(call, fused_combine=False),
+                      with_tuning(call, ctas_per_sm=3)]
             finally:
                 kvcache.set_device_checks(True)
-            ab = "".join(f" {nbytes / t / 1e9:{w}.0f} |" for t, w in zip(ts, (6, 10, 12, 9)))
+            ab = "".join(f" {nbytes / t / 1e9:{w}.0f} |" for t, w in zip(ts, (12, 9, 9)))
         kvcache.set_device_checks(False)
         try:
             for ns in args.extra_splits:

@@ -187,9 +187,8 @@ class Launch:
         self.ws_o = plan.num_splits * b * s_q * h * plan.variant.d if plan.num_splits > 1 else 0
         self.ws_lse = plan.num_splits * b * h * s_q if plan.num_splits > 1 else 0
         self.name = plan.variant.name
-        # CTA groups whose splits a fused combine counts (kv heads x batch x row tiles); with
-        # dynamic tiles a second counter per group hands out its tiles
-        self.groups = int(template["h_k"][0]) * b * plan.num_m_tiles * (2 if plan.dyn_tiles else 1)
+        # CTA groups whose splits a fused combine counts (kv heads x batch x row tiles)
+        self.groups = int(template["h_k"][0]) * b * plan.num_m_tiles
         self.dev_id = device.get_device()
 
     def prepare(self, q, kc, vc, kn, vn, cs_ptr, seqlens_const, bt_ptr, cos_ptr, sin_ptr,
@@ -301,8 +300,7 @@ def build(q, k_cache, v_cache, k_new, v_new, *, with_lengths, block_table, page_
         for a, st in _contiguous_strides(q.shape).items():
             prm[f"q_stride_{a}"] = st
     prm["num_splits"], prm["num_m_tiles"] = plan.num_splits, plan.num_m_tiles
-    prm["grid_order"] = plan.grid_order
-    prm["dyn_tiles"] = int(plan.dyn_tiles)
+    prm["head_fastest"] = int(plan.head_fastest)
     for a, st in _contiguous_strides((b, s_q, h, d)).items():
         prm[f"o_stride_{a}"] = st
     prep_rows = b * s_new * h_k + (b * s_q * h if rot is not None else 0)

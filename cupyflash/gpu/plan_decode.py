@@ -65,7 +65,7 @@ DECODE_PARAMS_FIELDS = (
                                "num_blocks", "max_blocks", "capacity", "seqlens_const",
                                "num_splits", "num_m_tiles", "window_left", "window_right",
                                "bottom_right", "rot_dim", "rot_interleaved", "rot_q_per_row",
-                               "seqlen_ro", "grid_order", "dyn_tiles")]
+                               "seqlen_ro", "head_fastest", "pad1")]
     + [("split_count", np.uint64)]
     + [(n, np.float32) for n in ("scale_log2", "softcap_pre", "softcap_post", "pad0")]
 )
@@ -239,14 +239,19 @@ def choose_splits(ctas: int, key_tiles: int, slots: int, tile_bytes: int = 2 * 1
 #: lets the split that finishes last merge the partials (one launch), else flash_decode_combine.
 #: ``l2_prefetch`` (0, 128, 256): the L2 prefetch-size hint of the K / V copies (a build option,
 #: -DKV_L2_PREFETCH); ``ctas_per_sm`` 2: two CTAs per SM where a ring of >= 3 stages allows,
-#: 1: one CTA with the deepest ring.
-#: Measured (H200, bf16 hd 128, the seven rows of bench_kvcache.py in one run, GB/s): the grid
+#: 1: one CTA with the deepest ring, 3 or more: that many with rings of >= 2 stages; ``nw``: warps
+#: per CTA. ``mha_forward``: multi-head calls on compute capability 9.0 attend on the Hopper
+#: forward (route_forward).
+#: Measured (H100, bf16 hd 128, lab/ab_decode.py, interleaved, GB/s; docs/kvcache.md): 3 CTAs x
+#: 2 stages per SM as fast as 2 x 3 (geomean 1.000), 4 CTAs x 2 warps 0.974, twice the planned
+#: splits 0.977; the Hopper forward on the multi-head rows 3206 vs 3035 (64 x 4k) and 3181 vs 2926
+#: (4 x 32k). Measured earlier (H200, the seven rows of bench_kvcache.py in one run): the grid
 #: order made no difference (within 1 %); the fused combine beat the combine kernel by 1-2 % on
 #: the split rows (1 x 131k: 3694 vs 3606); L2::128B was faster on 6 of 7 rows (+0.5 to +2.5 %,
 #: 1 x 131k 3783 vs 3694, page 16 4163 vs 4061; 32 x 16k contiguous 4032 vs 4131), L2::256B
 #: no better than none; one CTA per SM with a 6-deep ring was 15-35 % slower (1 x 131k 3011).
 TUNING = {"head_fastest": True, "fused_combine": True, "l2_prefetch": 128, "ctas_per_sm": 2,
-          "nw": NW, "dyn_tiles": True, "dyn_min_splits": 1, "mha_forward": True}
+          "nw": NW, "mha_forward": True}
 
 
 def build_options() -> tuple:
@@ -263,9 +268,8 @@ class DecodePlan:
     smem: int
     num_splits: int
     num_m_tiles: int
-    grid_order: int = 1
+    head_fastest: bool = True
     fused_combine: bool = True
-    dyn_tiles: bool = False
 
 
 def fused_fits(variant: DecodeVariant, num_splits: int) -> bool:
@@ -287,16 +291,13 @@ def plan_decode(dtype_name: str, b: int, s_q: int, h: int, h_k: int, d: int, max
     tiles = -(-max(max_keys, 1) // TILE_KEYS)
     if num_splits == 0:
         splits = choose_splits(ctas, tiles, per_sm * sm_count, 2 * TILE_KEYS * d * 2, var.nw)
-        if TUNING["dyn_tiles"] and TUNING["fused_combine"]:
-            splits = max(splits, min(int(TUNING["dyn_min_splits"]), tiles))
     else:
         splits = max(1, min(int(num_splits), tiles, 1024))
+    head_fastest = bool(TUNING["head_fastest"])
     fused = bool(TUNING["fused_combine"]) and splits > 1 and fused_fits(var, splits)
-    dyn = bool(TUNING["dyn_tiles"]) and fused
-    order = 2 if dyn else 1 if TUNING["head_fastest"] else 0
-    grid = ((splits, h_k, b * m_tiles), (h_k, splits, b * m_tiles), (h_k, b * m_tiles, splits))[order]
+    grid = (h_k, splits, b * m_tiles) if head_fastest else (splits, h_k, b * m_tiles)
     return DecodePlan(var, grid, (var.threads, 1, 1), var.smem_bytes, splits, m_tiles,
-                      order, fused, dyn)
+                      head_fastest, fused)
 
 
 #: Multi-head calls read at least this many bytes of K and V to take the Hopper forward

@@ -77,12 +77,10 @@ struct DecodeParams {
     int rot_interleaved;
     int rot_q_per_row;        // 1: q row i rotated at position cache_seqlens + i; 0: all at cache_seqlens
     int seqlen_ro;            // rows of rot_cos / rot_sin
-    int grid_order;           // (blockIdx.x, .y, .z): 0 (split, kv head, batch x row tile),
-                              // 1 (kv head, split, batch x row tile), 2 (kv head, batch x row tile, split)
-    int dyn_tiles;            // 1: the splits of a CTA group take its 16-key tiles from a shared counter
-    unsigned int* split_count;   // [2][h_k * b * num_m_tiles]: splits finished per CTA group, then the
-                                 // groups' tile counters (dyn_tiles); zero before and after a launch;
-                                 // null: flash_decode_combine merges the splits
+    int head_fastest;         // grid order: 1 (kv head, split, batch x row tile), 0 (split, kv head, ...)
+    int pad1;
+    unsigned int* split_count;   // [h_k * b * num_m_tiles] splits finished per CTA group, zero before
+                                 // and after a launch; null: flash_decode_combine merges the splits
     float scale_log2;         // scale * log2(e)
     float softcap_pre;        // scale / softcap (0: off)
     float softcap_post;       // softcap * log2(e)
@@ -270,11 +268,9 @@ flash_decode(const DecodeParams p) {
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int split = p.grid_order == 0 ? blockIdx.x : p.grid_order == 1 ? blockIdx.y : blockIdx.z;
-    const int head_k = p.grid_order == 0 ? blockIdx.y : blockIdx.x;
-    const int bm = p.grid_order == 2 ? blockIdx.y : blockIdx.z;   // batch x row tile
-    const int batch = bm / p.num_m_tiles, m_tile = bm % p.num_m_tiles;
-    const int group = (batch * p.num_m_tiles + m_tile) * p.h_k + head_k;   // CTAs of one (batch, row tile, kv head)
+    const int split = p.head_fastest ? blockIdx.y : blockIdx.x;
+    const int head_k = p.head_fastest ? blockIdx.x : blockIdx.y;
+    const int batch = blockIdx.z / p.num_m_tiles, m_tile = blockIdx.z % p.num_m_tiles;
     const int rows = p.s_q * p.g;                              // packed rows of this (batch, kv head)
     const int m0 = m_tile * BM;
 
@@ -288,26 +284,17 @@ flash_decode(const DecodeParams p) {
     if (p.window_left >= 0) n_lo = max(0, qi_first + diag0 - p.window_left);
     if (p.window_right >= 0) n_hi = min(len, qi_last + diag0 + p.window_right + 1);
     const int t_lo = n_lo / 16, t_all = n_hi > n_lo ? (n_hi + 15) / 16 - t_lo : 0;
-    // Tile source of each warp (warp-uniform), one of:
-    //   static:  this split's tiles (a balanced range), warp w taking tiles w, w + NW, ...
-    //   dynamic (dyn_tiles): every warp of the group's splits takes the next tile from the group's
-    //            counter, so the splits of a group finish together however the memory bandwidth
-    //            is shared among the SMs (tile order does not matter to the online softmax)
-    const bool dyn = p.dyn_tiles && p.split_count;
+    // this split's tiles (balanced), then warp w takes tiles w, w + NW, ...
     const int s_beg = t_lo + (int)((long long)t_all * split / p.num_splits);
     const int s_end = t_lo + (int)((long long)t_all * (split + 1) / p.num_splits);
-    const int my_tiles = dyn ? 0 : s_end - s_beg > warp ? (s_end - s_beg - warp + NW - 1) / NW : 0;
-    unsigned int* tile_ctr = dyn ? p.split_count + (long long)p.b * p.num_m_tiles * p.h_k + group : nullptr;
+    const int my_tiles = s_end - s_beg > warp ? (s_end - s_beg - warp + NW - 1) / NW : 0;
 
     u16* k_ring = ring_smem + warp * STAGES * 2 * TILE;        // [STAGES][16, P]
     u16* v_ring = k_ring + STAGES * TILE;                      // [STAGES][16, P]
-    auto page_off = [&](int key0) {   // row of key0 inside its page
-        return p.block_table ? key0 - min(key0 / p.page_size, p.max_blocks - 1) * p.page_size : key0;
-    };
 
-    // Static: pages of this warp's tiles (paged cache), read 32 tiles ahead: lane l of blk_cur
-    // holds the page of tile 32 * chunk + l, blk_nxt those of the next chunk, so no block-table
-    // read stalls the ring (a contiguous cache's "page" is the batch entry)
+    // Pages of this warp's tiles (paged cache), read 32 tiles ahead: lane l of blk_cur holds the
+    // page of tile 32 * chunk + l, blk_nxt those of the next chunk, so no block-table read stalls
+    // the ring (a contiguous cache's "page" is the batch entry)
     auto tile_key0 = [&](int tile) { return (s_beg + warp + tile * NW) * 16; };   // first key of a warp tile
     auto fetch_pages = [&](int chunk) {
         const int tile = chunk * 32 + lane;
@@ -315,70 +302,19 @@ flash_decode(const DecodeParams p) {
         return (p.block_table && tile < my_tiles) ? page_of(p, batch, tile_key0(tile), &off) : batch;
     };
     int blk_cur = fetch_pages(0), blk_nxt = fetch_pages(1), chunk_cur = 0;
-    int issued = 0;   // tiles this warp has issued
-
-    // Dynamic: lane 0 grabs tiles one issue ahead and reads their pages one issue ahead, so
-    // neither the counter's nor the block table's latency stalls the ring. The prologue's
-    // STAGES − 1 tiles come from one grab (lane s reads the page of tile base + s).
-    int dyn_next = t_all;              // next tile to issue (relative to t_lo; >= t_all: none)
-    int dyn_blk = batch;               // lane 0: its page
-    unsigned int dyn_raw = 0;          // lane 0: the grab after it (read at the next issue)
-    int dyn_base = t_all, dyn_pblk = batch;   // the prologue's first tile; lane s: the page of base + s
-    if (dyn) {
-        unsigned int r_pro = 0;
-        if (lane == 0) {
-            r_pro = atomicAdd(tile_ctr, (unsigned)(STAGES - 1));
-            dyn_raw = atomicAdd(tile_ctr, 1u);
-        }
-        dyn_base = __shfl_sync(0xffffffffu, (int)r_pro, 0);
-        int off;
-        if (p.block_table && lane < STAGES - 1 && dyn_base + lane < t_all)
-            dyn_pblk = page_of(p, batch, (t_lo + dyn_base + lane) * 16, &off);
-    }
-    auto dyn_advance = [&]() {   // the grab read at the last issue becomes the next tile
-        dyn_next = __shfl_sync(0xffffffffu, (int)dyn_raw, 0);
-        if (lane == 0 && dyn_next < t_all) {
-            int off;
-            if (p.block_table) dyn_blk = page_of(p, batch, (t_lo + dyn_next) * 16, &off);
-            dyn_raw = atomicAdd(tile_ctr, 1u);
-        }
+    // Issue warp tile `tile` (issued in order 0, 1, 2, ...; warp-uniform) into ring slot tile % STAGES
+    auto issue = [&](int tile) {
+        if ((tile >> 5) != chunk_cur) { chunk_cur = tile >> 5; blk_cur = blk_nxt; blk_nxt = fetch_pages(chunk_cur + 1); }
+        const int key0 = tile_key0(tile);
+        const int blk = __shfl_sync(0xffffffffu, blk_cur, tile & 31);
+        const int off = p.block_table ? key0 - min(key0 / p.page_size, p.max_blocks - 1) * p.page_size : key0;
+        load_kv_tile<D>(k_ring + (tile % STAGES) * TILE, v_ring + (tile % STAGES) * TILE, p, blk, off, head_k, key0, len, lane);
     };
 
-    // Issue this warp's next tile into ring slot issued % STAGES; returns its first key, or −1
-    // when the warp has no tile left (warp-uniform)
-    auto issue_next = [&]() -> int {
-        int key0, blk;
-        if (dyn) {
-            if (issued < STAGES - 1) {          // prologue: tiles base, base + 1, ...
-                if (dyn_base + issued >= t_all) return -1;
-                key0 = (t_lo + dyn_base + issued) * 16;
-                blk = __shfl_sync(0xffffffffu, dyn_pblk, issued);
-                if (issued == STAGES - 2) dyn_advance();
-            } else {
-                if (dyn_next >= t_all) return -1;
-                key0 = (t_lo + dyn_next) * 16;
-                blk = __shfl_sync(0xffffffffu, dyn_blk, 0);
-                dyn_advance();
-            }
-        } else {
-            const int tile = issued;
-            if (tile >= my_tiles) return -1;
-            if ((tile >> 5) != chunk_cur) { chunk_cur = tile >> 5; blk_cur = blk_nxt; blk_nxt = fetch_pages(chunk_cur + 1); }
-            key0 = tile_key0(tile);
-            blk = __shfl_sync(0xffffffffu, blk_cur, tile & 31);
-        }
-        load_kv_tile<D>(k_ring + (issued % STAGES) * TILE, v_ring + (issued % STAGES) * TILE, p, blk, page_off(key0),
-                        head_k, key0, len, lane);
-        ++issued;
-        return key0;
-    };
-
-    // Start this warp's ring before Q is even loaded: STAGES − 1 tiles in flight. ring_key0[i]:
-    // first key of the tile in the ring's i-th oldest slot (−1: none; in issue order)
-    int ring_key0[STAGES];
+    // Start this warp's ring before Q is even loaded: STAGES − 1 tiles in flight
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        ring_key0[s] = issue_next();
+        if (s < my_tiles) issue(s);
         cp_async_commit();
     }
 
@@ -430,16 +366,18 @@ flash_decode(const DecodeParams p) {
     }
     const bool need_mask_any = p.window_left >= 0 || p.window_right >= 0;
 
-    for (int it = 0;; ++it) {
+    for (int it = 0; it < my_tiles; ++it) {
         // next tile into the slot freed by the previous iteration (always commit: counts stay right)
-        ring_key0[STAGES - 1] = ring_key0[STAGES - 2] < 0 ? -1 : issue_next();
-        cp_async_commit();
-        const int key0 = ring_key0[0];
-        if (key0 < 0) break;   // this warp's tiles are done (warp-uniform)
+        {
+            const int nx = it + STAGES - 1;
+            if (nx < my_tiles) issue(nx);
+            cp_async_commit();
+        }
         cp_async_wait<STAGES - 1>();
         __syncwarp();   // tile `it` landed for every lane of this warp (its own ring: no CTA barrier)
         const u16* k_smem = k_ring + (it % STAGES) * TILE;     // [16, P]
         const u16* v_smem = v_ring + (it % STAGES) * TILE;     // [16, P]
+        const int key0 = tile_key0(it);
 
         // S = Q K(tile)ᵀ   [16 rows, 16 keys] per slab, fp32
         float s_frag[MT][2][4];
@@ -529,8 +467,6 @@ flash_decode(const DecodeParams p) {
                 mma16816<E>(o_frag[mt][2 * dd + 1], p_frag, v_frag[2], v_frag[3]);
             }
         }
-#pragma unroll
-        for (int i = 0; i < STAGES - 1; ++i) ring_key0[i] = ring_key0[i + 1];
         __syncwarp();   // every lane finished reading this slot before the next iteration refills it
     }
 
@@ -615,6 +551,7 @@ flash_decode(const DecodeParams p) {
     __shared__ int is_last;
     __threadfence();   // this thread's partial stores are visible device-wide before the count
     __syncthreads();   // every thread's stores fenced (and the merge area no longer read)
+    const int group = (batch * p.num_m_tiles + m_tile) * p.h_k + head_k;
     if (tid == 0) is_last = atomicAdd(p.split_count + group, 1u) == (unsigned)(p.num_splits - 1);
     __syncthreads();   // is_last visible to every thread
     if (!is_last) return;
@@ -663,10 +600,7 @@ flash_decode(const DecodeParams p) {
         u16* dst = (u16*)p.o + batch * p.o_stride_b + qi * p.o_stride_s + head * p.o_stride_h + col;
         *(u32*)dst = pack2<E>(o0, o1);
     }
-    if (tid == 0) {   // zero again for the next launch (every split has taken its last tile)
-        p.split_count[group] = 0;
-        if (dyn) *tile_ctr = 0;
-    }
+    if (tid == 0) p.split_count[group] = 0;   // zero again for the next launch
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -221,11 +221,9 @@ def test_plain_attention_split_route(rng, s_q, h, hk):
         assert np.abs(cp.asnumpy(lse) - rl).max() < 1e-3
 
 
-@pytest.mark.parametrize("change", [dict(dyn_tiles=False, head_fastest=False),
-                                    dict(dyn_tiles=False), dict(fused_combine=False),
+@pytest.mark.parametrize("change", [dict(head_fastest=False), dict(fused_combine=False),
                                     dict(ctas_per_sm=3), dict(nw=2, ctas_per_sm=4)],
-                         ids=["static_split_major", "static_tiles", "combine_kernel", "three_ctas",
-                              "two_warps"])
+                         ids=["split_major_grid", "combine_kernel", "three_ctas", "two_warps"])
 def test_tuning_alternatives_agree(rng, change):
     """plan_decode.TUNING's alternatives (benchmarked A/B) give the default's results."""
     from cupyflash import kvcache
@@ -275,40 +273,6 @@ def test_repeated_calls_take_the_fast_path_and_agree(rng):
         V = vc2[bt].reshape(2, -1, 8, 128)[:, :n]
         ref = reference.attention(np.asarray(q, np.float64), K, V, causal=True)
         assert np.abs(outs[t].astype(np.float64) - ref).max() < 3e-2
-
-
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_dynamic_tiles_at_the_planner_split_count(rng, paged):
-    """dyn_tiles with the planner's split count and dyn_min_splits=2 (CTAs of a group take its
-    tiles from a shared counter, whatever order they come in) against static tiles, twice in a
-    row (the counters are left zeroed for the next launch)."""
-    from cupyflash import kvcache
-    from cupyflash.gpu import plan_decode
-
-    sizes = dict(b=3, s_q=1, h=16, hk=4, d=128, lens=[5000, 2999, 40], s_new=0)
-    sizes.update(page=16) if paged else sizes.update(cache_len=5000)
-    q, kc, vc, _, _, bt, _, lens = _make(rng, dtype=BF16, **sizes)
-    args = (cp.asarray(q), cp.asarray(kc), cp.asarray(vc))
-    kw = dict(cache_seqlens=cp.asarray(lens.astype(np.int32)),
-              block_table=None if bt is None else cp.asarray(bt), return_lse=True)
-    old = dict(plan_decode.TUNING)
-    try:
-        res = {}
-        for name, change in (("static", dict(dyn_tiles=False)), ("dyn", dict(dyn_tiles=True)),
-                             ("dyn2", dict(dyn_tiles=True, dyn_min_splits=2))):
-            plan_decode.TUNING.update(old)
-            plan_decode.TUNING.update(change)
-            kvcache._FAST.clear()
-            res[name] = [cf.attention_with_kvcache(*args, **kw) for _ in range(2)]
-    finally:
-        plan_decode.TUNING.update(old)
-        kvcache._FAST.clear()
-    o0, l0 = res["static"][0]
-    for name, runs in res.items():
-        for o, l in runs:
-            np.testing.assert_allclose(cp.asnumpy(o).astype(np.float32), cp.asnumpy(o0).astype(np.float32),
-                                       atol=1e-2, rtol=1e-2, err_msg=name)
-            np.testing.assert_allclose(cp.asnumpy(l), cp.asnumpy(l0), atol=1e-4, rtol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("s_q, causal, rot", [(1, True, 64), (3, True, 0), (2, False, 128)],

@@ -55,9 +55,8 @@ def test_h200_hd128_runs_two_ctas_with_three_stages():
 def test_split_counts_on_the_h200(b, s, h, hk, want):
     plan = pd.plan_decode("bfloat16", b, 1, h, hk, 128, s, 0, **H200)
     assert plan.num_splits == want
-    assert plan.fused_combine == plan.dyn_tiles == (want > 1)
-    # split CTAs take the group's tiles dynamically, split index slowest; one split: kv head fastest
-    assert (plan.grid, plan.grid_order) == (((hk, b, want), 2) if want > 1 else ((hk, 1, b), 1))
+    assert plan.grid == (hk, want, b) and plan.head_fastest
+    assert plan.fused_combine == (want > 1)
     # every split keeps at least 8 tiles per warp
     assert math.ceil(s / 16) / want >= pd.NW * pd.MIN_TILES_PER_WARP
 
@@ -73,18 +72,13 @@ def test_forced_split_counts_are_capped_at_the_tiles():
     assert pd.plan_decode("float16", 2, 1, 8, 8, 64, 40, 50, **H200).num_splits == 3
 
 
-def _bm(plan):
-    """The grid's batch x row-tile dimension."""
-    return plan.grid[1] if plan.grid_order == 2 else plan.grid[2]
-
-
 def test_gqa_packing_rows_and_m_tiles():
     # 7 query rows x 4 heads per kv head = 28 packed rows: one 32-row tile
     plan = pd.plan_decode("bfloat16", 3, 7, 32, 8, 128, 4096, 0, **H200)
-    assert plan.variant.mt == 2 and plan.num_m_tiles == 1 and _bm(plan) == 3
+    assert plan.variant.mt == 2 and plan.num_m_tiles == 1 and plan.grid[2] == 3
     # 128 query rows x 4 = 512 rows: 16 tiles per batch entry
     plan = pd.plan_decode("bfloat16", 2, 128, 8, 2, 128, 4096, 0, **H200)
-    assert plan.num_m_tiles == 16 and _bm(plan) == 2 * 16
+    assert plan.num_m_tiles == 16 and plan.grid[2] == 2 * 16
     # head dim 256 keeps 16-row tiles (register budget)
     plan = pd.plan_decode("bfloat16", 2, 8, 8, 2, 256, 4096, 0, **H200)
     assert plan.variant.mt == 1 and plan.num_m_tiles == 2
@@ -129,21 +123,18 @@ def test_tuning_switches_change_the_grid_order_and_combine(monkeypatch):
     monkeypatch.setitem(pd.TUNING, "head_fastest", False)
     monkeypatch.setitem(pd.TUNING, "fused_combine", False)
     plan = pd.plan_decode("bfloat16", 8, 1, 32, 8, 128, 8192, 0, **H200)
-    assert plan.grid == (4, 8, 8) and plan.grid_order == 0 and not plan.fused_combine
-    assert not plan.dyn_tiles           # dynamic tiles need the fused combine's counters
+    assert plan.grid == (4, 8, 8) and not plan.head_fastest and not plan.fused_combine
 
 
-def test_dynamic_tiles_and_their_minimum_split_count(monkeypatch):
-    plan = pd.plan_decode("bfloat16", 8, 1, 32, 8, 128, 8192, 3, **H200)   # forced splits
-    assert plan.dyn_tiles and plan.grid == (8, 8, 3) and plan.grid_order == 2
-    monkeypatch.setitem(pd.TUNING, "dyn_min_splits", 2)
-    plan = pd.plan_decode("bfloat16", 32, 1, 32, 8, 128, 16384, 0, **H200)
-    assert plan.num_splits == 2 and plan.dyn_tiles and plan.grid == (8, 32, 2)
-    assert pd.plan_decode("bfloat16", 32, 1, 32, 8, 128, 16, 0, **H200).num_splits == 1   # one tile
-    assert pd.plan_decode("bfloat16", 32, 1, 32, 8, 128, 16384, 1, **H200).num_splits == 1   # forced
-    monkeypatch.setitem(pd.TUNING, "dyn_tiles", False)
-    plan = pd.plan_decode("bfloat16", 32, 1, 32, 8, 128, 16384, 0, **H200)
-    assert plan.num_splits == 1 and not plan.dyn_tiles and plan.grid_order == 1
+def test_more_ctas_per_sm_and_fewer_warps(monkeypatch):
+    """TUNING ctas_per_sm 3: 2-stage rings (H200, hd 128: 74 KB each); nw 2 with 4 per SM."""
+    monkeypatch.setitem(pd.TUNING, "ctas_per_sm", 3)
+    v, per_sm = pd.variant_for("bf16_t", 128, 4, H200["smem_optin"])
+    assert (per_sm, v.stages, v.nw) == (3, 2, 4) and 3 * (v.smem_bytes + 1024) <= H200["smem_optin"] + 2048
+    monkeypatch.setitem(pd.TUNING, "ctas_per_sm", 4)
+    monkeypatch.setitem(pd.TUNING, "nw", 2)
+    v, per_sm = pd.variant_for("bf16_t", 128, 4, H200["smem_optin"])
+    assert (per_sm, v.stages, v.nw) == (4, 3, 2) and v.threads == 64
 
 
 @pytest.mark.parametrize("args, want", [
