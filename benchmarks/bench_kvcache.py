@@ -9,8 +9,11 @@ copy, as the decode's bytes read are its HBM traffic).
 Columns: ``cupyflash`` with cache_seqlens an int and ``set_device_checks(False)`` (lengths
 checked on the host; the paged rows' device block table not read back: the decode-loop
 setting); ``dev-lens`` with cache_seqlens a device array and the default pre-launch check of
-lengths and block indices (one read-back, i.e. one synchronization, per call); the peers attend to the same keys of a contiguous cache (SDPA has no paged
-cache). ``host us`` is the wall time per cupyflash call of the timing loop.
+lengths and block indices (one read-back, i.e. one synchronization, per call; device-held
+lengths also keep multi-head rows on the decode kernel); the peers attend to the same keys of a
+contiguous cache (SDPA has no paged cache). ``splits``: the decode kernel's split count, or
+``fwd`` where the call ran on the Hopper forward (decode_route). ``host us`` is the wall time per
+cupyflash call of the timing loop. ``--ab`` adds plan_decode.TUNING's alternatives as columns.
 
     PYTHONPATH=. python benchmarks/bench_kvcache.py [--rows NAME ...] [--json FILE]
 """
@@ -77,8 +80,9 @@ def main(argv=None):
     ap.add_argument("--rows", nargs="*", default=None, help="row names to run (default: all)")
     ap.add_argument("--json", default=None, help="write the table as JSON here")
     ap.add_argument("--ab", action="store_true",
-                    help="also time plan_decode.TUNING's alternatives (grid order split-major; "
-                         "a separate combine kernel; no / 256-byte L2 prefetch hint; one CTA per SM)")
+                    help="also time plan_decode.TUNING's alternatives (multi-head rows on the "
+                         "decode kernel instead of the Hopper forward; a separate combine kernel; "
+                         "3 CTAs per SM)")
     ap.add_argument("--extra-splits", nargs="*", type=int, default=[],
                     help="also time these forced num_splits per row (GB/s printed after the table)")
     args = ap.parse_args(argv)
@@ -87,7 +91,7 @@ def main(argv=None):
 
     import cupyflash as cf
     from cupyflash import kvcache
-    from cupyflash.gpu import device, plan_decode
+    from cupyflash.gpu import decode_route, device, plan_decode
 
     def with_tuning(fn, **kw):
         """fn timed under plan_decode.TUNING changed by kw (repeated-call caches cleared)."""
@@ -112,10 +116,11 @@ def main(argv=None):
     cp.get_default_memory_pool().free_all_blocks()
     print(f"copy bandwidth (4 GiB cupy copy, read + write): {copy_gbs:.0f} GB/s")
     rng = np.random.default_rng(0)
+    cp.random.seed(0)
     table = []
     hdr = (f"| {'batch x cache x heads/kv':26s} | {'GiB':>5s} | {'splits':>6s} | {'cupyflash':>9s} | "
            f"{'dev-lens':>8s} | {'FA2':>6s} | {'cuDNN':>6s} | {'/best':>5s} | {'/copy':>5s} | {'host us':>7s} |"
-           + (f" {'split-major':>11s} | {'2 kernels':>9s} | {'no L2 hint':>10s} | {'L2::256B':>8s} | {'1 CTA/SM':>8s} |"
+           + (f" {'no fwd route':>12s} | {'2 kernels':>9s} | {'3 CTAs/SM':>9s} |"
               if args.ab else ""))
     print(hdr)
     print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
@@ -126,9 +131,9 @@ def main(argv=None):
             continue
         cp.get_default_memory_pool().free_all_blocks()
         nbytes = 2 * b * s * hk * D * 2
-        q = cp.asarray(rng.standard_normal((b, 1, h, D), np.float32)).astype(BF16)
-        k = cp.asarray(rng.standard_normal((b, s, hk, D), np.float32)).astype(BF16)
-        v = cp.asarray(rng.standard_normal((b, s, hk, D), np.float32)).astype(BF16)
+        q = cp.random.standard_normal((b, 1, h, D), dtype=np.float32).astype(BF16)
+        k = cp.random.standard_normal((b, s, hk, D), dtype=np.float32).astype(BF16)
+        v = cp.random.standard_normal((b, s, hk, D), dtype=np.float32).astype(BF16)
         if page is None:
             kc, vc, bt = k, v, None
         else:
@@ -141,10 +146,12 @@ def main(argv=None):
             vc[cp.asarray(perm)] = v.reshape(nb, page, hk, D)
         lens_dev = cp.full(b, s, np.int32)
         kvcache.set_device_checks(False)     # the block table's values: no read-back per call
+        kvcache._FAST.clear()
         try:
             t_cf, wall = _time(cp, lambda: cf.attention_with_kvcache(q, kc, vc, cache_seqlens=s, block_table=bt))
         finally:
             kvcache.set_device_checks(True)
+        routed = any(isinstance(e.launch, decode_route.ForwardRoute) for e in kvcache._FAST.values())
         t_dev, _ = _time(cp, lambda: cf.attention_with_kvcache(q, kc, vc, cache_seqlens=lens_dev, block_table=bt))
         plan = plan_decode.plan_decode("bfloat16", b, 1, h, hk, D, s, 0, sms, smem)
         gbs = nbytes / t_cf / 1e9
@@ -161,12 +168,11 @@ def main(argv=None):
             call = lambda: cf.attention_with_kvcache(q, kc, vc, cache_seqlens=s, block_table=bt)  # noqa: E731
             kvcache.set_device_checks(False)
             try:
-                ts = [with_tuning(call, head_fastest=False), with_tuning(call, fused_combine=False),
-                      with_tuning(call, l2_prefetch=0), with_tuning(call, l2_prefetch=256),
-                      with_tuning(call, ctas_per_sm=1)]
+                ts = [with_tuning(call, mha_forward=False), with_tuning(call, fused_combine=False),
+                      with_tuning(call, ctas_per_sm=3)]
             finally:
                 kvcache.set_device_checks(True)
-            ab = "".join(f" {nbytes / t / 1e9:{w}.0f} |" for t, w in zip(ts, (11, 9, 10, 8, 8)))
+            ab = "".join(f" {nbytes / t / 1e9:{w}.0f} |" for t, w in zip(ts, (12, 9, 9)))
         kvcache.set_device_checks(False)
         try:
             for ns in args.extra_splits:
@@ -177,10 +183,12 @@ def main(argv=None):
             kvcache.set_device_checks(True)
         best = max([x for x in peers.values() if x] or [float("nan")])
         fmt = lambda x: f"{x:6.0f}" if x else "     -"   # noqa: E731
-        print(f"| {name:26s} | {nbytes / 2**30:5.2f} | {plan.num_splits:6d} | {gbs:9.0f} | "
+        splits = "fwd" if routed else str(plan.num_splits)
+        print(f"| {name:26s} | {nbytes / 2**30:5.2f} | {splits:>6s} | {gbs:9.0f} | "
               f"{nbytes / t_dev / 1e9:8.0f} | {fmt(peers.get('flash'))} | {fmt(peers.get('cudnn'))} | "
               f"{gbs / best:5.2f} | {gbs / copy_gbs:5.2f} | {wall * 1e6:7.1f} |" + ab, flush=True)
-        table.append(dict(row=name, gib=nbytes / 2**30, splits=plan.num_splits, variant=plan.variant.name,
+        table.append(dict(row=name, gib=nbytes / 2**30, splits=plan.num_splits,
+                          variant="sm90_forward" if routed else plan.variant.name,
                           cupyflash=gbs, dev_lens=nbytes / t_dev / 1e9, fa2=peers.get("flash"),
                           cudnn=peers.get("cudnn"), copy=copy_gbs, host_us=wall * 1e6))
     for name, b, s, h, hk, page in ROWS:
@@ -203,14 +211,18 @@ def main(argv=None):
     from cupyflash import _checks as ck
     from cupyflash.gpu import decode, fwd
     for b, s, h, hk in ((1, 131072, 32, 8), (8, 8192, 32, 8), (4, 32768, 32, 32)):
-        q = cp.asarray(rng.standard_normal((b, 1, h, D), np.float32)).astype(BF16)
-        k = cp.asarray(rng.standard_normal((b, s, hk, D), np.float32)).astype(BF16)
-        v = cp.asarray(rng.standard_normal((b, s, hk, D), np.float32)).astype(BF16)
+        q = cp.random.standard_normal((b, 1, h, D), dtype=np.float32).astype(BF16)
+        k = cp.random.standard_normal((b, s, hk, D), dtype=np.float32).astype(BF16)
+        v = cp.random.standard_normal((b, s, hk, D), dtype=np.float32).astype(BF16)
         opts = ck.make_options(ck.Dims(b, 1, s, h, hk, D, D), cp)
         out = cp.empty((b, 1, h, D), BF16)
         lse = cp.empty((b, h, 1), np.float32)
         nbytes = 2 * b * s * hk * D * 2
         t_f = _time(cp, lambda: fwd.forward(q, k, v, out, lse, opts))[0]
+        if decode.forward_few_rows(q, k, v, out, lse, opts) is None:
+            print(f"attention {b}x{s}x{h}/{hk}: forward {nbytes / t_f / 1e9:.0f} GB/s "
+                  "(split-KV route not taken)")
+            continue
         t_d = _time(cp, lambda: decode.forward_few_rows(q, k, v, out, lse, opts))[0]
         print(f"attention {b}x{s}x{h}/{hk}: forward {nbytes / t_f / 1e9:.0f} GB/s, "
               f"split-KV route {nbytes / t_d / 1e9:.0f} GB/s")

@@ -161,12 +161,13 @@ def demo(args) -> int:
 
 
 def precompile(args) -> int:
-    """Fill CuPy's disk cache with every forward and backward variant the planner can pick here."""
+    """Fill CuPy's disk cache with every forward, backward and decode (attention_with_kvcache)
+    variant the planner can pick here."""
     if not _interop.gpu_available():
         print("precompile needs a CUDA GPU with CuPy", file=sys.stderr)
         return 2
-    from cupyflash.gpu import (compile, plan_bwd, plan_bwd_sm90, plan_bwd_sm90_f32, plan_fwd,
-                               plan_fwd_sm90)
+    from cupyflash.gpu import (compile, plan_bwd, plan_bwd_sm90, plan_bwd_sm90_f32, plan_decode,
+                               plan_fwd, plan_fwd_sm90)
     from cupyflash.gpu.tuning import TUNING
 
     cp = _interop.cupy_module()
@@ -191,7 +192,10 @@ def precompile(args) -> int:
         bwd += compile.precompile([v for v in plan_bwd_sm90.variants() if wanted(v)], args.workers)
         bwd += compile.precompile([v for v in plan_bwd_sm90_f32.variants() if wanted(v)],
                                   args.workers)
-    print(f"compiled {len(fwd)} forward and {len(bwd)} backward variants in "
+    dec = [] if args.general else compile.precompile(
+        [v for v in plan_decode.variants(smem) if wanted(v)], args.workers,
+        plan_decode.build_options())
+    print(f"compiled {len(fwd)} forward, {len(bwd)} backward and {len(dec)} decode variants in "
           f"{time.perf_counter() - t0:.1f} s ({args.workers} processes)")
     return 0
 

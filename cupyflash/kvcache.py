@@ -3,7 +3,8 @@ with FlashAttention's ``flash_attn_with_kvcache`` semantics (docs/kvcache.md).
 
 Flow: validate (``check_kvcache``, a pure function of shapes, dtypes and host values) -> the
 NumPy implementation (cupyflash/cpu_kvcache.py) for host arrays, or the GPU: the split-KV decode
-kernels (gpu/decode.py) where they cover the call, else the gather path (append / rotary kernel,
+kernels (gpu/decode.py; multi-head calls on the Hopper forward where gpu/decode_route.py routes
+them) where they cover the call, else the gather path (append / rotary kernel,
 the cache gathered per batch entry, ``attention_varlen``).
 """
 from __future__ import annotations
@@ -326,7 +327,7 @@ def _gpu(backend, dims, opts, q, kc, vc, kn, vn, small, lens_host, bt_host, per_
          return_lse, num_splits, causal, window, softcap, alibi_slopes, scale, key):
     import cupy
 
-    from .gpu import decode, device
+    from .gpu import decode, decode_route, device
 
     device.when_limit_changes(_FAST.clear)   # its launches are planned for the smem limit
     dtype = np.dtype(q.dtype)
@@ -364,8 +365,8 @@ def _gpu(backend, dims, opts, q, kc, vc, kn, vn, small, lens_host, bt_host, per_
             reason = "v_cache strides or base address not multiples of 16 bytes"
         if reason is None:
             max_keys = dims.capacity if lens_host is None else int(lens_host.max(initial=0)) + dims.seqlen_new
-            ent, bits = decode.attend(q, kc, vc, kn, vn, out, lse, num_splits=num_splits,
-                                      max_keys=max_keys, **common)
+            ent, bits = decode_route.attend(q, kc, vc, kn, vn, out, lse, num_splits=num_splits,
+                                            max_keys=max_keys, **common)
             _raise_device_bits(bits, dims)
             direct = rot is None or (_same(rot[0], small["rotary_cos"])
                                      and _same(rot[1], small["rotary_sin"]))

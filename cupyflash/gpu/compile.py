@@ -115,23 +115,24 @@ def clear_memory_cache():
         _functions.clear()
 
 
-def _compile_one(variant):
+def _compile_one(variant, extra_options=()):
     import cupy
-    src, opts, names = program([variant])
+    src, opts, names = program([variant], extra_options)
     cupy.RawModule(code=src, options=opts, name_expressions=names).compile()
     return variant
 
 
-def precompile(variants, workers: int = 8):
-    """Fill CuPy's disk cache for ``variants`` (any classes; the programs get_functions builds)
-    using ``workers`` processes (spawned)."""
+def precompile(variants, workers: int = 8, extra_options=()):
+    """Fill CuPy's disk cache for ``variants`` (any classes; the programs get_functions builds,
+    with ``extra_options`` as get_functions gets them) using ``workers`` processes (spawned)."""
     import concurrent.futures as cf
     import multiprocessing as mp
     variants = list(variants)
+    extra = [tuple(extra_options)] * len(variants)
     if workers <= 1:
-        return [_compile_one(v) for v in variants]
+        return [_compile_one(v, e) for v, e in zip(variants, extra)]
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        return list(ex.map(_compile_one, variants))
+        return list(ex.map(_compile_one, variants, extra))
 
 
 def nvrtc_compile(parts, arch: str, filename: str, extra_options=()):

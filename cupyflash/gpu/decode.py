@@ -1,8 +1,9 @@
 """Split-KV decode launcher (kernels_cu/portable/decode.cu): CuPy arrays in, kvcache_check, kvcache_prep,
 flash_decode and flash_decode_combine launched on the current device and stream.
 
-``attend`` runs one validated ``attention_with_kvcache`` call whose attention the decode kernel
-covers (plan_decode.why_unsupported is None); ``prepare`` runs only the append / rotary kernel
+``build`` plans one validated ``attention_with_kvcache`` call whose attention the decode kernel
+covers (plan_decode.why_unsupported is None) into a ``Launch`` (gpu/decode_route.attend runs it,
+or hands multi-head calls to the Hopper forward); ``prepare`` runs only the append / rotary kernel
 (the gather path of cupyflash/kvcache.py); ``device_errors`` reads kvcache_check's bits;
 ``forward_few_rows`` is the plain ``attention`` call's split-KV route (gpu/fwd.py hook).
 """
@@ -190,10 +191,11 @@ class Launch:
         self.groups = int(template["h_k"][0]) * b * plan.num_m_tiles
         self.dev_id = device.get_device()
 
-    def __call__(self, q, kc, vc, kn, vn, out, lse, cs_ptr, seqlens_const, bt_ptr, cos_ptr,
-                 sin_ptr, alibi_ptr, check) -> int:
-        """Launch on the current stream; returns kvcache_check's error bits (0 when ``check``
-        is off or all is well; nonzero: nothing launched after the check)."""
+    def prepare(self, q, kc, vc, kn, vn, cs_ptr, seqlens_const, bt_ptr, cos_ptr, sin_ptr,
+                alibi_ptr, check):
+        """kvcache_check (when ``check``) and kvcache_prep on the current stream: (the call's
+        DecodeParams record, its bytes, q to attend with, error bits; nonzero: nothing launched
+        after the check)."""
         rec = self.template.copy()
         mem = memoryview(rec.view(np.uint8))
         put, off = _PUT_U64, _OFF
@@ -217,13 +219,24 @@ class Launch:
             self.check_fn(((self.b + 127) // 128,), (128,), (rec[0],))
             bits = int(err.get()[0])
             if bits:
-                return bits
+                return rec, mem, q, bits
         q_att = q
         if self.rot:
             q_att = cupy.empty(self.q_shape, self.dtype)
             put(mem, off["q"], q_att.data.ptr)
         if self.prep_rows:
             self.prep(((self.prep_rows + 3) // 4,), (128,), (rec[0],))
+        return rec, mem, q_att, 0
+
+    def __call__(self, q, kc, vc, kn, vn, out, lse, cs_ptr, seqlens_const, bt_ptr, cos_ptr,
+                 sin_ptr, alibi_ptr, check) -> int:
+        """Launch on the current stream; returns kvcache_check's error bits (0 when ``check``
+        is off or all is well; nonzero: nothing launched after the check)."""
+        rec, mem, q_att, bits = self.prepare(q, kc, vc, kn, vn, cs_ptr, seqlens_const, bt_ptr,
+                                             cos_ptr, sin_ptr, alibi_ptr, check)
+        if bits:
+            return bits
+        put, off = _PUT_U64, _OFF
         put(mem, off["o"], out.data.ptr)
         put(mem, off["lse"], lse.data.ptr)
         ws = None
@@ -294,30 +307,6 @@ def build(q, k_cache, v_cache, k_new, v_new, *, with_lengths, block_table, page_
     return Launch(plan, fns, prm, prep_rows, rot is not None, q.shape, q.dtype)
 
 
-def attend(q, k_cache, v_cache, k_new, v_new, out, lse, *, cache_seqlens, seqlens_const,
-           block_table, page_size, max_blocks, rot, opts, num_splits, max_keys, check_device):
-    """One attention_with_kvcache call on the decode kernel: (Launch, error bits).
-
-    q [b, s_q, h, d]; k_cache / v_cache [num_blocks, page_size, h_k, d] (a contiguous cache is
-    [b, seqlen_cache, h_k, d] with page_size = seqlen_cache, max_blocks = 1, no block_table);
-    k_new / v_new [b, s_new, h_k, d] or None; out [b, s_q, h, d] contiguous; lse float32
-    [b, h, s_q] contiguous; cache_seqlens int32 [b] on the device or None (every entry holds
-    ``seqlens_const`` keys); block_table int32 [b, max_blocks] or None; rot (cos, sin float32
-    [seqlen_ro, rd / 2], interleaved, q rotated per row) or None; ``max_keys`` bounds the keys of
-    any entry after the append (plans the split count); ``check_device``: run kvcache_check and
-    read its bits before any write (nonzero bits: nothing launched after the check).
-    """
-    ent = build(q, k_cache, v_cache, k_new, v_new, with_lengths=cache_seqlens is not None,
-                block_table=block_table, page_size=page_size, max_blocks=max_blocks, rot=rot,
-                opts=opts, num_splits=num_splits, max_keys=max_keys)
-    bits = ent(q, k_cache, v_cache, k_new, v_new, out, lse,
-               0 if cache_seqlens is None else cache_seqlens.data.ptr, seqlens_const,
-               0 if block_table is None else block_table.data.ptr,
-               0 if rot is None else rot[0].data.ptr, 0 if rot is None else rot[1].data.ptr,
-               0 if opts.alibi_slopes is None else opts.alibi_slopes.data.ptr, check_device)
-    return ent, bits
-
-
 def forward_few_rows(q, k, v, out, lse, opts):
     """The plain ``attention`` forward on the split-KV path when plan_decode.route_attention
     takes it (few packed rows, many keys): returns the variant's name, or None (not taken: the
@@ -364,5 +353,5 @@ def workspace_bytes(plan, b, s_q, h) -> int:
     return 4 * plan.num_splits * b * s_q * h * (plan.variant.d + 1)
 
 
-__all__ = ["attend", "prepare", "device_errors", "forward_few_rows", "covers", "aligned",
+__all__ = ["build", "Launch", "prepare", "device_errors", "forward_few_rows", "covers", "aligned",
            "workspace_bytes"]

@@ -99,13 +99,15 @@ def smem_bytes(d: int, mt: int, nw: int, stages: int) -> int:
 
 
 def choose_stages(d: int, mt: int, smem_optin: int, nw: int = NW) -> tuple:
-    """(stages, CTAs per SM): two CTAs per SM with the deepest ring (2..6) that fits half the
-    opt-in shared memory when that ring is at least 3 deep; else one CTA with the deepest ring
-    that fits (at least 2)."""
-    half = smem_optin // 2 - 1024
-    for st in range(6, 2, -1):
-        if TUNING["ctas_per_sm"] >= 2 and smem_bytes(d, mt, nw, st) <= half:
-            return st, 2
+    """(stages, CTAs per SM): c = TUNING["ctas_per_sm"] CTAs per SM with the deepest ring (up to
+    6) that fits 1 / c of the opt-in shared memory when that ring is at least 3 deep (c = 2) or 2
+    deep (c > 2); else one CTA with the deepest ring that fits (at least 2)."""
+    c = int(TUNING["ctas_per_sm"])
+    if c >= 2:
+        share = smem_optin // c - 1024
+        for st in range(6, 2 if c == 2 else 1, -1):
+            if smem_bytes(d, mt, nw, st) <= share:
+                return st, c
     for st in range(6, 1, -1):
         if smem_bytes(d, mt, nw, st) <= smem_optin:
             return st, 1
@@ -177,8 +179,9 @@ def mt_for(rows: int, d: int) -> int:
 def variant_for(elem: str, d: int, rows: int, smem_optin: int) -> tuple:
     """(DecodeVariant, CTAs per SM) for ``rows`` packed rows (seqlen_q * heads per kv head)."""
     mt = mt_for(rows, d)
-    stages, per_sm = choose_stages(d, mt, smem_optin)
-    return DecodeVariant(elem, d, mt, NW, stages), per_sm
+    nw = int(TUNING["nw"])
+    stages, per_sm = choose_stages(d, mt, smem_optin, nw)
+    return DecodeVariant(elem, d, mt, nw, stages), per_sm
 
 
 def variants(smem_optin: int) -> list:
@@ -236,13 +239,19 @@ def choose_splits(ctas: int, key_tiles: int, slots: int, tile_bytes: int = 2 * 1
 #: lets the split that finishes last merge the partials (one launch), else flash_decode_combine.
 #: ``l2_prefetch`` (0, 128, 256): the L2 prefetch-size hint of the K / V copies (a build option,
 #: -DKV_L2_PREFETCH); ``ctas_per_sm`` 2: two CTAs per SM where a ring of >= 3 stages allows,
-#: 1: one CTA with the deepest ring.
-#: Measured (H200, bf16 hd 128, the seven rows of bench_kvcache.py in one run, GB/s): the grid
+#: 1: one CTA with the deepest ring, 3 or more: that many with rings of >= 2 stages; ``nw``: warps
+#: per CTA. ``mha_forward``: multi-head calls on compute capability 9.0 attend on the Hopper
+#: forward (route_forward).
+#: Measured (H100, bf16 hd 128, lab/ab_decode.py, interleaved, GB/s; docs/kvcache.md): 3 CTAs x
+#: 2 stages per SM as fast as 2 x 3 (geomean 1.000), 4 CTAs x 2 warps 0.974, twice the planned
+#: splits 0.977; the Hopper forward on the multi-head rows 3206 vs 3035 (64 x 4k) and 3181 vs 2926
+#: (4 x 32k). Measured earlier (H200, the seven rows of bench_kvcache.py in one run): the grid
 #: order made no difference (within 1 %); the fused combine beat the combine kernel by 1-2 % on
 #: the split rows (1 x 131k: 3694 vs 3606); L2::128B was faster on 6 of 7 rows (+0.5 to +2.5 %,
 #: 1 x 131k 3783 vs 3694, page 16 4163 vs 4061; 32 x 16k contiguous 4032 vs 4131), L2::256B
 #: no better than none; one CTA per SM with a 6-deep ring was 15-35 % slower (1 x 131k 3011).
-TUNING = {"head_fastest": True, "fused_combine": True, "l2_prefetch": 128, "ctas_per_sm": 2}
+TUNING = {"head_fastest": True, "fused_combine": True, "l2_prefetch": 128, "ctas_per_sm": 2,
+          "nw": NW, "mha_forward": True}
 
 
 def build_options() -> tuple:
@@ -281,7 +290,7 @@ def plan_decode(dtype_name: str, b: int, s_q: int, h: int, h_k: int, d: int, max
     ctas = b * h_k * m_tiles
     tiles = -(-max(max_keys, 1) // TILE_KEYS)
     if num_splits == 0:
-        splits = choose_splits(ctas, tiles, per_sm * sm_count, 2 * TILE_KEYS * d * 2)
+        splits = choose_splits(ctas, tiles, per_sm * sm_count, 2 * TILE_KEYS * d * 2, var.nw)
     else:
         splits = max(1, min(int(num_splits), tiles, 1024))
     head_fastest = bool(TUNING["head_fastest"])
@@ -289,6 +298,22 @@ def plan_decode(dtype_name: str, b: int, s_q: int, h: int, h_k: int, d: int, max
     grid = (h_k, splits, b * m_tiles) if head_fastest else (splits, h_k, b * m_tiles)
     return DecodePlan(var, grid, (var.threads, 1, 1), var.smem_bytes, splits, m_tiles,
                       head_fastest, fused)
+
+
+#: Multi-head calls read at least this many bytes of K and V to take the Hopper forward
+#: (route_forward): a call whose length changes replans the forward (host time), which a call of
+#: this size hides behind the GPU's.
+FORWARD_ROUTE_MIN_BYTES = 1 << 30
+
+
+def route_forward(cc: int, h: int, h_k: int, paged: bool, device_lengths: bool, num_splits: int,
+                  kv_bytes: int) -> bool:
+    """True when an attention_with_kvcache call should attend on the Hopper forward instead of
+    flash_decode (TUNING["mha_forward"]): compute capability 9.0, multi-head (no GQA packing to
+    gain), a contiguous cache whose entries hold the same number of keys (host-held lengths),
+    the planner's split count, and at least FORWARD_ROUTE_MIN_BYTES of K / V."""
+    return (bool(TUNING["mha_forward"]) and cc == 90 and h == h_k and not paged
+            and not device_lengths and num_splits == 0 and kv_bytes >= FORWARD_ROUTE_MIN_BYTES)
 
 
 def route_attention(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int, d: int,

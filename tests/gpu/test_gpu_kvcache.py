@@ -221,8 +221,9 @@ def test_plain_attention_split_route(rng, s_q, h, hk):
         assert np.abs(cp.asnumpy(lse) - rl).max() < 1e-3
 
 
-@pytest.mark.parametrize("change", [dict(head_fastest=False), dict(fused_combine=False)],
-                         ids=["split_major_grid", "combine_kernel"])
+@pytest.mark.parametrize("change", [dict(head_fastest=False), dict(fused_combine=False),
+                                    dict(ctas_per_sm=3), dict(nw=2, ctas_per_sm=4)],
+                         ids=["split_major_grid", "combine_kernel", "three_ctas", "two_warps"])
 def test_tuning_alternatives_agree(rng, change):
     """plan_decode.TUNING's alternatives (benchmarked A/B) give the default's results."""
     from cupyflash import kvcache
@@ -272,3 +273,41 @@ def test_repeated_calls_take_the_fast_path_and_agree(rng):
         V = vc2[bt].reshape(2, -1, 8, 128)[:, :n]
         ref = reference.attention(np.asarray(q, np.float64), K, V, causal=True)
         assert np.abs(outs[t].astype(np.float64) - ref).max() < 3e-2
+
+
+@pytest.mark.parametrize("s_q, causal, rot", [(1, True, 64), (3, True, 0), (2, False, 128)],
+                         ids=["decode_rotary", "chunk_causal", "noncausal_rotary"])
+def test_multi_head_calls_on_the_hopper_forward(rng, monkeypatch, s_q, causal, rot):
+    """plan_decode.route_forward (threshold lowered): a multi-head call with int cache_seqlens on
+    a contiguous cache attends on the Hopper forward after the append / rotary kernel; the
+    result matches the reference, and a repeated call with another length reuses the route."""
+    from cupyflash import kvcache
+    from cupyflash.gpu import decode_route, device, plan_decode
+
+    if device.info(cp.cuda.Device().id)[0] != 90:
+        pytest.skip("the Hopper forward route needs compute capability 9.0")
+    monkeypatch.setattr(plan_decode, "FORWARD_ROUTE_MIN_BYTES", 0)
+    kvcache._FAST.clear()
+    n0 = 600
+    q, kc, vc, k, v, bt, tabs, lens = _make(rng, b=2, s_q=s_q, h=8, hk=8, d=128, lens=[n0, n0],
+                                            s_new=s_q, cache_len=700, rot=rot, dtype=BF16)
+    kc_d, vc_d = cp.asarray(kc), cp.asarray(vc)
+    kw = {}
+    if tabs is not None:
+        kw = dict(rotary_cos=cp.asarray(tabs[0]), rotary_sin=cp.asarray(tabs[1]))
+    for step in range(2):   # the second call: the entry of the first (another length)
+        n = n0 + step * s_q
+        q_s = q if step == 0 else rng.standard_normal(q.shape).astype(BF16)
+        k_s = k if step == 0 else rng.standard_normal(k.shape).astype(BF16)
+        v_s = v if step == 0 else rng.standard_normal(v.shape).astype(BF16)
+        kc_before, vc_before = cp.asnumpy(kc_d), cp.asnumpy(vc_d)
+        out, lse = cf.attention_with_kvcache(cp.asarray(q_s), kc_d, vc_d, cp.asarray(k_s),
+                                             cp.asarray(v_s), cache_seqlens=n, return_lse=True,
+                                             causal=causal, **kw)
+        ents = list(kvcache._FAST.values())
+        assert len(ents) == 1 and isinstance(ents[0].launch, decode_route.ForwardRoute)
+        lens_s = np.array([n, n], np.int64)
+        kc2, vc2 = appended_caches(kc_before, vc_before, k_s, v_s, lens_s, None, tabs, False, BF16)
+        _check(cp.asnumpy(out), cp.asnumpy(lse), q_s, kc2, vc2, lens_s, s_q, None, tabs, False,
+               BF16, "bfloat16", dict(causal=causal))
+    kvcache._FAST.clear()

@@ -126,6 +126,32 @@ def test_tuning_switches_change_the_grid_order_and_combine(monkeypatch):
     assert plan.grid == (4, 8, 8) and not plan.head_fastest and not plan.fused_combine
 
 
+def test_more_ctas_per_sm_and_fewer_warps(monkeypatch):
+    """TUNING ctas_per_sm 3: 2-stage rings (H200, hd 128: 74 KB each); nw 2 with 4 per SM."""
+    monkeypatch.setitem(pd.TUNING, "ctas_per_sm", 3)
+    v, per_sm = pd.variant_for("bf16_t", 128, 4, H200["smem_optin"])
+    assert (per_sm, v.stages, v.nw) == (3, 2, 4) and 3 * (v.smem_bytes + 1024) <= H200["smem_optin"] + 2048
+    monkeypatch.setitem(pd.TUNING, "ctas_per_sm", 4)
+    monkeypatch.setitem(pd.TUNING, "nw", 2)
+    v, per_sm = pd.variant_for("bf16_t", 128, 4, H200["smem_optin"])
+    assert (per_sm, v.stages, v.nw) == (4, 3, 2) and v.threads == 64
+
+
+@pytest.mark.parametrize("args, want", [
+    ((90, 32, 32, False, False, 0, 2 << 30), True),      # MHA, 2 GiB of K / V
+    ((90, 32, 8, False, False, 0, 2 << 30), False),      # GQA: the decode kernel's packing
+    ((80, 32, 32, False, False, 0, 2 << 30), False),     # no Hopper forward
+    ((90, 32, 32, True, False, 0, 2 << 30), False),      # paged
+    ((90, 32, 32, False, True, 0, 2 << 30), False),      # lengths on the device
+    ((90, 32, 32, False, False, 2, 2 << 30), False),     # forced split count
+    ((90, 32, 32, False, False, 0, 256 << 20), False),   # small: host replanning would show
+], ids=["mha", "gqa", "sm80", "paged", "device_lengths", "num_splits", "small"])
+def test_route_forward(args, want, monkeypatch):
+    assert pd.route_forward(*args) is want
+    monkeypatch.setitem(pd.TUNING, "mha_forward", False)
+    assert pd.route_forward(*args) is False
+
+
 def test_fused_combine_weights_fit_the_merge_area():
     v, _ = pd.variant_for("bf16_t", 128, 1, H200["smem_optin"])
     assert pd.fused_fits(v, 1024)
