@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Question: does the whole GPU test suite pass, run as parallel pytest shards after one precompile (about 4-5 minutes on an H100/H200)?
 # From the checkout root on a GPU machine:  bash lab/gpu_suite.sh [shard ...]
-# Shards (default: all): fwd90 biasvarlen fwd bwd f32f64 misc smem99 kvcache sanitizer.
+# Shards (default: all): fwd90 biasvarlen fwd bwdp bwd90 f32f64 misc smem99 kvcache sanitizer.
 # Logs: $OUT/suite_<shard>.log (default ./device-out); one summary line per shard on stdout.
 set -u
 OUT=${OUT:-device-out}
@@ -12,14 +12,15 @@ declare -A SHARD=(
   [fwd90]="$T/test_gpu_forward_sm90.py"
   [biasvarlen]="$T/test_gpu_bias_varlen.py"
   [fwd]="$T/test_gpu_forward.py $T/test_gpu_api.py $T/test_launch.py $T/test_tolerance.py"
-  [bwd]="$T/test_gpu_backward.py $T/test_gpu_backward_sm90.py"
+  [bwdp]="$T/test_gpu_backward.py"
+  [bwd90]="$T/test_gpu_backward_sm90.py"
   [f32f64]="$T/test_gpu_backward_sm90_f32.py $T/test_gpu_forward_sm90_f32.py $T/test_gpu_float64.py"
   [misc]="$T/test_ring_gpu.py $T/test_fuzz.py $T/test_exact_size.py"
   [smem99]="$T/test_gpu_smem99.py"
   [kvcache]="$T/test_gpu_kvcache.py"
   [sanitizer]="$T/test_sanitizer.py -s"
 )
-shards=("$@"); [ ${#shards[@]} -eq 0 ] && shards=(fwd90 biasvarlen fwd bwd f32f64 misc smem99 kvcache sanitizer)
+shards=("$@"); [ ${#shards[@]} -eq 0 ] && shards=(fwd90 biasvarlen fwd bwdp bwd90 f32f64 misc smem99 kvcache sanitizer)
 if [ "${PRECOMPILE:-1}" = 1 ]; then
   t0=$SECONDS
   timeout 200 python -m cupyflash precompile --workers 16 > "$OUT/suite_precompile.log" 2>&1
