@@ -3,8 +3,8 @@
 // to its consumers (take_tile), the longest-first order of a causal grid's last tiles
 // (longest_first_tail), a work tile's sequence (set_sequence: dense or varlen), and the work tiles
 // themselves: the forwards' query tile (FwdTile, fwd_work_tile), the 16-bit backward's key tile
-// (KeyTile, key_tile, its steps step_head / step_m0, head_rows) and the dbias kernel's plane tile
-// (DbiasTile, dbias_tile, pair_of). The float32 backward keeps its own dense key tile
+// (KeyTile, key_tile, its steps step_head / step_m0 in either order, head_rows) and the dbias
+// kernel's plane tile (DbiasTile, dbias_tile, pair_of). The float32 backward keeps its own dense key tile
 // (hopper/bwd_f32.cu).
 #pragma once
 
@@ -215,12 +215,18 @@ __device__ __forceinline__ KeyTile key_tile(const Params& p, int w) {
     wt.steps = wt.keys ? wt.m_count * p.h_per_hk : 0;
     return wt;
 }
-// query head and first query row (of the sequence) of step st of a work tile
+// query head and first query row (of the sequence) of step st of a work tile. Steps run query
+// head outer, query tiles ascending inside; DET (the deterministic dQ order of hopper/bwd.cu):
+// query tiles descending outer, the group's query heads inside, so that of two key tiles of one
+// (batch, kv head) the earlier reaches every (head, query tile) no later in its steps
+template <bool DET = false>
 __device__ __forceinline__ int step_head(const Params& p, const KeyTile& wt, int st) {
+    if constexpr (DET) return wt.kv_head * p.h_per_hk + st % p.h_per_hk;
     return wt.kv_head * p.h_per_hk + st / wt.m_count;
 }
-template <int BM>
-__device__ __forceinline__ int step_m0(const KeyTile& wt, int st) {
+template <int BM, bool DET = false>
+__device__ __forceinline__ int step_m0(const Params& p, const KeyTile& wt, int st) {
+    if constexpr (DET) return (wt.m_first + wt.m_count - 1 - st / p.h_per_hk) * BM;
     return (wt.m_first + st % wt.m_count) * BM;
 }
 // Index of the sequence's row 0 of query head `head` in the [b, h, s_q] row arrays (lse, D, the
