@@ -25,7 +25,7 @@ echo "[$(( $(date +%s) - T0 )) s]"
 echo "== GPU tests"
 LEFT=$(( 232 - ($(date +%s) - T0) ))
 timeout -s INT $LEFT python -m pytest -q -p no:cacheprovider --durations=8 \
-    tests/gpu/test_gpu_backward_sm90.py tests/gpu/test_gpu_bias_varlen.py tests/gpu/test_gpu_backward.py \
+    tests/gpu/test_gpu_backward_sm90.py tests/gpu/test_launch.py tests/gpu/test_gpu_bias_varlen.py tests/gpu/test_gpu_backward.py \
     -k "deterministic or det or launcher or (gqa_mqa and sm90) or (dtype_headdim_grid and sm90) or varlen_backward_hopper_routing or falls_back" \
     > "$OUT/tests.log" 2>&1
 echo "rc=$?"
