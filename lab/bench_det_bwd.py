@@ -3,8 +3,10 @@
 
 FlashAttention's benchmark shapes: batch·seqlen = 16k tokens, hidden 2048 (hd 64: 32 heads,
 hd 128: 16 heads), seqlen 512..16k, causal and not. Both modes forced onto the Hopper kernel
-(kernel="sm90"); cuDNN through PyTorch SDPA (benchmarks/peers.py) where PyTorch is installed;
-``--portable`` adds the portable deterministic kernel (what deterministic=True ran before).
+(kernel="sm90"); the deterministic one in its default order (TUNING.det_descending, det_group:
+plan_bwd_sm90.det_sched) and in the first version's (ascending, no draw groups: "det asc1");
+cuDNN through PyTorch SDPA (benchmarks/peers.py) where PyTorch is installed; ``--portable`` adds
+the portable deterministic kernel (what deterministic=True ran before).
 Timing: lab/ab_timing.interleaved_tflops (every round times each candidate once, then the peer;
 median over rounds of the median of ``--rep`` calls between CUDA events). FLOPs: backward =
 2.5 x forward (cupyflash._bench.flops). Each row also checks that two deterministic calls give
@@ -32,6 +34,7 @@ from ab_timing import interleaved_tflops  # noqa: E402
 from cupyflash import _bench  # noqa: E402
 from cupyflash._options import Options  # noqa: E402
 from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd  # noqa: E402
+from cupyflash.gpu.tuning import tuning  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -47,13 +50,16 @@ def row(s, d, causal, rounds, rep, peer_name, portable):
     grads = [cp.empty_like(x) for x in (q, k, v)]
     names = {}
 
-    def call(det, kernel):
+    def call(det, kernel, **switches):
         def fn():
-            names[(det, kernel)] = gpu_bwd.backward(dout, q, k, v, out, lse, *grads, mk(det),
-                                                    kernel=kernel)
+            with tuning(**switches):
+                names[(det, kernel)] = gpu_bwd.backward(dout, q, k, v, out, lse, *grads, mk(det),
+                                                        kernel=kernel)
         return fn
 
-    calls = [call(False, "sm90"), call(True, "sm90")] + ([call(True, "portable")] if portable else [])
+    calls = [call(False, "sm90"), call(True, "sm90"),
+             call(True, "sm90", det_descending=False, det_group=1)]
+    calls += [call(True, "portable")] if portable else []
     peer = None
     if peer_name:
         from benchmarks.peers import try_peer
@@ -79,10 +85,10 @@ def main(argv=None):
     ap.add_argument("--portable", action="store_true", help="also the portable deterministic kernel")
     a = ap.parse_args(argv)
     print(_bench.device_line())
-    cols = "default     det" + (" portdet" if a.portable else "") + "   cudnn"
+    cols = "default     det det_asc1" + (" portdet" if a.portable else "") + "   cudnn"
     print(f"bf16 TFLOP/s (bwd = 2.5 x fwd), median of {a.rounds} rounds x {a.rep} calls")
     print(f"{'hd':>3} {'seqlen':>6} {'causal':>6} {'b':>3} {'h':>3} | {cols} | det/default"
-          + (" portdet/default" if a.portable else "") + "  det/cudnn  bits")
+          + " asc1/default" + (" portdet/default" if a.portable else "") + "  det/cudnn  bits")
     worst = math.inf
     for d in (int(x) for x in a.hdims.split(",")):
         for causal in (False, True):
@@ -93,7 +99,8 @@ def main(argv=None):
                 worst = min(worst, ratio)
                 print(f"{d:3d} {s:6d} {str(causal):>6} {b:3d} {h:3d} | "
                       + " ".join(f"{x:7.1f}" for x in tf) + f" {t_peer:7.1f} | {ratio:11.3f}"
-                      + (f" {tf[2] / tf[0]:15.3f}" if a.portable else "")
+                      + f" {tf[2] / tf[0]:12.3f}"
+                      + (f" {tf[3] / tf[0]:15.3f}" if a.portable else "")
                       + f" {tf[1] / t_peer:10.2f}  {'same' if same else 'DIFFER'}", flush=True)
     print(f"worst det/default: {worst:.3f}")
 

@@ -8,7 +8,7 @@ from typing import Optional
 import cupy
 
 from . import compile, device, params, tma
-from .plan_bwd_sm90 import BIAS_TMA, BM, BN, THREADS, Sm90BwdVariant, dq_semaphores
+from .plan_bwd_sm90 import BIAS_TMA, BM, BN, THREADS, Sm90BwdVariant, det_sched, dq_semaphores
 from .variants import DTYPE_NAMES
 
 
@@ -53,13 +53,17 @@ def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
         tma.bias_tma_desc(prm, bias, box_rows=BM)
     prm["sched"] = device.sched_counter(dev_id, device.current_stream().ptr)
     main, pre, pre_portable, conv = compile.get_functions(variant, dev_id)
-    rec = prm.reshape(1)[0]
-    num_work = -(-s_k // BN) * h_k * b
-    main_rec = rec
+    num_n, pairs = -(-s_k // BN), h_k * b          # key tiles of a pair, (kv head, batch) pairs
     if variant.varlen:
         nseq, max_k = varlen
-        num_n = -(-max_k // BN)
-        num_work = num_n * h_k * nseq
+        num_n, pairs = -(-max_k // BN), h_k * nseq
+    num_work = num_n * pairs
+    grid = min(num_sms, num_work)
+    if variant.det:   # the order of the dQ additions and the work tiles' numbering
+        prm["det_sched"] = det_sched(num_n, pairs, grid)
+    rec = prm.reshape(1)[0]
+    main_rec = rec
+    if variant.varlen:
         main_prm = prm.copy()
         main_prm["b"], main_prm["num_n_blocks"] = nseq, num_n
         main_rec = main_prm.reshape(1)[0]
@@ -69,7 +73,7 @@ def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
         pre((-(-s_q // (256 // (variant.d // 8))), h, b), (256, 1, 1), (rec,))
     else:
         pre_portable(pre_grid, (256, 1, 1), (rec,))
-    main((min(num_sms, num_work), 1, 1), (THREADS, 1, 1), (main_rec,), shared_mem=variant.smem_bytes)
+    main((grid, 1, 1), (THREADS, 1, 1), (main_rec,), shared_mem=variant.smem_bytes)
     conv((-(-s_q // (256 // (variant.d // 4))), h, b), (256, 1, 1), (rec,))
     del ws   # (freed into the stream-ordered pool after the launches above)
     return variant.name

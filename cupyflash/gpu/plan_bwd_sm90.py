@@ -24,12 +24,14 @@ producer warp). The accumulator's rows are chunk-swizzled (hopper/bwd.cu: dq_swi
 conversion is flash_bwd_dq_sm90.
 
 DET (``deterministic=True``): each dQ tile of 64 query rows of one (sequence, query head) receives
-the additions of the key tiles that touch it in key-tile order, each waiting on an int32
-semaphore (the rank of its key tile among them) that the previous one releases after its bulk
-reduce has landed; a tile's steps run query tiles descending, the group's heads inside
-(hopper/sched.cuh: step_m0). The semaphores follow the accumulator in the same allocation
-(``dq_semaphores``; zeroed per call), the accumulator is one slab as in atomic mode.
-docs/hopper.md has the ordering and deadlock-freedom argument.
+the additions of the key tiles that touch it in key-tile order (descending by default), each
+waiting on an int32 semaphore (the rank of its key tile among them: ``dq_rank``) that the
+previous one releases after its bulk reduce has landed. ``Params.det_sched`` (``det_sched``)
+sets the order and how the work tiles are numbered (``det_work_tile``: (kv head, batch) pairs in
+groups, key-tile-major) and a tile's steps run query tiles outer, the group's heads inner
+(``steps``). The semaphores follow the accumulator in the same allocation (``dq_semaphores``;
+zeroed per call), the accumulator is one slab as in atomic mode. docs/hopper.md has the ordering
+and deadlock-freedom argument.
 
 VARLEN (``backward_varlen``): work tiles over (key tile of the longest sequence, kv head,
 sequence) on the packed [1, total, h, d] tensors; lse, D and the accumulator are [h, total_q]
@@ -166,22 +168,74 @@ def dq_semaphore_index(slab: int, row0: int, m0: int) -> int:
     return (row0 + m0) // BM + slab
 
 
-def steps(m_first: int, m_count: int, kv_head: int, group: int, det: bool = False):
+def steps(m_first: int, m_count: int, kv_head: int, group: int, det: bool = False,
+          descending: bool = True):
     """Mirror of a work tile's step order (hopper/sched.cuh step_head / step_m0; the producer's
     counters in hopper/bwd.cu): (query head, query tile) of each step. Query head outer and query
-    tiles ascending; ``det``: query tiles descending outer, the group's heads inside."""
+    tiles ascending; ``det``: query tiles outer, the group's heads inner, query tiles ascending
+    where the key tiles add in ``descending`` order, else descending."""
     heads = range(kv_head * group, (kv_head + 1) * group)
     if det:
-        return [(hd, m) for m in reversed(range(m_first, m_first + m_count)) for hd in heads]
+        ms = range(m_first, m_first + m_count)
+        return [(hd, m) for m in (ms if descending else reversed(ms)) for hd in heads]
     return [(hd, m) for hd in heads for m in range(m_first, m_first + m_count)]
 
 
-def dq_rank(n_block: int, m_block: int, diag: int, window_left: int, window: bool = True) -> int:
+def dq_rank(n_block: int, m_block: int, diag: int, window_left: int, window: bool = True, *,
+            descending: bool = False, s_q: int = 0, s_k: int = 0, window_right: int = 0) -> int:
     """Mirror of hopper/bwd_parts.cuh dq_rank: the semaphore value key tile ``n_block`` waits for
-    before adding into query tile ``m_block`` (the key tiles before it that touch that query
-    tile: n_lo, .., n_block − 1). ``window_left`` is the Params value (unbounded: s_q + s_k)."""
+    before adding into query tile ``m_block`` of a sequence (s_q, s_k, diag): the key tiles that
+    touch it are n_lo .. n_hi; ascending order: n_block − n_lo, ``descending``: n_hi − n_block.
+    Window sides are Params values (unbounded: s_q + s_k)."""
+    if descending:
+        last_row = min(m_block * BM + BM, s_q) - 1
+        n_hi = (min(s_k - 1, last_row + diag + window_right) if window else s_k - 1) // BN
+        return n_hi - n_block
     n_lo = max(0, m_block * BM + diag - window_left) // BN if window else 0
     return n_block - n_lo
+
+
+#: Key tiles of one (kv head, batch) pair kept running together in the deterministic order
+#: (``det_sched``): at least this many (or all of them), as the default order's key-tile-fastest
+#: numbering does, so that their Q / dO reads and dQ additions meet in L2.
+DET_TILES_TOGETHER = 8
+
+
+def det_group(num_n: int, pairs: int, grid: int) -> int:
+    """(kv head, batch) pairs per draw group of the deterministic order: the grid spread over as
+    many pairs as keep min(num_n, DET_TILES_TOGETHER) key tiles of each running together
+    (grid // that), at most all pairs. Blocks that become free at the same moment then draw
+    key tiles of different pairs, which do not wait on each other's dQ additions; key tiles
+    of one pair started together would (each waits for the previous one's addition to land:
+    lab/det_order_model.py)."""
+    return max(1, min(pairs, grid // min(num_n, DET_TILES_TOGETHER)))
+
+
+def det_sched(num_n: int, pairs: int, grid: int, descending: Optional[bool] = None,
+              group: Optional[int] = None) -> int:
+    """Params.det_sched of a DET launch: 2 · (pairs per draw group) + (1: key tiles add in
+    descending order). ``descending`` / ``group`` default to TUNING.det_descending /
+    TUNING.det_group, and where that is None to ``det_group``."""
+    from .tuning import TUNING
+    if descending is None:
+        descending = TUNING.det_descending
+    if group is None:
+        group = TUNING.det_group
+    if group is None:
+        group = det_group(num_n, pairs, grid)
+    return 2 * max(1, min(int(group), pairs)) + int(bool(descending))
+
+
+def det_work_tile(w: int, num_n: int, pairs: int, sched: int):
+    """Mirror of hopper/sched.cuh key_tile's DET numbering: work tile ``w`` -> (key tile, pair),
+    pair = kv_head + h_k · batch. Pairs in groups of sched // 2, each group's tiles key-tile-major
+    (its pairs inner), key tiles descending where sched is odd."""
+    g0 = max(1, sched >> 1)
+    first = w // (g0 * num_n) * g0
+    g = min(g0, pairs - first)
+    wi = w - first * num_n
+    nl, q = wi // g, first + wi % g
+    return (num_n - 1 - nl if sched & 1 else nl), q
 
 
 def varlen_work_tiles(cu_seqlens_q, cu_seqlens_k, h: int, h_k: int, window_left: int,

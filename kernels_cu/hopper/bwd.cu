@@ -47,14 +47,16 @@
 // Causal / window are aligned per sequence (p.varlen_bottom_right). The producer skips tiles whose
 // keys start past their sequence's end before handing them on: the readers never see them.
 // DET (deterministic=True): every dQ tile [BM rows of one (sequence, query head)] gets the
-// additions of the key tiles that see it, n_lo .. n_hi, in key-tile order: the DQ_WARP lane waits
-// until the tile's int32 semaphore (after the accumulator: bwd_parts.cuh dq_sem) equals its key
-// tile's rank n − n_lo (dq_rank; acquire), adds, waits for the addition to land and releases
-// rank + 1. Waits are only on smaller work-tile indices, which the counter hands out first and
-// only to running blocks: no deadlock whatever the residency (the static draw could: DET traps
-// without p.sched). Steps then run query tiles descending, the group's heads inside, so that of
-// two key tiles of a head the earlier one reaches each shared query tile first (sched.cuh
-// step_m0; docs/hopper.md). dK, dV are summed in registers in both modes (GQA too).
+// additions of the key tiles that see it, n_lo .. n_hi, in key-tile order, descending or
+// ascending (p.det_sched & 1): the DQ_WARP lane waits until the tile's int32 semaphore (after the
+// accumulator: bwd_parts.cuh dq_sem) equals its key tile's rank (n_hi − n or n − n_lo: dq_rank;
+// acquire), adds, waits for the addition to land and releases rank + 1. The work tiles are
+// numbered so that each key tile's predecessor has the smaller index (sched.cuh key_tile: pairs
+// in groups of p.det_sched / 2, key-tile-major), which the counter hands out first and only to
+// running blocks: no deadlock whatever the residency (the static draw could: DET traps without
+// p.sched). Steps run query tiles outer, ascending or descending with the order, the group's
+// heads inner, so that the predecessor reaches each shared query tile first (sched.cuh step_m0;
+// docs/hopper.md). dK, dV are summed in registers in both modes (GQA too).
 // Covered (the launcher routes the rest to portable/bwd.cu): float16 / bfloat16, d = d_v in {64, 128},
 // causal / window (either alignment), GQA / MQA, any s_q, s_k, scale > 0, no softcap / ALiBi,
 // atomic or (DET) ordered dQ, TMA-compatible strides; dense or (VARLEN) packed sequences;
@@ -163,7 +165,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 do {   // varlen: tiles whose keys start past their sequence's end are skipped here,
                        // so the readers (consumers, ROWS_WARP) never see them
                     w = sched_draw(p.sched, drawn);
-                    if (w < num_work) wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS>(p, w);
+                    if (w < num_work) wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS, DET>(p, w);
                 } while (VARLEN && w < num_work && !wt.keys);
                 tile_smem[ts] = w < num_work ? w : -1;
                 mbar_arrive(tile_full + 8 * ts);     // publishes tile_smem[ts] (release)
@@ -185,16 +187,17 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 // KVBUF = 1: the buffer frees only after the current tile's last dQ product, so the
                 // tile's first NBUF Q/dO steps (whose ring slots free earlier) go first
                 const int kv_at = KVBUF == 1 ? min(NBUF, wt.steps) : 0;
-                // step st = (query head of the group) x m_count + query tile mi (DET: query tile
-                // m_count − 1 − mi of the group's head hi, st = mi x group + hi): counted, not
-                // divided (sched.cuh: step_head, step_m0)
+                // step st = (query head of the group) x m_count + query tile mi (DET: st = mi x
+                // group + the group's head hi, query tile mi from the first or the last:
+                // sched.cuh step_head, step_m0): counted, not divided
                 const int head0 = wt.kv_head * p.h_per_hk;
-                int head = head0, mi = DET ? wt.m_count - 1 : 0;
+                int head = head0, mi = 0;
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
                     if (st == kv_at) load_kv();
                     // Q, dO [BM, D] (and BIAS_TMA: the bias [BM, BN]) of the step into ring slot
                     // q_it % NBUF
-                    const int m0 = (wt.m_first + mi) * BM;
+                    const int mq = !DET || (p.det_sched & 1) ? mi : wt.m_count - 1 - mi;
+                    const int m0 = (wt.m_first + mq) * BM;
                     if (!DET && ++mi == wt.m_count) mi = 0;
                     const int s = q_it % NBUF;
                     if (q_it >= NBUF) mbar_wait(qdo_empty + 8 * s, ((q_it / NBUF) - 1) & 1);
@@ -218,7 +221,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                     if constexpr (DET) {
                         if (++head == head0 + p.h_per_hk) {
                             head = head0;
-                            --mi;
+                            ++mi;
                         }
                     } else if (mi == 0) {
                         ++head;
@@ -234,7 +237,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             for (int tile_i = 0;; ++tile_i) {
                 const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING);
                 if (w < 0) break;
-                const KeyTile wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS>(p, w);
+                const KeyTile wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS, DET>(p, w);
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
                     const int head = step_head<DET>(p, wt, st), m0 = step_m0<BM, DET>(p, wt, st);
                     const int s = q_it % NBUF;
@@ -328,7 +331,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     for (int tile_i = 0;; ++tile_i) {
         const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING);
         if (w < 0) break;
-        const KeyTile wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS>(p, w);
+        const KeyTile wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS, DET>(p, w);
         const int n0 = wt.n0;
         const int key0 = n0 + cw * 64 + row_in_wg;         // this lane's keys: key0, key0 + 8
         // VARLEN's mask values, kept in shared memory (hd 128 has no registers to spare): nk =
@@ -625,8 +628,9 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                     job_smem[1] = (u64)(min(BM, s_q - m0) * D * 4);   // this sequence's rows only
                     if constexpr (DET) {   // after the earlier key tiles' additions (bwd_parts.cuh)
                         const int diag = VARLEN ? n0 - seq_smem[1] : p.diag_offset;
+                        const int s_k = VARLEN ? n0 + seq_smem[0] : p.s_k;
                         job_smem[2] = (u64)dq_sem<VARLEN, BM>(p, wt, head, m0);
-                        job_smem[3] = (u64)dq_rank<WINDOW, BM, BN>(p, n0, diag, m0);
+                        job_smem[3] = (u64)dq_rank<WINDOW, BM, BN>(p, n0, s_q, s_k, diag, m0);
                     }
                 }
 #pragma unroll

@@ -99,12 +99,18 @@ __device__ __forceinline__ int* dq_sem(const Params& p, const KeyTile& wt, int h
     }
     return (int*)(p.dq_accum + p.dq_accum_slab) + (row0 + m0) / BM + slab;
 }
-// DET: the rank of key tile n0 / BN among the key tiles that touch query tile m0 (they are
-// n_lo, n_lo + 1, .. : the tiles of the keys the tile's rows keep): n0 / BN − n_lo, n_lo the
-// key tile of the first key row m0 keeps, max(0, m0 + diag − left) / BN (0 without WINDOW).
-// VARLEN passes nrel = n0 − diag of the sequence (the consumers keep it in shared memory)
+// DET: the rank of key tile n0 / BN among the key tiles that touch query tile m0 of a sequence
+// (s_q, s_k, diag): they are n_lo .. n_hi, the tiles of the keys the query tile's rows keep,
+// n_lo the tile of the first key row m0 keeps, max(0, m0 + diag − left) / BN, n_hi that of the
+// last key its last row keeps, min(s_k − 1, min(m0 + BM, s_q) − 1 + diag + right) / BN (without
+// WINDOW: 0 and (s_k − 1) / BN). Ascending order (p.det_sched even): n − n_lo; descending: n_hi − n
 template <bool WINDOW, int BM, int BN>
-__device__ __forceinline__ int dq_rank(const Params& p, int n0, int diag, int m0) {
+__device__ __forceinline__ int dq_rank(const Params& p, int n0, int s_q, int s_k, int diag, int m0) {
+    if (p.det_sched & 1) {
+        const int n_hi = WINDOW ? min(s_k - 1, min(m0 + BM, s_q) - 1 + diag + p.window_right) / BN
+                                : (s_k - 1) / BN;
+        return n_hi - n0 / BN;
+    }
     const int n_lo = WINDOW ? max(0, m0 + diag - p.window_left) / BN : 0;
     return n0 / BN - n_lo;
 }

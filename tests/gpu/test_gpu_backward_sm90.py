@@ -153,6 +153,19 @@ def test_deterministic_fully_masked_rows_and_strided_views(rng):
     det(rng, "float16", 1, 300, 290, 2, 1, 128, layout="padded", pad=8)
 
 
+@pytest.mark.parametrize("order", [(False, 1), (True, 1), (True, 3), (False, None), (True, 1000)],
+                         ids=["asc_g1", "desc_g1", "desc_g3", "asc_auto", "desc_all"])
+def test_deterministic_orders(rng, order):
+    """Every addition order and draw-group size (TUNING.det_descending / det_group, the
+    kernel's p.det_sched) gives bit-identical runs within the criterion."""
+    from cupyflash.gpu.tuning import tuning
+    descending, group = order
+    with tuning(det_descending=descending, det_group=group):
+        det(rng, "bfloat16", 2, 1021, 509, 4, 2, 128, causal=True)
+        det(rng, "float16", 3, 300, 700, 4, 4, 64)
+        det(rng, "bfloat16", 1, 517, 389, 8, 2, 64, window=(100, 30))
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_deterministic_bits_on_two_streams(rng, d, causal):

@@ -325,8 +325,8 @@ def test_sm90_backward_det_workspace(monkeypatch, varlen):
     int32 dQ semaphores (plan_bwd_sm90.dq_semaphores: rows / 64 rounded up + one per (sequence,
     head) slab), zeroes only the semaphores (a memset on the current stream: pre zeroes the
     accumulator), and hands every kernel a record with deterministic = 0 (the portable
-    flash_bwd_pre then zeroes the accumulator too) and dq_accum = the workspace; the caller's
-    record is left as it was."""
+    flash_bwd_pre then zeroes the accumulator too) and dq_accum = the workspace, the main kernel
+    det_sched (plan_bwd_sm90.det_sched); the caller's record is left as it was."""
     import ml_dtypes
 
     from cupyflash.gpu import bwd_sm90
@@ -401,4 +401,9 @@ def test_sm90_backward_det_workspace(monkeypatch, varlen):
     assert [s[0] for s in seen] == ["pre", "main", "dq"]
     for _, rec in seen:
         assert rec["dq_accum"] == 1 << 30 and rec["deterministic"] == 0 and rec["sched"] == 4096
+    # the main kernel's order: plan_bwd_sm90.det_sched of its key tiles, pairs and grid
+    num_n, pairs = (-(-650 // 128), h_k * nseq) if varlen else (-(-s_k // 128), h_k * b)
+    main_rec = seen[1][1]
+    assert main_rec["det_sched"] == plan_bwd_sm90.det_sched(num_n, pairs, min(132, num_n * pairs))
+    assert main_rec["det_sched"] & 1 and main_rec["det_sched"] >> 1 >= 1
     assert all(prm[f].tobytes() == before[f].tobytes() for f in prm.dtype.names)   # untouched

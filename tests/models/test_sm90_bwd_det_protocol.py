@@ -1,16 +1,17 @@
 """A model of the deterministic Hopper backward's dQ ordering across blocks (kernels_cu/hopper/bwd.cu,
 DET = true), run under many random interleavings on the CPU: persistent blocks draw work tiles
-(key tile n, kv head, batch; n fastest) from the counter, at most two ahead (the tile ring),
-and run each tile's steps in the DET order (plan_bwd_sm90.steps); each step's dQ addition waits
-until its tile's semaphore equals the key tile's rank (plan_bwd_sm90.dq_rank), then adds and
-releases rank + 1. Only ``resident`` blocks run at once, the others start as those exit (another
-kernel holds the rest of the GPU), in a random order.
+from the counter, numbered as the kernel numbers them (plan_bwd_sm90.det_work_tile: (kv head,
+batch) pairs in groups, key-tile-major, key tiles ascending or descending), at most two ahead
+(the tile ring), and run each tile's steps in the DET order (plan_bwd_sm90.steps); each step's
+dQ addition waits until its tile's semaphore equals the key tile's rank (plan_bwd_sm90.dq_rank),
+then adds and releases rank + 1. Only ``resident`` blocks run at once, the others start as those
+exit (another kernel holds the rest of the GPU), in a random order.
 
-Checks: no deadlock with the counter's draws whatever the residency; every dQ tile receives its
-additions in key-tile order (the bits do not depend on the schedule); the static draw (block
-i's k-th tile i + k · grid, what the kernel does without a counter and therefore refuses in DET)
-can deadlock when a block is not resident; ranks without the band's first key tile (n instead
-of n − n_lo) deadlock a window.
+Checks: no deadlock with the counter's draws whatever the residency, order and group size; every
+dQ tile receives its additions in key-tile order (the bits do not depend on the schedule); the
+static draw (block i's k-th tile i + k · grid, what the kernel does without a counter and
+therefore refuses in DET) can deadlock when a block is not resident; ranks without the band's
+first key tile (n instead of n − n_lo) deadlock a window.
 """
 from __future__ import annotations
 
@@ -25,22 +26,34 @@ class Deadlock(Exception):
     pass
 
 
-def work_tiles(b, h_k, group, s_q, s_k, wl=-1, wr=-1, bottom_right=True, rank=None):
+def work_tiles(b, h_k, group, s_q, s_k, wl=-1, wr=-1, bottom_right=True, rank=None,
+               descending=False, pairs_per_group=1):
     """Work tiles in index order: each a list of (dQ tile key, rank) per step, DET order."""
     window = wl >= 0 or wr >= 0
     unb = s_q + s_k
     wl_p, wr_p = (wl if wl >= 0 else unb), (wr if wr >= 0 else unb)
     diag = s_k - s_q if bottom_right else 0
-    rank = rank or (lambda n, m: P.dq_rank(n, m, diag, wl_p, window))
-    num_n = -(-s_k // P.BN)
+    rank = rank or (lambda n, m: P.dq_rank(n, m, diag, wl_p, window, descending=descending,
+                                           s_q=s_q, s_k=s_k, window_right=wr_p))
+    num_n, pairs = -(-s_k // P.BN), h_k * b
+    sched = 2 * pairs_per_group + descending
     tiles = []
-    for bb in range(b):
-        for kv in range(h_k):
-            for n in range(num_n):
-                r = plan_bwd.query_tiles(n, P.BN, P.BM, s_q, s_k, wl_p, wr_p, diag, window)
-                st = P.steps(r.start, len(r), kv, group, det=True) if len(r) else []
-                tiles.append([((bb, hd, m), rank(n, m)) for hd, m in st])
+    for w in range(num_n * pairs):
+        n, q = P.det_work_tile(w, num_n, pairs, sched)
+        kv, bb = q % h_k, q // h_k
+        r = plan_bwd.query_tiles(n, P.BN, P.BM, s_q, s_k, wl_p, wr_p, diag, window)
+        st = P.steps(r.start, len(r), kv, group, True, descending) if len(r) else []
+        tiles.append([((bb, hd, m), rank(n, m)) for hd, m in st])
     return tiles
+
+
+def addition_order(tiles, descending):
+    """{dQ tile: work tile indices in the order the semaphores let them add}."""
+    want = {}
+    for w, steps in enumerate(tiles):
+        for key, r in steps:
+            want.setdefault(key, {})[r] = w
+    return {key: [ws[r] for r in range(len(ws))] for key, ws in want.items()}
 
 
 def simulate(tiles, grid, resident, rnd, dynamic=True, order=None, ring=2):
@@ -107,19 +120,24 @@ SHAPES = {
 }
 
 
+@pytest.mark.parametrize("order", [(False, 1), (True, 1), (True, 3), (False, 4), (True, 64)],
+                         ids=["asc_g1", "desc_g1", "desc_g3", "asc_g4", "desc_g64"])
 @pytest.mark.parametrize("resident", [1, 2, 5, 16])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_counter_draws_never_deadlock_and_fix_the_order(shape, resident):
-    tiles = work_tiles(**SHAPES[shape])
-    want = {}
-    for w, steps in enumerate(tiles):
-        for key, _ in steps:
-            want.setdefault(key, []).append(w)
-    for seed in range(12):
+def test_counter_draws_never_deadlock_and_fix_the_order(shape, resident, order):
+    descending, g = order
+    tiles = work_tiles(**SHAPES[shape], descending=descending, pairs_per_group=g)
+    want = addition_order(tiles, descending)
+    for key, ws in want.items():   # the addition order is the key-tile order, either way
+        ns = [P.det_work_tile(w, -(-SHAPES[shape]["s_k"] // P.BN),
+                              SHAPES[shape]["h_k"] * SHAPES[shape]["b"],
+                              2 * g + descending)[0] for w in ws]
+        assert ns == sorted(ns, reverse=descending), (key, ns)
+    for seed in range(8):
         rnd = random.Random(seed * 31 + resident)
         grid = min(16, len(tiles))
         log = simulate(tiles, grid, min(resident, grid), rnd)
-        assert log == want   # each dQ tile: its key tiles in index (= key-tile) order
+        assert log == want   # each dQ tile: its key tiles in the addition order
 
 
 def test_static_draws_can_deadlock():
