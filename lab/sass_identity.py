@@ -17,7 +17,11 @@ the old tree compares against the new one:
 Normalization drops only what does not come from the code: nvdisasm's header comments and file /
 line directives, its cubin-wide numbering of local labels (renumbered per section), and the
 translation-unit part of internal-linkage names (file name and hash: one placeholder). ``-D`` / ``-I`` options (the source hash, include paths) do not reach the SASS.
-``--only fam,...`` limits the families; ``--workers`` sets the compile processes.
+``--only fam,...`` limits the families; ``--workers`` sets the compile processes. A template
+parameter added with a default changes the default instantiation's symbol but not its code:
+``--sub PATTERN REPL`` (a regex, repeatable) rewrites the new tree's keys and texts before the
+comparison, e.g. ``--sub 'Li0ELb0EEv6Params' 'Li0EEv6Params' --sub ', false>' '>'`` for a
+trailing ``bool DET = false``.
 """
 from __future__ import annotations
 
@@ -199,6 +203,8 @@ def main(argv=None):
     g.add_argument("--compare", type=Path, help="baseline directory to compare with")
     ap.add_argument("--only", default="", help="comma-separated family names (default: all)")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--sub", nargs=2, action="append", default=[], metavar=("PATTERN", "REPL"),
+                    help="--compare: rewrite the new keys and texts (regex) before comparing")
     a = ap.parse_args(argv)
     fams = families()
     if a.only:
@@ -206,6 +212,8 @@ def main(argv=None):
     jobs = [j for js in fams.values() for j in js]
     print(f"{len(jobs)} (arch, variant) programs in {len(fams)} families")
     res = run(jobs, a.workers)
+    for pat, repl in a.sub:
+        res = {re.sub(pat, repl, k): re.sub(pat, repl, t) for k, t in res.items()}
     digest = {k: hashlib.sha256(t.encode()).hexdigest() for k, t in res.items()}
     if a.save:
         a.save.mkdir(parents=True, exist_ok=True)

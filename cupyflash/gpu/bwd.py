@@ -88,12 +88,14 @@ def _device():
 
 def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
                      zero_batch_strides=False, extra=None, hopper=None,
-                     hopper_accum=True, after=None):
+                     hopper_accum=True, after=None, replan=None):
     """Strides, pointers, ALiBi slopes into the plan's Params; D and dQ accumulator allocated;
     ``extra(prm)`` writes the GENERAL fields; the three kernels launched in order, or
     ``hopper(prm)`` launches them with the Hopper main kernel (None: it could not).
-    ``hopper_accum=False``: the Hopper kernels add dQ into dq (hopper/bwd_f32.cu), so the
-    accumulator is allocated only if ``hopper`` falls back. ``after(prm)`` launches more
+    ``hopper_accum=False``: the Hopper kernels need no accumulator from here (hopper/bwd_f32.cu
+    adds dQ into dq; a deterministic hopper/bwd.cu launch allocates its own with its
+    semaphores), so it is allocated only if ``hopper`` falls back; ``replan(plan)`` then gives
+    the portable kernels' plan (deterministic: its dQ slabs). ``after(prm)`` launches more
     kernels reading the same Params (the 0-d array; flash_bwd_dbias or flash_bwd_dbias_sm90)
     after the main kernels, while D is alive."""
 
@@ -118,18 +120,21 @@ def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
                  ("dq", dq), ("dk", dk), ("dv", dv), ("dsum", dsum)):
         prm[n] = a.data.ptr
 
-    def accumulator():   # the float32 (float64) dQ accumulator (all slabs), its address in prm
+    def accumulator(plan):   # the float32 (float64) dQ accumulator (all slabs), its address in prm
         # deterministic slabs are added into (zeroed here); atomic mode's is zeroed by flash_bwd_pre
         a = (cupy.zeros if prm["deterministic"] else cupy.empty)(plan.accum_elems, acc_dtype)
         prm["dq_accum"] = a.data.ptr
         return a
 
-    accum = accumulator() if hopper is None or hopper_accum else None
+    accum = accumulator(plan) if hopper is None or hopper_accum else None
     keep = extra(prm) if extra is not None else ()
     ran = hopper(prm) if hopper is not None else None
     if ran is None:
+        if replan is not None and hopper is not None:
+            plan = replan(plan)
+            prm["dq_slabs"] = plan.params["dq_slabs"]
         if accum is None:
-            accum = accumulator()
+            accum = accumulator(plan)
         main, pre, conv = compile.get_functions(plan.variant, dev_id)
         rec = prm.reshape(1)[0]
         pre(plan.pre_grid, (256, 1, 1), (rec,))
@@ -164,7 +169,8 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, for
         softcap=float(opts.softcap or 0.0), has_alibi=opts.alibi_slopes is not None,
         deterministic=bool(opts.deterministic), cc=cc, smem_optin=smem,
         tensors=[(a.shape, params.elem_strides(a, t))
-                 for a, t in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"))])
+                 for a, t in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"))],
+        has_bias=bias_operand is not None)
     bias_kind = 0
     if why is None and opts.mask is not None:
         why = "a boolean mask (not in the Hopper backward)"
@@ -189,7 +195,7 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, for
     # (a GENERAL plan always has window set: the Hopper variant only where a side is bounded)
     window = int(opts.window_left) >= 0 or int(opts.window_right) >= 0
     variant = plan_bwd_sm90.variant_for(plan.variant.elem, q.shape[3], window, bias_kind,
-                              varlen=varlen is not None)
+                              varlen=varlen is not None, det=bool(opts.deterministic))
 
     def hopper(prm):
         ran = bwd_sm90.launch(variant, prm, plan.pre_grid, q, k, v, dout, dev_id, num_sms, varlen,
@@ -276,8 +282,6 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
         deterministic=bool(opts.deterministic), smem_optin=smem, num_sms=num_sms,
         variant=kernel if isinstance(kernel, BwdVariant) else None, has_bias=bias is not None,
         has_mask=opts.mask is not None)
-    if opts.deterministic:
-        plan = with_dq_slabs(plan, _resident_blocks(plan.variant, dev_id, num_sms))
     if kernel == "sm90" and plan.variant.general and bias is None:   # a mask alone
         raise ValueError("kernel='sm90': the Hopper backward cannot run this call: a boolean "
                          "mask (not in the Hopper backward)")
@@ -288,6 +292,14 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
             operand = operands.bias_operand(bias, q.dtype)
         hopper = _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms,
                                   forced=kernel == "sm90", bias_operand=operand)
+    # deterministic: the portable kernels' dQ slabs, where they run (the Hopper kernel orders dQ
+    # itself and needs no slabs: the portable variant is then not compiled for its occupancy)
+    replan = None
+    if opts.deterministic:
+        def replan(pl):
+            return with_dq_slabs(pl, _resident_blocks(pl.variant, dev_id, num_sms))
+        if hopper is None:
+            plan = replan(plan)
     extra = after = None
     dplan = accum = by_kernel = dbias90 = None
     if plan.variant.general:
@@ -348,9 +360,11 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
                         (b if dplan.shape[0] > 1 else 1) * (h if dplan.shape[1] > 1 else 1))
                 fn(grid, (by_kernel.threads, 1, 1), (rec,), shared_mem=by_kernel.smem_bytes)
 
-    # float32: the Hopper kernel (hopper/bwd_f32.cu) adds dQ into dq, no accumulator
+    # float32: the Hopper kernel (hopper/bwd_f32.cu) adds dQ into dq, no accumulator; a
+    # deterministic 16-bit one allocates its own (with its semaphores)
     res = _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, extra=extra,
-                           hopper=hopper, hopper_accum=name != "float32", after=after)
+                           hopper=hopper, after=after, replan=replan,
+                           hopper_accum=name != "float32" and not opts.deterministic)
     if dplan is not None:
         if dplan.mode < 0:     # bias constant along keys: exactly zero gradient
             dbias.fill(0)
@@ -394,8 +408,6 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
         softcap=float(opts.softcap or 0.0), has_alibi=opts.alibi_slopes is not None,
         allow_tf32=bool(opts.allow_tf32), deterministic=bool(opts.deterministic),
         smem_optin=smem, num_sms=num_sms)
-    if opts.deterministic:
-        plan = with_dq_slabs(plan, _resident_blocks(plan.variant, dev_id, num_sms))
     cq = cupy.ascontiguousarray(cu_seqlens_q, dtype=np.int32)
     ck = cupy.ascontiguousarray(cu_seqlens_k, dtype=np.int32)
 
@@ -407,6 +419,12 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     if kernel != "portable":
         hopper = _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms,
                                   forced=kernel == "sm90", varlen=(nseq, int(max_seqlen_k)))
+    replan = None
+    if opts.deterministic:   # the portable kernel's dQ slabs, where it runs (as in backward)
+        def replan(pl):
+            return with_dq_slabs(pl, _resident_blocks(pl.variant, dev_id, num_sms))
+        if hopper is None:
+            plan = replan(plan)
     return _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id,
-                            zero_batch_strides=True,
-                            extra=extra, hopper=hopper)
+                            zero_batch_strides=True, extra=extra, hopper=hopper, replan=replan,
+                            hopper_accum=name != "float32" and not opts.deterministic)

@@ -16,7 +16,7 @@ PARAMS_FIELDS = (
     + [("alibi_stride_b", np.int64)]
     + [(n, np.int32) for n in ("b", "h", "h_k", "h_per_hk", "s_q", "s_k", "d", "d_v",
                                "window_left", "window_right", "diag_offset", "vec_ok",
-                               "num_m_blocks", "flags")]
+                               "num_m_blocks", "det_sched")]
     + [(n, np.float32) for n in ("scale_log2", "softcap_pre", "softcap_post", "pad0")]
     # bias / mask / varlen (GENERAL instantiations only; null pointer = feature off)
     + [(n, np.uint64) for n in ("bias", "mask", "cu_seqlens_q", "cu_seqlens_k", "dbias_accum",

@@ -1,15 +1,15 @@
 """Hopper (sm_90a) backward main kernel, planner side (pure Python): variants, coverage, shared
 memory, work decomposition. bwd_sm90.py launches it.
 
-``flash_bwd_sm90<E, D, WINDOW, DQ_BULK, KVBUF, VARLEN, BIAS>`` in kernels_cu/hopper/bwd.cu replaces the portable
-main kernel (flash_bwd in portable/bwd.cu) on compute capability 9.0 wherever it covers the call; the helper
+``flash_bwd_sm90<E, D, WINDOW, DQ_BULK, KVBUF, VARLEN, BIAS, DET>`` in kernels_cu/hopper/bwd.cu replaces the
+portable main kernel (flash_bwd in portable/bwd.cu) on compute capability 9.0 wherever it covers the call; the helper
 kernels before it (``flash_bwd_pre_sm90``: D = rowsum(dO ∘ O) with the zeroed dQ accumulator; portable/bwd.cu's
 ``flash_bwd_pre`` when O's rows are not 16-byte aligned) and after it (``flash_bwd_dq_sm90``: the dQ
 conversion) are compiled into the same module. Coverage (``why_unsupported`` says why not):
-float16 / bfloat16, d = d_v in {64, 128}, no softcap / ALiBi, scale > 0, atomic (not
-deterministic) dQ, strides TMA accepts (16-byte multiples) for q, k, v and dout; an additive
-bias with dbias where ``bias_unsupported`` accepts its layout (no mask: the launcher keeps masks
-on the portable GENERAL kernel). The BIAS template argument says how the bias is read:
+float16 / bfloat16, d = d_v in {64, 128}, no softcap / ALiBi, scale > 0, strides TMA accepts
+(16-byte multiples) for q, k, v and dout; an additive bias with dbias where ``bias_unsupported``
+accepts its layout (no mask: the launcher keeps masks on the portable GENERAL kernel), not in
+deterministic mode (dbias is added with atomics). The BIAS template argument says how the bias is read:
 BIAS_TMA (3) stages q's 16-bit bias per step into shared memory through a tensor map, where
 ``bias_tma_unsupported`` allows (a full query dimension, 16-byte strides); otherwise the consumers
 load it from global memory (1: q's 16-bit type, 2: float32).
@@ -22,6 +22,16 @@ current one; two consumer warpgroups of 64 keys each keep dK, dV in registers; e
 goes through shared memory into the float32 accumulator (one cp.reduce.async.bulk .add.f32 by a
 producer warp). The accumulator's rows are chunk-swizzled (hopper/bwd.cu: dq_swizzle), so the dQ
 conversion is flash_bwd_dq_sm90.
+
+DET (``deterministic=True``): each dQ tile of 64 query rows of one (sequence, query head) receives
+the additions of the key tiles that touch it in key-tile order (descending by default), each
+waiting on an int32 semaphore (the rank of its key tile among them: ``dq_rank``) that the
+previous one releases after its bulk reduce has landed. ``Params.det_sched`` (``det_sched``)
+sets the order and how the work tiles are numbered (``det_work_tile``: (kv head, batch) pairs in
+groups, key-tile-major) and a tile's steps run query tiles outer, the group's heads inner
+(``steps``). The semaphores follow the accumulator in the same allocation (``dq_semaphores``;
+zeroed per call), the accumulator is one slab as in atomic mode. docs/hopper.md has the ordering
+and deadlock-freedom argument.
 
 VARLEN (``backward_varlen``): work tiles over (key tile of the longest sequence, kv head,
 sequence) on the packed [1, total, h, d] tensors; lse, D and the accumulator are [h, total_q]
@@ -65,6 +75,7 @@ class Sm90BwdVariant(KernelVariant):
     varlen: bool = False   # packed sequences (cu_seqlens), backward_varlen
     bias: int = 0          # additive bias (+ dbias): BIAS_NONE, BIAS_LD16 (the inputs' 16-bit type),
                            # BIAS_LD32 (float32), BIAS_TMA (16-bit, staged by TMA)
+    det: bool = False      # deterministic dQ: key tiles add in order (semaphores; no bias)
 
     file = "hopper/bwd.cu"
     arch_options = ("-arch=sm_90a",)
@@ -76,8 +87,9 @@ class Sm90BwdVariant(KernelVariant):
 
     def template_args(self) -> tuple:
         b = cpp_bool
+        det = ("true",) if self.det else ()   # the template's default is false
         return (self.elem, str(self.d), b(self.window), b(self.dq_bulk), str(self.kvbuf),
-                b(self.varlen), str(self.bias))
+                b(self.varlen), str(self.bias)) + det
 
     @property
     def pre_expression(self) -> str:
@@ -100,41 +112,130 @@ class Sm90BwdVariant(KernelVariant):
         return (f"bwd90_{self.elem[:-2]}_d{self.d}_{BM}x{BN}" + ("_window" if self.window else "")
                 + ("" if self.dq_bulk else "_red") + (f"_kv{self.kvbuf}" if self.kvbuf != 1 else "")
                 + ("_varlen" if self.varlen else "")
-                + ("", "_bias16", "_bias32", "_bias16_tma")[self.bias])
+                + ("", "_bias16", "_bias32", "_bias16_tma")[self.bias]
+                + ("_det" if self.det else ""))
 
     @property
     def smem_bytes(self) -> int:
-        return smem_bytes(self.d, self.kvbuf, self.bias == BIAS_TMA)
+        return smem_bytes(self.d, self.kvbuf, self.bias == BIAS_TMA, self.det)
 
 
-def smem_bytes(d: int, kvbuf: int = None, bias_tma: bool = False) -> int:
+def smem_bytes(d: int, kvbuf: int = None, bias_tma: bool = False, det: bool = False) -> int:
     """Mirrors sm90b::Layout in hopper/bwd.cu: KVBUF x K, V [128, d]; NBUF x (Q, dO [64, d]); two
     dSᵀ [128, 64] buffers (16-bit); the dQ tile [64, d] float32; ``bias_tma``: NBUF x the bias
     tile [64, 128] (16-bit); NBUF x (lse, D [64] floats); the work-tile ring and dQ job (16 + 16
-    bytes); the mbarriers; 1024 bytes of slack to align the swizzled panels. ``kvbuf`` defaults
-    to kv_buffers(d)."""
+    bytes, ``det``: + 16); the mbarriers; 1024 bytes of slack to align the swizzled panels.
+    ``kvbuf`` defaults to kv_buffers(d)."""
     kvbuf = kv_buffers(d) if kvbuf is None else kvbuf
     return (2 * kvbuf * BN * d * 2 + 2 * NBUF * BM * d * 2 + 2 * BN * BM * 2 + BM * d * 4
             + (NBUF * BM * BN * 2 if bias_tma else 0)
-            + NBUF * 2 * BM * 4 + 16 + 16 + 8 * (2 * kvbuf + 2 * NBUF + 2 + 2 * TILE_RING) + 1024)
+            + NBUF * 2 * BM * 4 + 16 + (32 if det else 16)
+            + 8 * (2 * kvbuf + 2 * NBUF + 2 + 2 * TILE_RING) + 1024)
 
 
 def variant_for(elem: str, d: int, window: bool, bias: int = 0,
-                varlen: bool = False) -> "Sm90BwdVariant":
+                varlen: bool = False, det: bool = False) -> "Sm90BwdVariant":
     """The variant the launcher runs for this element type, head dim, mask kind, bias kind
-    (BIAS_NONE, BIAS_LD16, BIAS_LD32, BIAS_TMA) and layout (``varlen``: packed sequences; never
-    with a bias)."""
+    (BIAS_NONE, BIAS_LD16, BIAS_LD32, BIAS_TMA), layout (``varlen``: packed sequences; never
+    with a bias) and dQ order (``det``: deterministic; never with a bias)."""
     assert not (varlen and bias), "the varlen backward takes no bias"
-    return Sm90BwdVariant(elem, d, window, True, kv_buffers(d), varlen, bias)
+    assert not (det and bias), "the deterministic Hopper backward takes no bias"
+    return Sm90BwdVariant(elem, d, window, True, kv_buffers(d), varlen, bias, det)
 
 
 def variants():
     """Every Sm90BwdVariant (compiled by the harness for sm_90a): dense without and with a bias
-    (each BIAS kind), and varlen."""
-    return [variant_for(e, d, w, bias, vl) for e in ("f16_t", "bf16_t") for d in HEAD_DIMS
+    (each BIAS kind), varlen, and the deterministic dense and varlen ones."""
+    return [variant_for(e, d, w, bias, vl, det) for e in ("f16_t", "bf16_t") for d in HEAD_DIMS
             for w in (False, True)
-            for bias, vl in ((BIAS_NONE, False), (BIAS_LD16, False), (BIAS_LD32, False),
-                             (BIAS_TMA, False), (BIAS_NONE, True))]
+            for bias, vl, det in ((BIAS_NONE, False, False), (BIAS_LD16, False, False),
+                                  (BIAS_LD32, False, False), (BIAS_TMA, False, False),
+                                  (BIAS_NONE, True, False), (BIAS_NONE, False, True),
+                                  (BIAS_NONE, True, True))]
+
+
+def dq_semaphores(rows: int, slabs: int) -> int:
+    """int32 semaphores of a DET launch (after the accumulator's floats): one per BM-row tile of
+    each of the ``slabs`` (sequence, query head) slabs of the accumulator's ``rows`` rows, at index
+    floor(R / BM) + slab (``dq_semaphore_index``), all below ceil(rows / BM) + slabs."""
+    return -(-rows // BM) + slabs
+
+
+def dq_semaphore_index(slab: int, row0: int, m0: int) -> int:
+    """Mirror of hopper/bwd_parts.cuh dq_sem: the semaphore of the dQ tile whose first row is m0
+    of slab number ``slab`` (dense: batch · h + head; varlen: head · sequences + sequence), whose
+    first accumulator row is ``row0``."""
+    return (row0 + m0) // BM + slab
+
+
+def steps(m_first: int, m_count: int, kv_head: int, group: int, det: bool = False,
+          descending: bool = True):
+    """Mirror of a work tile's step order (hopper/sched.cuh step_head / step_m0; the producer's
+    counters in hopper/bwd.cu): (query head, query tile) of each step. Query head outer and query
+    tiles ascending; ``det``: query tiles outer, the group's heads inner, query tiles ascending
+    where the key tiles add in ``descending`` order, else descending."""
+    heads = range(kv_head * group, (kv_head + 1) * group)
+    if det:
+        ms = range(m_first, m_first + m_count)
+        return [(hd, m) for m in (ms if descending else reversed(ms)) for hd in heads]
+    return [(hd, m) for hd in heads for m in range(m_first, m_first + m_count)]
+
+
+def dq_rank(n_block: int, m_block: int, diag: int, window_left: int, window: bool = True, *,
+            descending: bool = False, s_q: int = 0, s_k: int = 0, window_right: int = 0) -> int:
+    """Mirror of hopper/bwd_parts.cuh dq_rank: the semaphore value key tile ``n_block`` waits for
+    before adding into query tile ``m_block`` of a sequence (s_q, s_k, diag): the key tiles that
+    touch it are n_lo .. n_hi; ascending order: n_block − n_lo, ``descending``: n_hi − n_block.
+    Window sides are Params values (unbounded: s_q + s_k)."""
+    if descending:
+        last_row = min(m_block * BM + BM, s_q) - 1
+        n_hi = (min(s_k - 1, last_row + diag + window_right) if window else s_k - 1) // BN
+        return n_hi - n_block
+    n_lo = max(0, m_block * BM + diag - window_left) // BN if window else 0
+    return n_block - n_lo
+
+
+#: Key tiles of one (kv head, batch) pair kept running together in the deterministic order
+#: (``det_sched``): at least this many (or all of them), as the default order's key-tile-fastest
+#: numbering does, so that their Q / dO reads and dQ additions meet in L2.
+DET_TILES_TOGETHER = 8
+
+
+def det_group(num_n: int, pairs: int, grid: int) -> int:
+    """(kv head, batch) pairs per draw group of the deterministic order: the grid spread over as
+    many pairs as keep min(num_n, DET_TILES_TOGETHER) key tiles of each running together
+    (grid // that), at most all pairs. Blocks that become free at the same moment then draw
+    key tiles of different pairs, which do not wait on each other's dQ additions; key tiles
+    of one pair started together would (each waits for the previous one's addition to land:
+    lab/det_order_model.py)."""
+    return max(1, min(pairs, grid // min(num_n, DET_TILES_TOGETHER)))
+
+
+def det_sched(num_n: int, pairs: int, grid: int, descending: Optional[bool] = None,
+              group: Optional[int] = None) -> int:
+    """Params.det_sched of a DET launch: 2 · (pairs per draw group) + (1: key tiles add in
+    descending order). ``descending`` / ``group`` default to TUNING.det_descending /
+    TUNING.det_group, and where that is None to ``det_group``."""
+    from .tuning import TUNING
+    if descending is None:
+        descending = TUNING.det_descending
+    if group is None:
+        group = TUNING.det_group
+    if group is None:
+        group = det_group(num_n, pairs, grid)
+    return 2 * max(1, min(int(group), pairs)) + int(bool(descending))
+
+
+def det_work_tile(w: int, num_n: int, pairs: int, sched: int):
+    """Mirror of hopper/sched.cuh key_tile's DET numbering: work tile ``w`` -> (key tile, pair),
+    pair = kv_head + h_k · batch. Pairs in groups of sched // 2, each group's tiles key-tile-major
+    (its pairs inner), key tiles descending where sched is odd."""
+    g0 = max(1, sched >> 1)
+    first = w // (g0 * num_n) * g0
+    g = min(g0, pairs - first)
+    wi = w - first * num_n
+    nl, q = wi // g, first + wi % g
+    return (num_n - 1 - nl if sched & 1 else nl), q
 
 
 def varlen_work_tiles(cu_seqlens_q, cu_seqlens_k, h: int, h_k: int, window_left: int,
@@ -166,18 +267,18 @@ def varlen_work_tiles(cu_seqlens_q, cu_seqlens_k, h: int, h_k: int, window_left:
 
 def why_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap: float,
                 has_alibi: bool, deterministic: bool, cc: int, smem_optin: int,
-                tensors=()) -> Optional[str]:
+                tensors=(), has_bias: bool = False) -> Optional[str]:
     """Why the Hopper backward kernel cannot run this call (None when it can). ``tensors``:
     (shape, element strides) of q, k, v and dout. Base pointers are checked at launch."""
     if softcap > 0 or has_alibi:
         return "softcap / alibi_slopes (not in the Hopper backward yet)"
     if not scale > 0:
         return f"scale {scale} <= 0"
-    if deterministic:
-        return "deterministic=True (the Hopper backward adds dQ with atomics)"
+    if deterministic and has_bias:
+        return "deterministic=True with a bias (the Hopper backward adds dbias with atomics)"
     return sm90_common_unsupported(dtype_name, d, d_v, HEAD_DIMS, cc=cc,
-                                         smem_need=smem_bytes(d), smem_optin=smem_optin,
-                                         tensors=tensors)
+                                         smem_need=smem_bytes(d, det=deterministic),
+                                         smem_optin=smem_optin, tensors=tensors)
 
 
 def bias_unsupported(strides, s_k: int, ptr: int, itemsize: int) -> Optional[str]:

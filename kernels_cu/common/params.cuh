@@ -30,7 +30,8 @@ struct Params {
     int diag_offset;        // diag(i) = i + diag_offset (s_k - s_q bottom-right, 0 top-left)
     int vec_ok;             // 1: every row start is 16-byte aligned -> 16-byte cp.async
     int num_m_blocks;       // ceil(s_q / BM)
-    int flags;              // reserved
+    int det_sched;          // Hopper deterministic backward: 2 · pairs per draw group + (1:
+                            // key tiles descending); plan_bwd_sm90.det_sched
     float scale_log2;       // scale * log2(e)
     float softcap_pre;      // scale / softcap (0 when off)
     float softcap_post;     // softcap * log2(e)

@@ -46,11 +46,22 @@
 // packed row index, so a tile's rows are offset by q_row mod 8 (flash_bwd_dq_sm90 unchanged).
 // Causal / window are aligned per sequence (p.varlen_bottom_right). The producer skips tiles whose
 // keys start past their sequence's end before handing them on: the readers never see them.
+// DET (deterministic=True): every dQ tile [BM rows of one (sequence, query head)] gets the
+// additions of the key tiles that see it, n_lo .. n_hi, in key-tile order, descending or
+// ascending (p.det_sched & 1): the DQ_WARP lane waits until the tile's int32 semaphore (after the
+// accumulator: bwd_parts.cuh dq_sem) equals its key tile's rank (n_hi − n or n − n_lo: dq_rank;
+// acquire), adds, waits for the addition to land and releases rank + 1. The work tiles are
+// numbered so that each key tile's predecessor has the smaller index (sched.cuh key_tile: pairs
+// in groups of p.det_sched / 2, key-tile-major), which the counter hands out first and only to
+// running blocks: no deadlock whatever the residency (the static draw could: DET traps without
+// p.sched). Steps run query tiles outer, ascending or descending with the order, the group's
+// heads inner, so that the predecessor reaches each shared query tile first (sched.cuh step_m0;
+// docs/hopper.md). dK, dV are summed in registers in both modes (GQA too).
 // Covered (the launcher routes the rest to portable/bwd.cu): float16 / bfloat16, d = d_v in {64, 128},
 // causal / window (either alignment), GQA / MQA, any s_q, s_k, scale > 0, no softcap / ALiBi,
-// atomic (non-deterministic) dQ, TMA-compatible strides; dense or (VARLEN) packed sequences;
-// (BIAS) an additive bias with dbias, in the layouts plan_bwd_sm90.bias_unsupported accepts. A
-// boolean mask, deterministic dbias and other bias layouts run portable/bwd.cu.
+// atomic or (DET) ordered dQ, TMA-compatible strides; dense or (VARLEN) packed sequences;
+// (BIAS, not with DET) an additive bias with dbias, in the layouts plan_bwd_sm90.bias_unsupported
+// accepts. A boolean mask, deterministic dbias and other bias layouts run portable/bwd.cu.
 #include "common/bwd_pre_dq.cuh"
 #include "common/mma.cuh"
 #include "common/params.cuh"
@@ -65,17 +76,20 @@
 // launcher checks); 3 E's elements staged into shared memory per step by TMA (Params.tma_bias:
 // a full query dimension, 16-byte row strides). dbias (Params dbias_accum / dbias_mode /
 // dbias_stride_*) then receives dS. The varlen API passes no bias: never both.
-template <typename E, int D, bool WINDOW, bool DQ_BULK, int KVBUF, bool VARLEN, int BIAS>
+template <typename E, int D, bool WINDOW, bool DQ_BULK, int KVBUF, bool VARLEN, int BIAS,
+          bool DET = false>
 __global__ void __launch_bounds__(sm90b::THREADS, 1)
 flash_bwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90b;
-    using L = Layout<D, KVBUF, BIAS == BIAS_TMA>;
+    using L = Layout<D, KVBUF, BIAS == BIAS_TMA, DET>;
     typedef typename Elem<E>::storage S;
     static_assert(Elem<E>::is16 && (D == 64 || D == 128), "float16 / bfloat16, head dim 64 or 128");
     static_assert(KVBUF == 1 || KVBUF == 2, "one or two K / V buffers");
     static_assert(BIAS >= BIAS_NONE && BIAS <= BIAS_TMA, "bias: none, E, float32, E by TMA");
     constexpr bool BIAS_LD = BIAS == BIAS_LD16 || BIAS == BIAS_LD32;   // the consumers load it
     static_assert(!(VARLEN && BIAS), "varlen takes no bias");
+    static_assert(!DET || (DQ_BULK && BIAS == BIAS_NONE),
+                  "deterministic: bulk dQ, no bias (dbias is added with atomics)");
     constexpr int BIAS_BYTES = BIAS == BIAS_LD32 ? 4 : 2;   // bytes per bias element
     constexpr int NS = BM / 2;       // Sᵀ / dPᵀ accumulator registers per lane: [64, BM]
     constexpr int NKV = D / 2;       // dK / dV accumulator registers per lane: [64, D]
@@ -94,7 +108,8 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     volatile int* tile_smem = (volatile int*)(smem_gen + L::TILE);   // [TILE_RING] work tile, -1: none left
     volatile int* seq_smem = tile_smem + TILE_RING;     // [2] VARLEN: the consumers' tile nk, nrel
     volatile u64* job_smem = (volatile u64*)(smem_gen + L::JOB);     // [2] dQ tile's accumulator
-                                                                     // address (0: stop), bytes
+                                                                     // address (0: stop), bytes;
+                                                                     // DET [4]: + semaphore, rank
     const u32 kv_full = smem + L::BARS;                 // [KVBUF]: K, V tiles of the buffer landed
     const u32 kv_empty = kv_full + 8 * KVBUF;           // [KVBUF]: both consumers are done with them
     const u32 qdo_full = kv_empty + 8 * KVBUF;          // [NBUF]: Q, dO, lse, D (bias) of the stage landed
@@ -131,6 +146,9 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
         regs_release<PRODUCER_REGS>();
         const int warp = t / 32, lane = t % 32;
         if (t == 0) {
+            // DET needs the counter's draws: tile w is drawn only after every earlier one, by a
+            // running block (a static draw may wait on a block that is not resident)
+            if (DET && !p.sched) __trap();
             tma_prefetch_desc(&p.tma_q);
             tma_prefetch_desc(&p.tma_k);
             tma_prefetch_desc(&p.tma_v);
@@ -147,7 +165,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 do {   // varlen: tiles whose keys start past their sequence's end are skipped here,
                        // so the readers (consumers, ROWS_WARP) never see them
                     w = sched_draw(p.sched, drawn);
-                    if (w < num_work) wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS>(p, w);
+                    if (w < num_work) wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS, DET>(p, w);
                 } while (VARLEN && w < num_work && !wt.keys);
                 tile_smem[ts] = w < num_work ? w : -1;
                 mbar_arrive(tile_full + 8 * ts);     // publishes tile_smem[ts] (release)
@@ -169,14 +187,18 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 // KVBUF = 1: the buffer frees only after the current tile's last dQ product, so the
                 // tile's first NBUF Q/dO steps (whose ring slots free earlier) go first
                 const int kv_at = KVBUF == 1 ? min(NBUF, wt.steps) : 0;
-                // step st = (query head of the group) x m_count + query tile mi: counted, not divided
-                int head = wt.kv_head * p.h_per_hk, mi = 0;
+                // step st = (query head of the group) x m_count + query tile mi (DET: st = mi x
+                // group + the group's head hi, query tile mi from the first or the last:
+                // sched.cuh step_head, step_m0): counted, not divided
+                const int head0 = wt.kv_head * p.h_per_hk;
+                int head = head0, mi = 0;
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
                     if (st == kv_at) load_kv();
                     // Q, dO [BM, D] (and BIAS_TMA: the bias [BM, BN]) of the step into ring slot
                     // q_it % NBUF
-                    const int m0 = (wt.m_first + mi) * BM;
-                    if (++mi == wt.m_count) mi = 0;
+                    const int mq = !DET || (p.det_sched & 1) ? mi : wt.m_count - 1 - mi;
+                    const int m0 = (wt.m_first + mq) * BM;
+                    if (!DET && ++mi == wt.m_count) mi = 0;
                     const int s = q_it % NBUF;
                     if (q_it >= NBUF) mbar_wait(qdo_empty + 8 * s, ((q_it / NBUF) - 1) & 1);
                     mbar_arrive_expect_tx(qdo_full + 8 * s, 2 * BM * D * 2 + (BIAS == BIAS_TMA ? BM * BN * 2 : 0));
@@ -196,7 +218,14 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                             tma_load_4d(smem + L::BIAS + s * L::BIAS_TILE + c * L::BIAS_PANEL, &p.tma_bias,
                                         qdo_full + 8 * s, wt.n0 + c * PANEL_COLS, m0, bh, bb);
                     }
-                    if (mi == 0) ++head;
+                    if constexpr (DET) {
+                        if (++head == head0 + p.h_per_hk) {
+                            head = head0;
+                            ++mi;
+                        }
+                    } else if (mi == 0) {
+                        ++head;
+                    }
                 }
                 if (wt.steps > 0 && kv_at == wt.steps) load_kv();
             }
@@ -208,9 +237,9 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             for (int tile_i = 0;; ++tile_i) {
                 const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING);
                 if (w < 0) break;
-                const KeyTile wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS>(p, w);
+                const KeyTile wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS, DET>(p, w);
                 for (int st = 0; st < wt.steps; ++st, ++q_it) {
-                    const int head = step_head(p, wt, st), m0 = step_m0<BM>(wt, st);
+                    const int head = step_head<DET>(p, wt, st), m0 = step_m0<BM, DET>(p, wt, st);
                     const int s = q_it % NBUF;
                     const i64 bh_row = head_rows<VARLEN>(p, wt, head);   // row 0 of the sequence's head
                     if (q_it >= NBUF) mbar_wait(qdo_empty + 8 * s, ((q_it / NBUF) - 1) & 1);
@@ -234,10 +263,24 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                 float* dst = (float*)job_smem[0];
                 const u32 bytes = (u32)job_smem[1];
                 if (dst == nullptr) break;
+                int* sem = nullptr;
+                int rank = 0;
+                if constexpr (DET) {
+                    // the key tiles before this one that touch the dQ tile have added theirs
+                    sem = (int*)job_smem[2];
+                    rank = (int)job_smem[3];
+                    sem_wait_eq(sem, rank);
+                    fence_proxy_async_global();   // the acquire above, then the bulk reduce below
+                }
                 bulk_reduce_add_f32(dst, dq_smem, bytes);
                 bulk_commit();
                 bulk_wait_read<0>();          // dq_smem read out: the consumers may refill it
                 mbar_arrive(dq_empty);
+                if constexpr (DET) {
+                    bulk_wait<0>();               // this tile's additions are done,
+                    fence_proxy_async_global();   // ordered before the generic release:
+                    sem_release(sem, rank + 1);   // the next key tile's may start
+                }
             }
             bulk_wait<0>();                   // the additions landed before the block ends
         }
@@ -288,7 +331,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     for (int tile_i = 0;; ++tile_i) {
         const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING);
         if (w < 0) break;
-        const KeyTile wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS>(p, w);
+        const KeyTile wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS, DET>(p, w);
         const int n0 = wt.n0;
         const int key0 = n0 + cw * 64 + row_in_wg;         // this lane's keys: key0, key0 + 8
         // VARLEN's mask values, kept in shared memory (hd 128 has no registers to spare): nk =
@@ -311,16 +354,16 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
         if (wt.steps > 0) mbar_wait(kv_full + 8 * kb, (kv_it / KVBUF) & 1);   // K, V of the tile landed
 
         for (int st = 0; st < wt.steps; ++st, ++q_it) {
-            const int m0 = step_m0<BM>(wt, st);
+            const int m0 = step_m0<BM, DET>(p, wt, st);
             const int s = q_it % NBUF;
             const u32 q_tile = q_smem + s * L::Q_TILE, do_tile = do_smem + s * L::Q_TILE;
             const float* lse_smem = rows_smem + s * 2 * BM;   // [BM] lse·log2 e of the step
             const float* dsum_smem = lse_smem + BM;           // [BM] D of the step
-            const int head = step_head(p, wt, st);
+            const int head = step_head<DET>(p, wt, st);
             if constexpr (BIAS_LD) {   // bias blocks: this step's into L1 (loaded after Sᵀ),
                                        // the next step's into L2
                 fetch_bias(wt.batch, head, m0, n0, true);
-                if (st + 1 < wt.steps) fetch_bias(wt.batch, step_head(p, wt, st + 1), step_m0<BM>(wt, st + 1), n0, false);
+                if (st + 1 < wt.steps) fetch_bias(wt.batch, step_head(p, wt, st + 1), step_m0<BM>(p, wt, st + 1), n0, false);
             }
 
             // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ  [64 keys, BM], fp32: two groups, so Pᵀ can start
@@ -583,6 +626,12 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                     float* dq_bh = dq_rows<VARLEN, D>(p, wt, head, &s_q);
                     job_smem[0] = (u64)(dq_bh + (i64)m0 * D);
                     job_smem[1] = (u64)(min(BM, s_q - m0) * D * 4);   // this sequence's rows only
+                    if constexpr (DET) {   // after the earlier key tiles' additions (bwd_parts.cuh)
+                        const int diag = VARLEN ? n0 - seq_smem[1] : p.diag_offset;
+                        const int s_k = VARLEN ? n0 + seq_smem[0] : p.s_k;
+                        job_smem[2] = (u64)dq_sem<VARLEN, BM>(p, wt, head, m0);
+                        job_smem[3] = (u64)dq_rank<WINDOW, BM, BN>(p, n0, s_q, s_k, diag, m0);
+                    }
                 }
 #pragma unroll
                 for (int i = 0; i < NQ; i += 4) {

@@ -34,8 +34,9 @@ constexpr int BIAS_LD32 = 2;   // float32 elements, likewise
 constexpr int BIAS_TMA = 3;    // E's 16-bit elements, staged per step into bias_smem by TMA
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
-// cupyflash/gpu/plan_bwd_sm90.py: smem_bytes.
-template <int D, int KVBUF, bool BIAS_SMEM>
+// cupyflash/gpu/plan_bwd_sm90.py: smem_bytes. DET: the dQ job has two more fields (the tile's
+// semaphore and its rank)
+template <int D, int KVBUF, bool BIAS_SMEM, bool DET = false>
 struct Layout {
     static constexpr int PANELS = D / PANEL_COLS;
     static constexpr int KV_PANEL = BN * 128;                // bytes of k_smem / v_smem [BN, 64]
@@ -56,7 +57,8 @@ struct Layout {
     static constexpr int ROWS = BIAS + NBUF * BIAS_TILE;     // rows_smem [NBUF][lse·log2 e, D][BM]
     static constexpr int TILE = ROWS + NBUF * 2 * BM * 4;    // tile_smem [TILE_RING] int, seq_smem [2] int (16 bytes)
     static constexpr int JOB = TILE + 16;                    // dq_job: accumulator address, bytes
-    static constexpr int BARS = JOB + 16;                    // kv_full[KVBUF], kv_empty[KVBUF],
+                                                             // (DET: + semaphore address, rank)
+    static constexpr int BARS = JOB + (DET ? 32 : 16);       // kv_full[KVBUF], kv_empty[KVBUF],
                                                              // qdo_full[NBUF], qdo_empty[NBUF],
                                                              // dq_full, dq_empty,
                                                              // tile_full[TILE_RING], tile_empty[TILE_RING]
@@ -78,6 +80,54 @@ __device__ __forceinline__ float* dq_rows(const Params& p, const KeyTile& wt, in
     }
     *s_q = p.s_q;
     return p.dq_accum + ((i64)wt.batch * p.h + head) * p.s_q * D;
+}
+
+// DET: the semaphore of the dQ tile (query head `head`, rows m0 .. m0 + BM of the sequence) of
+// work tile wt: int32 counters after the accumulator's p.dq_accum_slab floats (zeroed by the
+// launcher), one per BM-row tile of each (sequence, head) slab of accumulator rows, at
+// floor(R / BM) + slab (R: the tile's first accumulator row; slab: the slab's place in row order),
+// distinct for distinct tiles and below ceil(rows / BM) + slabs (docs/hopper.md)
+template <bool VARLEN, int BM>
+__device__ __forceinline__ int* dq_sem(const Params& p, const KeyTile& wt, int head, int m0) {
+    i64 slab, row0;   // the slab's number and first accumulator row
+    if constexpr (VARLEN) {
+        slab = (i64)head * p.b + wt.batch;
+        row0 = (i64)head * p.s_q + ld_seq(p.cu_seqlens_q + wt.batch);
+    } else {
+        slab = (i64)wt.batch * p.h + head;
+        row0 = slab * p.s_q;
+    }
+    return (int*)(p.dq_accum + p.dq_accum_slab) + (row0 + m0) / BM + slab;
+}
+// DET: the rank of key tile n0 / BN among the key tiles that touch query tile m0 of a sequence
+// (s_q, s_k, diag): they are n_lo .. n_hi, the tiles of the keys the query tile's rows keep,
+// n_lo the tile of the first key row m0 keeps, max(0, m0 + diag − left) / BN, n_hi that of the
+// last key its last row keeps, min(s_k − 1, min(m0 + BM, s_q) − 1 + diag + right) / BN (without
+// WINDOW: 0 and (s_k − 1) / BN). Ascending order (p.det_sched even): n − n_lo; descending: n_hi − n
+template <bool WINDOW, int BM, int BN>
+__device__ __forceinline__ int dq_rank(const Params& p, int n0, int s_q, int s_k, int diag, int m0) {
+    if (p.det_sched & 1) {
+        const int n_hi = WINDOW ? min(s_k - 1, min(m0 + BM, s_q) - 1 + diag + p.window_right) / BN
+                                : (s_k - 1) / BN;
+        return n_hi - n0 / BN;
+    }
+    const int n_lo = WINDOW ? max(0, m0 + diag - p.window_left) / BN : 0;
+    return n0 / BN - n_lo;
+}
+// DET: wait until *sem == value (acquire at GPU scope: what was released with it is seen)
+__device__ __forceinline__ void sem_wait_eq(const int* sem, int value) {
+    int v;
+    do {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(sem) : "memory");
+    } while (v != value);
+}
+// DET: *sem = value, after every earlier memory operation of this thread (release at GPU scope)
+__device__ __forceinline__ void sem_release(int* sem, int value) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" :: "l"(sem), "r"(value) : "memory");
+}
+// Orders this thread's generic-proxy global accesses with its async-proxy ones (bulk copies)
+__device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
 // Float offset of element (row i, column c) in a chunk-swizzled float32 row of D columns:

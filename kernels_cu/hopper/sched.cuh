@@ -3,8 +3,8 @@
 // to its consumers (take_tile), the longest-first order of a causal grid's last tiles
 // (longest_first_tail), a work tile's sequence (set_sequence: dense or varlen), and the work tiles
 // themselves: the forwards' query tile (FwdTile, fwd_work_tile), the 16-bit backward's key tile
-// (KeyTile, key_tile, its steps step_head / step_m0, head_rows) and the dbias kernel's plane tile
-// (DbiasTile, dbias_tile, pair_of). The float32 backward keeps its own dense key tile
+// (KeyTile, key_tile, its steps step_head / step_m0 in either order, head_rows) and the dbias
+// kernel's plane tile (DbiasTile, dbias_tile, pair_of). The float32 backward keeps its own dense key tile
 // (hopper/bwd_f32.cu).
 #pragma once
 
@@ -186,7 +186,10 @@ __device__ __forceinline__ void query_tile_range(const Params& p, int s_q, int s
 // so tiles whose keys start past their sequence's s_k have no keys: the producer skips them).
 // With a bias whose dbias sums over the batch (DBIAS_SCHED_B), w = batch + b · (n_block + num_n ·
 // kv_head): the blocks adding into one dbias tile run together, so its float32 lines stay in L2
-// between their additions
+// between their additions. DET (the deterministic order of hopper/bwd.cu; p.det_sched = 2g +
+// rev): the (kv head, batch) pairs q = kv_head + h_k · batch in groups of g, each group's tiles
+// key-tile-major, pair-minor (g pairs between two key tiles of one pair), key tiles ascending, or
+// descending where rev (plan_bwd_sm90.det_work_tile mirrors this)
 struct KeyTile {
     int n0, kv_head, batch;   // keys n0 .. n0 + BN (of the sequence) of kv head kv_head in batch `batch`
     int s_q, s_k, diag;       // this sequence's lengths; diag(i) = i + diag
@@ -196,11 +199,20 @@ struct KeyTile {
     int steps;                // m_count x the query heads of the group
     bool keys;                // the tile has keys (varlen: n0 < this sequence's s_k)
 };
-template <int BN, int BM, bool WINDOW, bool VARLEN, int BIAS>
+template <int BN, int BM, bool WINDOW, bool VARLEN, int BIAS, bool DET = false>
 __device__ __forceinline__ KeyTile key_tile(const Params& p, int w) {
     const int num_n = VARLEN ? p.num_n_blocks : (p.s_k + BN - 1) / BN;
     KeyTile wt;
-    if (BIAS && (p.dbias_mode & DBIAS_SCHED_B)) {
+    if constexpr (DET) {
+        const int pairs = p.h_k * p.b, g0 = max(1, p.det_sched >> 1);
+        const int first = w / (g0 * num_n) * g0;          // the group's first pair
+        const int g = min(g0, pairs - first);              // its pairs (the last group may be short)
+        const int wi = w - first * num_n;                  // index in the group
+        const int nl = wi / g, q = first + wi % g;         // key tile (in draw order), pair
+        wt.n0 = ((p.det_sched & 1) ? num_n - 1 - nl : nl) * BN;
+        wt.kv_head = q % p.h_k;
+        wt.batch = q / p.h_k;
+    } else if (BIAS && (p.dbias_mode & DBIAS_SCHED_B)) {
         wt.batch = w % p.b;
         wt.n0 = ((w / p.b) % num_n) * BN;
         wt.kv_head = w / p.b / num_n;
@@ -215,12 +227,23 @@ __device__ __forceinline__ KeyTile key_tile(const Params& p, int w) {
     wt.steps = wt.keys ? wt.m_count * p.h_per_hk : 0;
     return wt;
 }
-// query head and first query row (of the sequence) of step st of a work tile
+// query head and first query row (of the sequence) of step st of a work tile. Steps run query
+// head outer, query tiles ascending inside; DET (the deterministic dQ order of hopper/bwd.cu):
+// query tiles outer, the group's query heads inside, query tiles ascending where the key tiles
+// add in descending order (p.det_sched & 1), else descending, so that of two key tiles of one
+// (batch, kv head) the one that adds first reaches every (head, query tile) they share no later
+// in its own steps
+template <bool DET = false>
 __device__ __forceinline__ int step_head(const Params& p, const KeyTile& wt, int st) {
+    if constexpr (DET) return wt.kv_head * p.h_per_hk + st % p.h_per_hk;
     return wt.kv_head * p.h_per_hk + st / wt.m_count;
 }
-template <int BM>
-__device__ __forceinline__ int step_m0(const KeyTile& wt, int st) {
+template <int BM, bool DET = false>
+__device__ __forceinline__ int step_m0(const Params& p, const KeyTile& wt, int st) {
+    if constexpr (DET) {
+        const int mi = st / p.h_per_hk;
+        return (wt.m_first + ((p.det_sched & 1) ? mi : wt.m_count - 1 - mi)) * BM;
+    }
     return (wt.m_first + st % wt.m_count) * BM;
 }
 // Index of the sequence's row 0 of query head `head` in the [b, h, s_q] row arrays (lse, D, the

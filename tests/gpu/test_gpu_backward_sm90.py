@@ -92,8 +92,9 @@ def test_long_sequence(rng):
     (dict(d=64), "bwd90_bf16_d64"),
     (dict(d=96), "bwd_bf16_d96"),                   # head dim not covered
     (dict(softcap=5.0), "bwd_bf16_d128"),           # softcap: portable
-    (dict(deterministic=True), "bwd_bf16_d128"),    # deterministic: portable
-], ids=["d128", "window", "d64", "d96", "softcap", "deterministic"])
+    (dict(deterministic=True), "bwd90_bf16_d128_64x128_det"),   # ordered dQ (DET)
+    (dict(deterministic=True, d=96), "bwd_bf16_d96"),    # deterministic, not covered: portable
+], ids=["d128", "window", "d64", "d96", "softcap", "deterministic", "deterministic_d96"])
 def test_launcher_picks_sm90_where_covered(kw, expect):
     from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd
     kw = dict(kw)
@@ -107,3 +108,102 @@ def test_launcher_picks_sm90_where_covered(kw, expect):
                              cp.empty_like(v), opts)
     assert name.startswith(expect), name
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic mode (flash_bwd_sm90<..., DET = true>: dQ tiles added in key-tile order through
+# semaphores). Forced onto the Hopper kernel (kernel="sm90", name ending in _det); run_case's
+# repeats compare the bits of dq, dk, dv between calls, and the accuracy criterion is the
+# default mode's (2x the naive same-dtype backward + floor).
+# ---------------------------------------------------------------------------------------------
+def det(rng, *args, repeats=2, **kw):
+    name = run_case(rng, *args, kernel="sm90", deterministic=True, repeats=repeats, **kw)
+    assert name.startswith("bwd90_") and name.endswith("_det"), name
+    return name
+
+
+DET_SEQLENS = [(1, 1), (1, 239), (239, 1), (113, 203), (1021, 509), (509, 1021), (128, 128),
+               (700, 129), (2048, 2048)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("s_q,s_k", DET_SEQLENS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_deterministic_seqlens(rng, d, s_q, s_k, causal):
+    det(rng, "bfloat16", 2 if s_q * s_k < 1 << 20 else 1, s_q, s_k, 4, 2, d, causal=causal)
+
+
+@pytest.mark.parametrize("h,h_k", [(32, 8), (16, 1)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_gqa(rng, h, h_k, causal):
+    det(rng, "bfloat16", 1, 389, 517, h, h_k, 128, causal=causal)
+    det(rng, "float16", 1, 517, 389, h, h_k, 64, causal=causal)
+
+
+@pytest.mark.parametrize("opt", list(OPTION_SETS))
+def test_deterministic_options(rng, opt):
+    det(rng, "bfloat16", 2, 157, 411, 4, 2, 128, **OPTION_SETS[opt])
+    det(rng, "float16", 2, 411, 157, 4, 2, 64, **OPTION_SETS[opt])
+
+
+def test_deterministic_fully_masked_rows_and_strided_views(rng):
+    det(rng, "bfloat16", 1, 300, 100, 2, 1, 64, causal=True)       # rows before the diagonal
+    det(rng, "float16", 1, 260, 110, 2, 2, 128, window=(0, 0))
+    det(rng, "bfloat16", 2, 150, 170, 4, 2, 64, causal=True, layout="bhsd")
+    det(rng, "float16", 1, 300, 290, 2, 1, 128, layout="padded", pad=8)
+
+
+@pytest.mark.parametrize("order", [(False, 1), (True, 1), (True, 3), (False, None), (True, 1000)],
+                         ids=["asc_g1", "desc_g1", "desc_g3", "asc_auto", "desc_all"])
+def test_deterministic_orders(rng, order):
+    """Every addition order and draw-group size (TUNING.det_descending / det_group, the
+    kernel's p.det_sched) gives bit-identical runs within the criterion."""
+    from cupyflash.gpu.tuning import tuning
+    descending, group = order
+    with tuning(det_descending=descending, det_group=group):
+        det(rng, "bfloat16", 2, 1021, 509, 4, 2, 128, causal=True)
+        det(rng, "float16", 3, 300, 700, 4, 4, 64)
+        det(rng, "bfloat16", 1, 517, 389, 8, 2, 64, window=(100, 30))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_deterministic_bits_on_two_streams(rng, d, causal):
+    """The same deterministic backward launched three times on each of two streams at once (the
+    launches overlap, so one launch's blocks start while the other holds SMs: the counter's
+    draws keep the semaphores deadlock-free) gives the bits of a lone launch on the default
+    stream; the atomic mode's gradients agree with them to a few ulps."""
+    from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd
+    b, s, h, h_k = 2, 4096, 8, 2
+    q = cp.asarray(rng.standard_normal((b, s, h, d), dtype="float32")).astype(BF16)
+    k, v = (cp.asarray(rng.standard_normal((b, s, h_k, d), dtype="float32")).astype(BF16)
+            for _ in range(2))
+    do = cp.asarray(rng.standard_normal((b, s, h, d), dtype="float32")).astype(BF16)
+    opts = Options(scale=d ** -0.5, window_right=0 if causal else -1, deterministic=True)
+    out, lse = cp.empty_like(q), cp.empty((b, h, s), cp.float32)
+    gpu_fwd.forward(q, k, v, out, lse, opts)
+    ref = [cp.empty_like(x) for x in (q, k, v)]
+    name = gpu_bwd.backward(do, q, k, v, out, lse, *ref, opts, kernel="sm90")
+    assert name.endswith("_det"), name
+    cp.cuda.get_current_stream().synchronize()
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+    runs = []
+    for _ in range(3):
+        for st in streams:
+            with st:
+                g = [cp.empty_like(x) for x in (q, k, v)]
+                gpu_bwd.backward(do, q, k, v, out, lse, *g, opts, kernel="sm90")
+                runs.append(g)
+    for st in streams:
+        st.synchronize()
+    for g in runs:
+        for w, x, y in zip(("dq", "dk", "dv"), g, ref):
+            assert cp.array_equal(x.view(cp.uint16), y.view(cp.uint16)), f"{name}: {w} differs"
+    # and the values are the atomic mode's up to the order of the float32 additions
+    atomic = [cp.empty_like(x) for x in (q, k, v)]
+    gpu_bwd.backward(do, q, k, v, out, lse, *atomic, Options(scale=d ** -0.5,
+                     window_right=0 if causal else -1), kernel="sm90")
+    for w, x, y in zip(("dq", "dk", "dv"), atomic, ref):
+        x, y = x.astype(cp.float32), y.astype(cp.float32)
+        tol = 2 ** -6 * float(cp.abs(y).max())   # a few bf16 ulps of the largest element
+        assert float(cp.abs(x - y).max()) <= tol, w

@@ -640,7 +640,7 @@ def run_varlen(rng, dtype_name, lens_q, lens_k, h, hk, d, *, causal=False, windo
             if expect_bwd is not None:
                 assert bname.startswith(expect_bwd), bname
             # a Hopper backward of a packed call must be the VARLEN variant
-            assert not bname.startswith("bwd90_") or bname.endswith("_varlen"), bname
+            assert not bname.startswith("bwd90_") or "_varlen" in bname, bname
             cp.cuda.get_current_stream().synchronize()
             results.append([_h(x[0]) for x in gr])
         for other in results[1:]:
@@ -762,6 +762,22 @@ def test_varlen_backward_hopper(rng, dtype, d, opt):
 
 
 @hopper
+@pytest.mark.parametrize("opt", ["plain", "causal", "window", "mqa"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_varlen_backward_hopper_deterministic(rng, d, opt):
+    """The deterministic VARLEN variant (forced): bit-identical over three calls (run_varlen's
+    repeats) and within the criterion, per sequence."""
+    kw = {"causal": dict(causal=True), "window": dict(window=(40, 7)),
+          "mqa": dict(causal=True)}.get(opt, {})
+    h, hk = (4, 1) if opt == "mqa" else (4, 2)
+    lens = HOPPER_BWD_LENS["primes" if opt == "mqa" else "mixed"]
+    name = (f"bwd90_bf16_d{d}_64x128{'_window' if kw else ''}{'_kv2' if d == 64 else ''}"
+            "_varlen_det")
+    run_varlen(rng, "bfloat16", *lens, h, hk, d, bwd_kernel="sm90", deterministic=True,
+               repeats=3, expect_bwd=name, **kw)
+
+
+@hopper
 def test_varlen_backward_hopper_routing(rng):
     """auto takes the Hopper backward where it covers the call, the portable one elsewhere;
     kernel='sm90' names why it cannot run a call."""
@@ -769,7 +785,8 @@ def test_varlen_backward_hopper_routing(rng):
     lens = ((33, 1, 190, 0, 77), (50, 9, 120, 5, 77))
     run_varlen(rng, "bfloat16", *lens, 4, 2, 128, causal=True, expect_bwd="bwd90_")
     run_varlen(rng, "bfloat16", *lens, 4, 2, 128, bwd_kernel="portable", expect_bwd="bwd_bf16")
-    run_varlen(rng, "bfloat16", *lens, 4, 2, 64, deterministic=True, expect_bwd="bwd_bf16")
+    run_varlen(rng, "bfloat16", *lens, 4, 2, 64, deterministic=True,
+               expect_bwd="bwd90_bf16_d64_64x128_kv2_varlen_det")
     run_varlen(rng, "bfloat16", *lens, 4, 2, 96, expect_bwd="bwd_bf16")
     with pytest.raises(ValueError, match="softcap"):
         run_varlen(rng, "bfloat16", *lens, 4, 2, 64, softcap=5.0, bwd_kernel="sm90")

@@ -317,3 +317,93 @@ def test_backward_varlen_kernel_choice_is_checked_first():
     from cupyflash.gpu import bwd as gpu_bwd
     with pytest.raises(ValueError, match=r"kernel='sm80': accepted 'auto', 'sm90', 'portable'"):
         gpu_bwd.backward_varlen(*([None] * 13), None, kernel="sm80")
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_sm90_backward_det_workspace(monkeypatch, varlen):
+    """A DET launch allocates one float32 accumulator (dq_accum_slab floats) followed by its
+    int32 dQ semaphores (plan_bwd_sm90.dq_semaphores: rows / 64 rounded up + one per (sequence,
+    head) slab), zeroes only the semaphores (a memset on the current stream: pre zeroes the
+    accumulator), and hands every kernel a record with deterministic = 0 (the portable
+    flash_bwd_pre then zeroes the accumulator too) and dq_accum = the workspace, the main kernel
+    det_sched (plan_bwd_sm90.det_sched); the caller's record is left as it was."""
+    import ml_dtypes
+
+    from cupyflash.gpu import bwd_sm90
+    from cupyflash.gpu import compile as gpu_compile
+    from cupyflash.gpu import device as gpu_device
+    from cupyflash.gpu import plan_bwd
+    from cupyflash.gpu import plan_bwd_sm90
+    from cupyflash.gpu import tma as gpu_tma
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    b, s_q, s_k, h, h_k, d = (1, 1500, 1400, 4, 2, 128) if varlen else (2, 333, 517, 6, 2, 64)
+    nseq = 8
+
+    class Arr:   # a [b, s, heads, d] stand-in for a CuPy array
+        def __init__(self, bb, rows, heads, ptr):
+            self.shape, self.dtype = (bb, rows, heads, d), bf16
+            self.strides = (rows * heads * d * 2, heads * d * 2, d * 2, 2)
+            self.data = type("M", (), {"ptr": ptr})()
+
+    q, dout = Arr(b, s_q, h, 1 << 20), Arr(b, s_q, h, 3 << 20)
+    k, v = Arr(b, s_k, h_k, 5 << 20), Arr(b, s_k, h_k, 7 << 20)
+    if varlen:
+        plan = plan_bwd.plan_backward_varlen("bfloat16", nseq, s_q, s_k, 700, 650, h, h_k, d, d,
+                                             scale=0.1, window_right=0, deterministic=True)
+    else:
+        plan = plan_bwd.plan_backward("bfloat16", b, s_q, s_k, h, h_k, d, d, scale=0.1,
+                                      deterministic=True)
+    prm = plan.params.copy()
+    prm["dk"], prm["dv"], prm["o"], prm["dq_accum"] = 9 << 20, 11 << 20, 13 << 20, 12345
+    before = prm.copy()
+    seen, allocs, memsets = [], [], []
+
+    class Ptr:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+        def __add__(self, off):
+            return Ptr(self.ptr + off)
+
+        def memset_async(self, value, size):
+            memsets.append((self.ptr, value, size))
+
+    class FakeCupy:
+        float32 = np.float32
+
+        @staticmethod
+        def empty(n, dtype):
+            allocs.append((n, np.dtype(dtype)))
+            return type("A", (), {"data": Ptr(1 << 30)})()
+
+    def kernel_of(name):
+        def kernel(grid, block, args, shared_mem=0):
+            seen.append((name, np.array(args[0], gpu_params.PARAMS_DTYPE)[()]))
+        return kernel
+
+    monkeypatch.setattr(bwd_sm90, "cupy", FakeCupy)
+    monkeypatch.setattr(gpu_tma, "encode", lambda *a: np.zeros(16, np.uint64))
+    monkeypatch.setattr(gpu_device, "current_stream", lambda: type("S", (), {"ptr": 77})())
+    monkeypatch.setattr(gpu_device, "sched_counter", lambda dev, stream: 4096)
+    monkeypatch.setattr(gpu_compile, "get_functions", lambda variant, dev: tuple(
+        kernel_of(n) for n in ("main", "pre", "pre_portable", "dq")))
+    variant = plan_bwd_sm90.variant_for("bf16_t", d, varlen, varlen=varlen, det=True)
+    got = bwd_sm90.launch(variant, prm, plan.pre_grid, q, k, v, dout, 0, 132,
+                          (nseq, 650) if varlen else None)
+    assert got == variant.name and got.endswith("_det")
+    slab = int(before["dq_accum_slab"])
+    rows, slabs = (h * s_q, h * nseq) if varlen else (b * h * s_q, b * h)
+    assert slab == rows * d
+    n_sem = -(-rows // 64) + slabs
+    assert allocs == [(slab + n_sem, np.dtype(np.float32))]
+    assert memsets == [((1 << 30) + 4 * slab, 0, 4 * n_sem)]
+    assert [s[0] for s in seen] == ["pre", "main", "dq"]
+    for _, rec in seen:
+        assert rec["dq_accum"] == 1 << 30 and rec["deterministic"] == 0 and rec["sched"] == 4096
+    # the main kernel's order: plan_bwd_sm90.det_sched of its key tiles, pairs and grid
+    num_n, pairs = (-(-650 // 128), h_k * nseq) if varlen else (-(-s_k // 128), h_k * b)
+    main_rec = seen[1][1]
+    assert main_rec["det_sched"] == plan_bwd_sm90.det_sched(num_n, pairs, min(132, num_n * pairs))
+    assert main_rec["det_sched"] & 1 and main_rec["det_sched"] >> 1 >= 1
+    assert all(prm[f].tobytes() == before[f].tobytes() for f in prm.dtype.names)   # untouched

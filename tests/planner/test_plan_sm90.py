@@ -209,12 +209,16 @@ def test_out_alignment_the_forward_needs(d, bn, varlen, dtype_name, align):
     (dict(d=128, d_v=64), "head dims 128 / 64"),
     (dict(softcap=3.0), "softcap"),
     (dict(has_alibi=True), "alibi"),
-    (dict(deterministic=True), "deterministic"),
+    (dict(deterministic=True), None),
+    (dict(deterministic=True, d=64, dtype="float16"), None),
+    (dict(deterministic=True, has_bias=True), "deterministic=True with a bias"),
+    (dict(has_bias=True), None),
     (dict(scale=-1.0), "scale -1.0"),
     (dict(cc=80), "compute capability 8.0"),
     (dict(dtype="float32"), "dtype float32"),
 ], ids=["bf16_d128", "f16_d64", "d256", "dv_differs", "softcap", "alibi", "deterministic",
-        "negative_scale", "sm80", "float32"])
+        "deterministic_f16_d64", "deterministic_bias", "bias", "negative_scale", "sm80",
+        "float32"])
 def test_backward_coverage(kw, why):
     from cupyflash.gpu import plan_bwd_sm90
     args = dict(dtype="bfloat16", d=128, d_v=None, scale=0.1, softcap=0.0, has_alibi=False,
@@ -232,9 +236,10 @@ def test_backward_coverage(kw, why):
 def test_backward_variants_fit_and_layout_mirror():
     from cupyflash.gpu import plan_bwd_sm90
     vs = plan_bwd_sm90.variants()
-    assert len(vs) == 40 and len({v.name for v in vs}) == 40
-    assert {(v.varlen, v.bias) for v in vs} == {(False, 0), (False, 1), (False, 2), (False, 3),
-                                                (True, 0)}
+    assert len(vs) == 56 and len({v.name for v in vs}) == 56 == len({v.name_expression for v in vs})
+    assert {(v.varlen, v.bias, v.det) for v in vs} == {
+        (False, 0, False), (False, 1, False), (False, 2, False), (False, 3, False),
+        (True, 0, False), (False, 0, True), (True, 0, True)}
     assert all(v.smem_bytes <= H200_SMEM for v in vs)
     assert {(v.d, v.kvbuf) for v in vs} == {(64, 2), (128, 1)}
     src = _kernel_source("hopper/bwd.cu")
@@ -245,7 +250,7 @@ def test_backward_variants_fit_and_layout_mirror():
                  "TILE = ROWS + NBUF * 2 * BM * 4",
                  "constexpr int BIAS_NONE = 0;", "constexpr int BIAS_LD16 = 1;",
                  "constexpr int BIAS_LD32 = 2;", "constexpr int BIAS_TMA = 3;",
-                 "JOB = TILE + 16", "BARS = JOB + 16",
+                 "JOB = TILE + 16", "BARS = JOB + (DET ? 32 : 16)",
                  "BYTES = BARS + 8 * (2 * KVBUF + 2 * NBUF + 2 + 2 * TILE_RING)",
                  "if (smem_given < L::BYTES + 1024) __trap();"):
         assert expr in src, expr
@@ -257,6 +262,9 @@ def test_backward_variants_fit_and_layout_mirror():
     assert plan_bwd_sm90.smem_bytes(128, 2) > H200_SMEM
     assert plan_bwd_sm90.smem_bytes(128, 1, True) == plan_bwd_sm90.smem_bytes(128) + 2 * 64 * 128 * 2 <= H200_SMEM
     assert plan_bwd_sm90.smem_bytes(64, 2, True) == plan_bwd_sm90.smem_bytes(64) + 2 * 64 * 128 * 2
+    # DET: two more u64 fields of the dQ job
+    for d in (64, 128):
+        assert plan_bwd_sm90.smem_bytes(d, det=True) == plan_bwd_sm90.smem_bytes(d) + 16
 
 
 def test_backward_bias_variant_names():
@@ -470,7 +478,7 @@ def test_backward_varlen_variant_names():
     assert v64.name == "bwd90_f16_d64_64x128_kv2_varlen" and v64.kvbuf == 2
     assert v64.name_expression == "flash_bwd_sm90<f16_t, 64, false, true, 2, true, 0>"
     assert vl.smem_bytes == dense.smem_bytes
-    assert {v.name for v in plan_bwd_sm90.variants() if v.varlen} == {
+    assert {v.name for v in plan_bwd_sm90.variants() if v.varlen and not v.det} == {
         f"bwd90_{e}_d{d}_64x128{w}{kv}_varlen" for e in ("f16", "bf16") for d in (64, 128)
         for w in ("", "_window") for kv in (("_kv2",) if d == 64 else ("",))}
 

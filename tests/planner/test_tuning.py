@@ -14,7 +14,8 @@ def test_defaults_are_what_the_planners_do():
     assert TUNING == Tuning()
     assert dataclasses.asdict(TUNING) == dict(sm90_float32_auto=True, sm90_split_auto=True,
                                               hopper_sched_b=True, dbias_kernel=None,
-                                              dbias_sm90=True)
+                                              dbias_sm90=True, det_descending=True,
+                                              det_group=None)
 
 
 def test_tuning_sets_for_the_block_and_restores(rng):
@@ -50,3 +51,14 @@ def test_hopper_sched_b_decides_the_batch_fastest_bit(on):
     with tuning(hopper_sched_b=on):
         mode = plan_bwd.hopper_dbias_mode(dplan, 3, 4)
     assert bool(mode & plan_bwd.DBIAS_SCHED_B) is on
+
+
+@pytest.mark.parametrize("descending", [True, False])
+@pytest.mark.parametrize("group", [None, 5])
+def test_det_switches_decide_the_deterministic_order(descending, group):
+    """TUNING.det_descending / det_group set the deterministic Hopper backward's Params.det_sched
+    (plan_bwd_sm90.det_sched: 2 · pairs per draw group + descending)."""
+    from cupyflash.gpu import plan_bwd_sm90
+    with tuning(det_descending=descending, det_group=group):
+        got = plan_bwd_sm90.det_sched(16, 128, 132)
+    assert got == 2 * (plan_bwd_sm90.det_group(16, 128, 132) if group is None else group) + descending
