@@ -15,8 +15,15 @@ def test_every_variant_fits_and_meets_the_kernel_static_asserts(smem):
     vs = plan_bwd.variants(smem)
     # float64 above D = 160 has no tile on the small class (99 KB): 3 buckets x 5 variants fewer
     missing = 3 * 5 if smem < gpu_variants.BIG_SMEM else 0
-    assert len(vs) == len(gpu_variants.ELEMS) * len(gpu_variants.HEAD_DIM_BUCKETS) * 5 - missing   # 4 flag pairs + GENERAL
+    # flash_bwd_2d: 16-bit types, buckets 32..128, 4 flag pairs, big class only
+    two_d = 2 * 4 * 4 if smem >= gpu_variants.BIG_SMEM else 0
+    assert len(vs) == len(gpu_variants.ELEMS) * len(gpu_variants.HEAD_DIM_BUCKETS) * 5 - missing + two_d   # 4 flag pairs + GENERAL
+    assert sum(1 for v in vs if v.wms) == two_d
     for v in vs:
+        if v.wms:
+            v.check_2d()
+            assert v.smem_bytes <= smem and not v.general, v.name
+            continue
         cg = 16 if v.elem in ("f16_t", "bf16_t") else 8   # column granularity (portable/bwd.cu CG)
         wmq = v.bm // 16
         assert v.smem_bytes <= smem, v.name
