@@ -625,13 +625,17 @@ __device__ __forceinline__ void flash_bwd_2d_key_tile(const Params& p, const int
         const S* do_gmem = (const S*)p.dout + batch * p.do_stride_b + head * p.do_stride_h + (i64)m0 * p.do_stride_s;  // [m_rows, d_v]
         copy_tile<BM, D, PR, NT>(q_smem + buf * BM * PR, q_gmem, p.q_stride_s, m_rows, p.d, p.vec_ok, p.q, tid);
         copy_tile<BM, D, PR, NT>(do_smem + buf * BM * PR, do_gmem, p.do_stride_s, m_rows, p.d_v, p.vec_ok, p.dout, tid);
-#pragma unroll
-        for (int i = tid; i < 2 * BM; i += NT) {   // i in [0, BM): lse row i; [BM, 2 BM): D row i − BM
+        auto load_stat = [&](int i) {   // i in [0, BM): lse row i; [BM, 2 BM): D row i − BM
             const int r = i % BM;
             const float* stat_gmem = i < BM ? p.lse : p.dsum;        // [b, h, s_q]
             const i64 row = ((i64)batch * p.h + head) * s_q + m0 + r;
             cp_async_4((i < BM ? lse_smem : dsum_smem) + buf * BM + r,
                        r < m_rows ? stat_gmem + row : stat_gmem, r < m_rows ? 4 : 0);
+        };
+        if constexpr (2 * BM <= NT) {
+            if (tid < 2 * BM) load_stat(tid);
+        } else {
+            for (int i = tid; i < 2 * BM; i += NT) load_stat(i);
         }
     };
 
