@@ -11,6 +11,10 @@
 //   dbias tile = Σ over its broadcast pairs of dS         flash_bwd_dbias (when flash_bwd writes none:
 //                                                         recomputes S, dP; sums in registers)
 //
+// Two main kernels (cupyflash/gpu/plan_bwd.py picks): flash_bwd_2d (16-bit types, head dims up to
+// 128, no bias / mask / varlen: FlashAttention-2's 2-D warp tiles, described at its definition
+// below) and flash_bwd (every other call), described here.
+//
 // flash_bwd works on the TRANSPOSED scores: warp w owns 16 keys and computes Sᵀ = K Qᵀ and
 // dPᵀ = V dOᵀ for them ([16 keys, BM queries] in the m16n8 accumulator layout). Pᵀ and dSᵀ are
 // then already the A operands of dV += Pᵀ dO and dK += dSᵀ Q (registers, no shared memory), and
