@@ -13,7 +13,8 @@ with float atomics, so bits differ between runs).
     python lab/ab_bwd_portable.py --once 128 4096 0        # one launch per candidate (under ncu)
 
 A candidate is "slab" (flash_bwd, the planner's slab tile), "2d" (the planner's flash_bwd_2d
-tile) or "BM,NW,WMS,WNKV,WMQ,NBUF" (a flash_bwd_2d tile: plan_bwd.BwdVariant's fields).
+tile) or "BM,NW,WMS,WNKV,WMQ,NBUF[,PAIR]" (a flash_bwd_2d tile: plan_bwd.BwdVariant's fields;
+PAIR 1: S with dP and dV with dK in one k loop each).
 """
 from __future__ import annotations
 
@@ -28,10 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cupyflash.gpu import plan_bwd  # noqa: E402
 from cupyflash.gpu.tuning import tuning  # noqa: E402
 
+# the next comparison: flash_bwd, the planner's flash_bwd_2d, and its PAIR forms (the first A/B,
+# docs/backward.md "Speed", timed 64,8,2,4,2,2 / 64,4,2,2,2,2 / 128,8,4,4,4,1 at hd 64 and
+# 32,4,2,2,2,2 / 64,4,2,2,2,1 / 64,8,2,4,2,1 at hd 128 beside the defaults)
 CANDS = {
-    64: "slab;128,8,4,4,4,2;64,8,2,4,2,2;64,4,2,2,2,2;128,8,4,4,4,1",
-    128: "slab;64,8,2,4,2,2;32,4,2,2,2,2;64,4,2,2,2,1;64,8,2,4,2,1",
+    64: "slab;2d;128,8,4,4,4,2,1;64,8,2,4,2,2,1",
+    128: "slab;2d;64,8,2,4,2,2,1",
 }
+# tests/gpu/test_gpu_backward.py::test_flash_bwd_2d_other_tiles's forced tiles
+OTHER_TILES = ((64, "128,8,4,4,4,2,1"), (128, "64,8,2,4,2,2,1"), (64, "64,4,2,2,2,2,0"),
+               (128, "64,8,2,4,2,1,0"), (128, "32,4,2,2,2,2,0"))
 
 
 def variant_for(spec: str, d: int, causal: bool, smem: int = 227 * 1024):
@@ -41,21 +48,23 @@ def variant_for(spec: str, d: int, causal: bool, smem: int = 227 * 1024):
                                       window_right=0 if causal else -1, smem_optin=smem).variant
     if spec in ("slab", "2d"):
         return auto
-    bm, nw, wms, wnkv, wmq, nbuf = (int(x) for x in spec.split(","))
-    v = auto.replace(bm=bm, nw=nw, wd=1, nbuf=nbuf, wms=wms, wnkv=wnkv, wmq=wmq)
+    bm, nw, wms, wnkv, wmq, nbuf, *pair = (int(x) for x in spec.split(","))
+    v = auto.replace(bm=bm, nw=nw, wd=1, nbuf=nbuf, wms=wms, wnkv=wnkv, wmq=wmq,
+                     pair=bool(pair and pair[0]))
     v.check_2d()
     return v
 
 
 def label(v) -> str:
-    return (f"{v.bm}x{v.bn}t{v.wms}{v.wnkv}{v.wmq}b{v.nbuf}" if v.wms
+    return (f"{v.bm}x{v.bn}t{v.wms}{v.wnkv}{v.wmq}{'p' if v.pair else ''}b{v.nbuf}" if v.wms
             else f"slab{v.bm}x{v.bn}")
 
 
 def test_variants(smem: int):
     """What the GPU backward tests of the device run compile (tests/gpu/test_gpu_backward.py
     without head dims above 128, float32 long sums and TF32): the portable backward's variants
-    of float16 / bfloat16 / float32 at buckets <= 128 and the forwards those tests call."""
+    of float16 / bfloat16 / float32 at buckets <= 128, the forced flash_bwd_2d tiles and the
+    forwards those tests call."""
     from cupyflash.gpu import plan_fwd, plan_fwd_sm90
     small = lambda v: v.d <= 128 and not getattr(v, "general", False)   # noqa: E731
     out = [v for v in plan_bwd.variants(smem)
@@ -65,6 +74,10 @@ def test_variants(smem: int):
     out += [v for v in plan_fwd_sm90.variants() if v.elem in ("f16_t", "bf16_t") and v.d <= 128
             and "varlen" not in v.name and "bias" not in v.name]
     out += [v for v in plan_fwd_sm90.f32_variants() if v.elem == "f32x3_t"]
+    for d, spec in OTHER_TILES:
+        for elem in ("f16_t", "bf16_t"):
+            v = variant_for(spec, d, True, smem).replace(elem=elem)
+            out += [v, v.replace(score_mod=True)]
     return out
 
 

@@ -80,6 +80,7 @@ class BwdVariant(KernelVariant):
     wms: int = 0            # flash_bwd_2d's warp grids (0: flash_bwd)
     wnkv: int = 0
     wmq: int = 0
+    pair: bool = False      # flash_bwd_2d: S with dP, dV with dK in one k loop each (not timed)
 
     @property
     def bn(self) -> int:
@@ -94,9 +95,10 @@ class BwdVariant(KernelVariant):
     def template_args(self) -> tuple:
         b = cpp_bool
         if self.wms:
+            pair = ("true",) if self.pair else ()   # the template's default is false
             return (self.elem, str(self.d), str(self.bm), str(self.nw), str(self.wms),
                     str(self.wnkv), str(self.wmq), str(self.nbuf), b(self.window),
-                    b(self.score_mod))
+                    b(self.score_mod)) + pair
         gen = ("true",) if self.general else ()   # the template's default is false
         return (self.elem, str(self.d), str(self.bm), str(self.nw), str(self.wd), str(self.nbuf),
                 b(self.window), b(self.score_mod)) + gen
@@ -119,7 +121,8 @@ class BwdVariant(KernelVariant):
             flags = "_gen"
         else:
             flags = ("_window" if self.window else "") + ("_mod" if self.score_mod else "")
-        warps = f"t{self.wms}{self.wnkv}{self.wmq}" if self.wms else f"s{self.wd}"
+        warps = (f"t{self.wms}{self.wnkv}{self.wmq}" + ("p" if self.pair else "")
+                 if self.wms else f"s{self.wd}")
         return (f"bwd_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}w{self.nw}"
                 f"{warps}b{self.nbuf}{flags}")
 

@@ -527,15 +527,56 @@ flash_bwd(const Params p) {
 // flash_bwd's GENERAL variant).
 // =============================================================================================
 
-// C[16·MI, 8·NJ] += A[16·MI, K] · B[K, 8·NJ] on one warp; 16-bit operands in shared memory, read
-// by ldmatrix; the fragments of k step kk + 1 are loaded before the products of step kk.
-//   A_T = false: a_smem is A row-major [16·MI, PA];  A_T = true: a_smem is Aᵀ row-major [K, PA]
-//   B_T = false: b_smem is Bᵀ row-major [8·NJ, PB];  B_T = true: b_smem is B row-major [K, PB]
+// Warp-tile products C[16·MI, 8·NJ] += A[16·MI, K] · B[K, 8·NJ]: 16-bit operands in shared
+// memory, read by ldmatrix (x4: lanes 8i..8i+7 address the rows of 8x8 matrix i).
+//   A_T = false: A row-major [16·MI, PA];  A_T = true: Aᵀ row-major [K, PA]
+//   B_T = false: Bᵀ row-major [8·NJ, PB];  B_T = true: B row-major [K, PB]
+// This lane's row address in a 16x16 fragment of A / B
+template <bool A_T, int PA>
+__device__ __forceinline__ const u16* frag_lane_a(const u16* a_smem, int lane) {
+    return A_T ? a_smem + ((lane & 7) + ((lane >> 4) & 1) * 8) * PA + ((lane >> 3) & 1) * 8
+               : a_smem + (lane & 15) * PA + (lane >> 4) * 8;
+}
+template <bool B_T, int PB>
+__device__ __forceinline__ const u16* frag_lane_b(const u16* b_smem, int lane) {
+    return B_T ? b_smem + ((lane & 7) + ((lane >> 3) & 1) * 8) * PB + (lane >> 4) * 8
+               : b_smem + ((lane & 7) + (lane >> 4) * 8) * PB + ((lane >> 3) & 1) * 8;
+}
+// The fragments of k step kk: MI of A, NJ / 2 of B (two n8 tiles each)
+template <int MI, int NJ, bool A_T, bool B_T, int PA, int PB>
+__device__ __forceinline__ void load_frags(u32 (&a_frag)[MI][4], u32 (&b_frag)[NJ / 2][4],
+                                           const u16* a_lane, const u16* b_lane, int kk) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+        if (A_T) ldmatrix_x4_trans(a_frag[mi], a_lane + kk * 16 * PA + mi * 16);
+        else     ldmatrix_x4(a_frag[mi], a_lane + mi * 16 * PA + kk * 16);
+    }
+#pragma unroll
+    for (int nn = 0; nn < NJ / 2; ++nn) {
+        if (B_T) ldmatrix_x4_trans(b_frag[nn], b_lane + kk * 16 * PB + nn * 16);
+        else     ldmatrix_x4(b_frag[nn], b_lane + nn * 16 * PB + kk * 16);
+    }
+}
+// The MI x NJ products of one k step
+template <typename E, int MI, int NJ>
+__device__ __forceinline__ void mma_frags(float (&c)[MI][NJ][4], const u32 (&a_frag)[MI][4],
+                                          const u32 (&b_frag)[NJ / 2][4]) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int nn = 0; nn < NJ / 2; ++nn) {
+            mma16816<E>(c[mi][2 * nn], a_frag[mi], b_frag[nn][0], b_frag[nn][1]);
+            mma16816<E>(c[mi][2 * nn + 1], a_frag[mi], b_frag[nn][2], b_frag[nn][3]);
+        }
+}
+
+// One product on one warp; the fragments of k step kk + 1 are loaded before the products of kk
 template <typename E, int MI, int NJ, int K, bool A_T, bool B_T, int PA, int PB>
 __device__ __forceinline__ void warp_tile_mma(float (&c)[MI][NJ][4], const u16* a_smem,
                                               const u16* b_smem, int lane) {
     static_assert(NJ % 2 == 0 && K % 16 == 0, "whole 16x16 fragments");
-    // this lane's row address in a 16x16 fragment (ldmatrix x4: lanes 8i..8i+7 address matrix i)
+    // this lane's row address in a 16x16 fragment (frag_lane_a / _b's, written out: calling them
+    // reorders the address arithmetic in the SASS of the default hd 64 / 96 variants)
     const u16* a_lane = A_T ? a_smem + ((lane & 7) + ((lane >> 4) & 1) * 8) * PA + ((lane >> 3) & 1) * 8
                             : a_smem + (lane & 15) * PA + (lane >> 4) * 8;
     const u16* b_lane = B_T ? b_smem + ((lane & 7) + ((lane >> 3) & 1) * 8) * PB + (lane >> 4) * 8
@@ -567,9 +608,31 @@ __device__ __forceinline__ void warp_tile_mma(float (&c)[MI][NJ][4], const u16* 
     }
 }
 
+// Two independent products of one K extent in one k loop (C0 += A0 B0, C1 += A1 B1, same
+// layouts): twice warp_tile_mma's independent mma.sync per k step; fragments single-buffered
+// (their registers pay for the second product's)
+template <typename E, int MI, int NJ, int K, bool A_T, bool B_T, int PA, int PB>
+__device__ __forceinline__ void warp_tile_mma_pair(float (&c0)[MI][NJ][4], float (&c1)[MI][NJ][4],
+                                                   const u16* a0_smem, const u16* b0_smem,
+                                                   const u16* a1_smem, const u16* b1_smem, int lane) {
+    static_assert(NJ % 2 == 0 && K % 16 == 0, "whole 16x16 fragments");
+    const u16* a0_lane = frag_lane_a<A_T, PA>(a0_smem, lane);
+    const u16* b0_lane = frag_lane_b<B_T, PB>(b0_smem, lane);
+    const u16* a1_lane = frag_lane_a<A_T, PA>(a1_smem, lane);
+    const u16* b1_lane = frag_lane_b<B_T, PB>(b1_smem, lane);
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        u32 a_frag[2][MI][4], b_frag[2][NJ / 2][4];   // [product]
+        load_frags<MI, NJ, A_T, B_T, PA, PB>(a_frag[0], b_frag[0], a0_lane, b0_lane, kk);
+        load_frags<MI, NJ, A_T, B_T, PA, PB>(a_frag[1], b_frag[1], a1_lane, b1_lane, kk);
+        mma_frags<E, MI, NJ>(c0, a_frag[0], b_frag[0]);
+        mma_frags<E, MI, NJ>(c1, a_frag[1], b_frag[1]);
+    }
+}
+
 // One key tile n_block of (kv head blockIdx.y, batch blockIdx.z), 2-D warp tiles (see above)
 template <typename E, int D, int BM, int NW, int WMS, int WNKV, int WMQ, int NBUF, bool WINDOW,
-          bool SCORE_MOD>
+          bool SCORE_MOD, bool PAIR>
 __device__ __forceinline__ void flash_bwd_2d_key_tile(const Params& p, const int n_block) {
     static_assert(Elem<E>::is16, "2-D warp tiles: 16-bit types (ldmatrix)");
     typedef u16 S;
@@ -676,8 +739,13 @@ __device__ __forceinline__ void flash_bwd_2d_key_tile(const Params& p, const int
             for (int j = 0; j < SN / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s_frag[mi][j][e] = dp_frag[mi][j][e] = 0.f;
-        warp_tile_mma<E, SM / 16, SN / 8, D, false, false, PR, PR>(s_frag, qb_smem + s_r0 * PR, k_smem + s_c0 * PR, lane);
-        warp_tile_mma<E, SM / 16, SN / 8, D, false, false, PR, PR>(dp_frag, dob_smem + s_r0 * PR, v_smem + s_c0 * PR, lane);
+        if constexpr (PAIR) {
+            warp_tile_mma_pair<E, SM / 16, SN / 8, D, false, false, PR, PR>(
+                s_frag, dp_frag, qb_smem + s_r0 * PR, k_smem + s_c0 * PR, dob_smem + s_r0 * PR, v_smem + s_c0 * PR, lane);
+        } else {
+            warp_tile_mma<E, SM / 16, SN / 8, D, false, false, PR, PR>(s_frag, qb_smem + s_r0 * PR, k_smem + s_c0 * PR, lane);
+            warp_tile_mma<E, SM / 16, SN / 8, D, false, false, PR, PR>(dp_frag, dob_smem + s_r0 * PR, v_smem + s_c0 * PR, lane);
+        }
 
         // P = exp2(score(S) − lse·log2 e) (masked: 0), dS = P ∘ (dP − D) · ds/dS_raw, in place
         float l2[SM / 16][2], dd[SM / 16][2];           // this lane's rows g, g + 8 of each 16-row slab
@@ -738,8 +806,13 @@ __device__ __forceinline__ void flash_bwd_2d_key_tile(const Params& p, const int
         __syncthreads();   // P, dS complete: the next products read other warps' tiles
 
         // dV += Pᵀ dO, dK += dSᵀ Q   [KN keys, KD columns] of this warp
-        warp_tile_mma<E, KN / 16, KD / 8, BM, true, true, PP, PR>(dv_frag, p_smem + kv_r0, dob_smem + kv_c0, lane);
-        warp_tile_mma<E, KN / 16, KD / 8, BM, true, true, PP, PR>(dk_frag, ds_smem + kv_r0, qb_smem + kv_c0, lane);
+        if constexpr (PAIR) {
+            warp_tile_mma_pair<E, KN / 16, KD / 8, BM, true, true, PP, PR>(
+                dv_frag, dk_frag, p_smem + kv_r0, dob_smem + kv_c0, ds_smem + kv_r0, qb_smem + kv_c0, lane);
+        } else {
+            warp_tile_mma<E, KN / 16, KD / 8, BM, true, true, PP, PR>(dv_frag, p_smem + kv_r0, dob_smem + kv_c0, lane);
+            warp_tile_mma<E, KN / 16, KD / 8, BM, true, true, PP, PR>(dk_frag, ds_smem + kv_r0, qb_smem + kv_c0, lane);
+        }
         if (NBUF == 1) {
             __syncthreads();   // every warp is done reading Q, dO, lse and D of this step
             if (it + 1 < total) load_step(it + 1, 0);
@@ -798,14 +871,15 @@ __device__ __forceinline__ void flash_bwd_2d_key_tile(const Params& p, const int
             }
 }
 
-// Entry, grid (key tiles or G, kv heads, batch) as flash_bwd's (deterministic: key tiles x, x + G, ...)
+// Entry, grid (key tiles or G, kv heads, batch) as flash_bwd's (deterministic: key tiles x, x + G, ...).
+// PAIR: S with dP, and dV with dK, in one k loop each (warp_tile_mma_pair; not timed yet)
 template <typename E, int D, int BM, int NW, int WMS, int WNKV, int WMQ, int NBUF, bool WINDOW,
-          bool SCORE_MOD>
+          bool SCORE_MOD, bool PAIR = false>
 __global__ void __launch_bounds__(NW * 32, 1)
 flash_bwd_2d(const Params p) {
     for (int n_block = blockIdx.x; n_block < p.num_n_blocks; n_block += gridDim.x) {
         if (n_block != blockIdx.x) __syncthreads();   // the previous key tile's shared K, V, P, dS reads are done
-        flash_bwd_2d_key_tile<E, D, BM, NW, WMS, WNKV, WMQ, NBUF, WINDOW, SCORE_MOD>(p, n_block);
+        flash_bwd_2d_key_tile<E, D, BM, NW, WMS, WNKV, WMQ, NBUF, WINDOW, SCORE_MOD, PAIR>(p, n_block);
     }
 }
 
