@@ -62,7 +62,11 @@ _TILES = {
 
 @dataclass(frozen=True)
 class BwdVariant(KernelVariant):
-    """One template instantiation of flash_bwd."""
+    """One template instantiation of flash_bwd (16-key slabs per warp, ``wms`` = 0) or of
+    flash_bwd_2d (16-bit types: FlashAttention-2's 2-D warp tiles, P and dS through shared
+    memory; ``wd`` = 1, BN = 16·NW). ``wms`` / ``wnkv`` / ``wmq``: warps over the queries of
+    S / dP, over the keys of dK / dV, over the queries of dQ (the rest of the NW warps split the
+    other dimension)."""
 
     elem: str
     d: int
@@ -73,16 +77,28 @@ class BwdVariant(KernelVariant):
     window: bool
     score_mod: bool
     general: bool = False   # GENERAL: bias (+ dbias) / mask / varlen (window and score_mod set)
+    wms: int = 0            # flash_bwd_2d's warp grids (0: flash_bwd)
+    wnkv: int = 0
+    wmq: int = 0
+    pair: bool = False      # flash_bwd_2d: S with dP, dV with dK in one k loop each (not timed)
 
     @property
     def bn(self) -> int:
         return 16 * self.nw // self.wd
 
-    template = "flash_bwd"
     file = "portable/bwd.cu"
+
+    @property
+    def template(self) -> str:
+        return "flash_bwd_2d" if self.wms else "flash_bwd"
 
     def template_args(self) -> tuple:
         b = cpp_bool
+        if self.wms:
+            pair = ("true",) if self.pair else ()   # the template's default is false
+            return (self.elem, str(self.d), str(self.bm), str(self.nw), str(self.wms),
+                    str(self.wnkv), str(self.wmq), str(self.nbuf), b(self.window),
+                    b(self.score_mod)) + pair
         gen = ("true",) if self.general else ()   # the template's default is false
         return (self.elem, str(self.d), str(self.bm), str(self.nw), str(self.wd), str(self.nbuf),
                 b(self.window), b(self.score_mod)) + gen
@@ -105,8 +121,10 @@ class BwdVariant(KernelVariant):
             flags = "_gen"
         else:
             flags = ("_window" if self.window else "") + ("_mod" if self.score_mod else "")
+        warps = (f"t{self.wms}{self.wnkv}{self.wmq}" + ("p" if self.pair else "")
+                 if self.wms else f"s{self.wd}")
         return (f"bwd_{self.elem[:-2]}_d{self.d}_{self.bm}x{self.bn}w{self.nw}"
-                f"s{self.wd}b{self.nbuf}{flags}")
+                f"{warps}b{self.nbuf}{flags}")
 
     @property
     def threads(self) -> int:
@@ -114,7 +132,29 @@ class BwdVariant(KernelVariant):
 
     @property
     def smem_bytes(self) -> int:
+        if self.wms:
+            return smem_bytes_2d(self.d, self.bm, self.bn, self.nbuf)
         return smem_bytes(self.elem, self.d, self.bm, self.bn, self.nbuf)
+
+    def check_2d(self) -> None:
+        """flash_bwd_2d's static asserts (ValueError): 16-bit, no GENERAL, warp grids that
+        tile the block in whole 16x16 fragments."""
+        nw, bm, bn, d = self.nw, self.bm, self.bn, self.d
+        ok = (self.elem in ("f16_t", "bf16_t") and self.wd == 1 and not self.general
+              and all(w > 0 and nw % w == 0 for w in (self.wms, self.wnkv, self.wmq))
+              and all(x % 16 == 0 for x in (bm // self.wms, bn // (nw // self.wms),
+                                            bn // self.wnkv, d // (nw // self.wnkv),
+                                            bm // self.wmq, d // (nw // self.wmq)))
+              and self.nbuf in (1, 2))
+        if not ok:
+            raise ValueError(f"{self.name}: not a flash_bwd_2d tiling")
+
+
+def smem_bytes_2d(d: int, bm: int, bn: int, nbuf: int) -> int:
+    """flash_bwd_2d's dynamic shared memory (16-bit types): K, V [BN, d + 8], NBUF x (Q, dO
+    [BM, d + 8]), P, dS [BM, BN + 8], NBUF x (lse, D [BM] float32). Mirrors portable/bwd.cu."""
+    pr = d + 8
+    return (2 * bn * pr + 2 * nbuf * bm * pr + 2 * bm * (bn + 8)) * 2 + 2 * nbuf * bm * 4
 
 
 def smem_bytes(elem: str, d: int, bm: int, bn: int, nbuf: int) -> int:
@@ -142,8 +182,36 @@ def tiles(elem: str, d_bucket: int, smem_optin: int,
     return _TILES[(smem_class(smem_optin), ELEM_SIZE[elem])][d_bucket]
 
 
+#: flash_bwd_2d tiles (BM, NW, WMS, WNKV, WMQ, NBUF) per head-dim bucket (16-bit types; BN =
+#: 16·NW), first choice first: the first that fits the device's shared memory is taken (none on
+#: the small class, 99 KB, nor above hd 128: flash_bwd there). hd 64: FlashAttention-2's tile
+#: (BM 128, 8 warps: S / dP warp tiles 32 x 64, dK / dV and dQ 32 x 32); hd 128: BM 64 (S / dP
+#: 32 x 32, dK / dV 32 x 64, dQ 32 x 32); the fallbacks fit sm_80's 163 KB with two buffers
+#: (one buffer spills there).
+_TILES_2D = {
+    32: ((128, 8, 4, 4, 4, 2),),
+    64: ((128, 8, 4, 4, 4, 2), (64, 8, 2, 4, 2, 2)),
+    96: ((64, 8, 2, 4, 4, 2),),
+    128: ((64, 8, 2, 4, 2, 2), (32, 4, 2, 2, 2, 2)),
+}
+
+
+def variant_2d(elem: str, d_bucket: int, smem_optin: int, window: bool,
+               score_mod: bool) -> Optional[BwdVariant]:
+    """The flash_bwd_2d variant for a 16-bit call without GENERAL features, or None (float32 /
+    float64, a bucket above 128, or no tile fits ``smem_optin``)."""
+    if ELEM_SIZE[elem] != 2 or d_bucket not in _TILES_2D or smem_class(smem_optin) != "big":
+        return None
+    for bm, nw, wms, wnkv, wmq, nbuf in _TILES_2D[d_bucket]:
+        if smem_bytes_2d(d_bucket, bm, 16 * nw, nbuf) <= smem_optin:
+            return BwdVariant(elem, d_bucket, bm, nw, 1, nbuf, window, score_mod, False,
+                              wms, wnkv, wmq)
+    return None
+
+
 def variants(smem_optin: int = SM90_SMEM_MAX):
-    """Every BwdVariant the planner can select on a device with this shared-memory limit."""
+    """Every BwdVariant the planner can select on a device with this shared-memory limit
+    (flash_bwd's, then flash_bwd_2d's: ``TUNING.portable_bwd_2d`` picks between them)."""
     out = []
     for elem in ELEMS:
         for dbk in HEAD_DIM_BUCKETS:
@@ -155,6 +223,13 @@ def variants(smem_optin: int = SM90_SMEM_MAX):
                     out.append(BwdVariant(elem, dbk, bm, nw, wd, nbuf, window, mod))
             bm, nw, wd, nbuf = tiles(elem, dbk, smem_optin, general=True)
             out.append(BwdVariant(elem, dbk, bm, nw, wd, nbuf, True, True, True))
+    for elem in ELEMS:
+        for dbk in HEAD_DIM_BUCKETS:
+            for window in (False, True):
+                for mod in (False, True):
+                    v = variant_2d(elem, dbk, smem_optin, window, mod)
+                    if v is not None:
+                        out.append(v)
     return out
 
 
@@ -189,12 +264,16 @@ def plan_backward(dtype_name: str, b: int, s_q: int, s_k: int, h: int, h_k: int,
     general = has_bias or has_mask or varlen
     window = window_left >= 0 or window_right >= 0 or general
     score_mod = softcap > 0 or has_alibi or general
+    if variant is None and TUNING.portable_bwd_2d and not general:
+        variant = variant_2d(elem, dbk, smem_optin, window, score_mod)
     if variant is None:
         bm, nw, wd, nbuf = tiles(elem, dbk, smem_optin, general)
         variant = BwdVariant(elem, dbk, bm, nw, wd, nbuf, window, score_mod, general)
     elif (variant.elem != elem or variant.d < max(d, d_v) or (window and not variant.window)
           or (score_mod and not variant.score_mod) or (general and not variant.general)):
         raise ValueError(f"kernel {variant.name} cannot compute this problem")
+    if variant.wms:
+        variant.check_2d()
     if variant.smem_bytes > smem_optin:
         raise NotImplementedError(
             f"{variant.name} needs {variant.smem_bytes} bytes of shared memory; the device "

@@ -61,6 +61,12 @@ class Tuning:
     #: plan_bwd_sm90.det_group decides.
     det_group: Optional[int] = None
 
+    #: The portable backward's main kernel for 16-bit calls without bias / mask / varlen at head
+    #: dims up to 128 (big shared-memory class): flash_bwd_2d (FlashAttention-2's 2-D warp tiles,
+    #: P and dS through shared memory; plan_bwd.variant_2d). False: flash_bwd (16-key slabs per
+    #: warp, the transposed products) as for every other call.
+    portable_bwd_2d: bool = True
+
 
 #: The switches the planners read.
 TUNING = Tuning()

@@ -116,6 +116,11 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int sr
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  :: "r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
 }
+// 4-byte variant (one float: lse, D rows); src_bytes 0 zero-fills
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+                 :: "r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
@@ -141,6 +146,16 @@ __device__ __forceinline__ double quad_sum(double x) {
 // *addr += v in global memory, no return value (red.global.add.f32 / .f64)
 __device__ __forceinline__ void red_add_f32(float* addr, float v) {
     asm volatile("red.global.add.f32 [%0], %1;" :: "l"(addr), "f"(v) : "memory");
+}
+// addr[0] += x, addr[1] += y (addr 8-byte aligned): one red.global.add.v2.f32 on sm_90+ (the
+// pair's 8 bytes in one request), two scalar reductions before
+__device__ __forceinline__ void red_add_pair(float* addr, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(addr), "f"(x), "f"(y) : "memory");
+#else
+    red_add_f32(addr, x);
+    red_add_f32(addr + 1, y);
+#endif
 }
 // ... in the accumulator type (the portable backward: float, or double for float64)
 __device__ __forceinline__ void red_add(float* addr, float v) { red_add_f32(addr, v); }

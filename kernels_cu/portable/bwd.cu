@@ -11,6 +11,10 @@
 //   dbias tile = Σ over its broadcast pairs of dS         flash_bwd_dbias (when flash_bwd writes none:
 //                                                         recomputes S, dP; sums in registers)
 //
+// Two main kernels (cupyflash/gpu/plan_bwd.py picks): flash_bwd_2d (16-bit types, head dims up to
+// 128, no bias / mask / varlen: FlashAttention-2's 2-D warp tiles, described at its definition
+// below) and flash_bwd (every other call), described here.
+//
 // flash_bwd works on the TRANSPOSED scores: warp w owns 16 keys and computes Sᵀ = K Qᵀ and
 // dPᵀ = V dOᵀ for them ([16 keys, BM queries] in the m16n8 accumulator layout). Pᵀ and dSᵀ are
 // then already the A operands of dV += Pᵀ dO and dK += dSᵀ Q (registers, no shared memory), and
@@ -453,17 +457,26 @@ __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_
         mma_tn<E, BN, DQW, PDS, PR>(dq_frag, dst_smem + qrow0, k_smem + qcol0, lane, p.d - qcol0);
         A* dq_gmem = (A*)p.dq_accum + (p.deterministic ? (i64)blockIdx.x * p.dq_accum_slab : 0)
                          + (((i64)lse_b * p.h + head) * p.s_q + q_tok0 + m0) * p.d;   // [s_q − m0, d]
+        // float32 with even d: column pairs (c, c + 1) as one 8-byte reduction (red_add_pair)
+        const bool pairs = !is_f64<E> && (p.d & 1) == 0;
 #pragma unroll
         for (int j = 0; j < DQW / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = qrow0 + g + (e >> 1) * 8, c = qcol0 + j * 8 + 2 * t + (e & 1);
-                if (m0 + r < s_q && c < p.d) {
-                    A* dst = dq_gmem + (i64)r * p.d + c;
-                    // deterministic: this block's slab, and this lane adds this element in every
-                    // key tile: one writer, whose reductions to one address apply in program order
-                    red_add(dst, dq_frag[j][e]);
+            for (int half = 0; half < 2; ++half) {
+                const int r = qrow0 + g + half * 8, c = qcol0 + j * 8 + 2 * t;
+                if (m0 + r >= s_q) continue;
+                // deterministic: this block's slab, and this lane adds these elements in every
+                // key tile: one writer, whose reductions to one address apply in program order
+                A* dst = dq_gmem + (i64)r * p.d + c;
+                const A x = dq_frag[j][2 * half], y = dq_frag[j][2 * half + 1];
+                if constexpr (!is_f64<E>) {
+                    if (pairs) {
+                        if (c < p.d) red_add_pair(dst, x, y);
+                        continue;
+                    }
                 }
+                if (c < p.d) red_add(dst, x);
+                if (c + 1 < p.d) red_add(dst + 1, y);
             }
     }
 
@@ -494,6 +507,379 @@ flash_bwd(const Params p) {
     for (int n_block = blockIdx.x; n_block < p.num_n_blocks; n_block += gridDim.x) {
         if (n_block != blockIdx.x) __syncthreads();   // the previous key tile's shared K, V, dSᵀ reads are done
         flash_bwd_key_tile<E, D, BM, NW, WD, NBUF, WINDOW, SCORE_MOD, GENERAL>(p, n_block);
+    }
+}
+
+// =============================================================================================
+// flash_bwd_2d: FlashAttention-2's layout, 16-bit types. The five products are split over the
+// NW warps in 2-D warp tiles, so a warp reuses each fragment it loads across its whole tile
+// (flash_bwd's 16-key slabs reload every Q / dO fragment per slab: ~1.4x the shared-memory
+// reads per FLOP):
+//   S = Q Kᵀ, dP = dO Vᵀ        [BM, BN] in registers: WMS warps over queries x NW / WMS over keys
+//   P, dS                       rounded to E, written once to shared memory [BM, BN]
+//   dV += Pᵀ dO, dK += dSᵀ Q    [BN, D] in registers for the whole block: WNKV warps over keys x
+//                               NW / WNKV over columns (Pᵀ, dSᵀ read by ldmatrix.trans)
+//   dQ = dS K                   [BM, D]: WMQ warps over queries x NW / WMQ over columns, added to
+//                               the float32 accumulator by red.global.add (v2 pairs on sm_90)
+// BN = 16·NW keys per block. The next step's Q, dO, lse and D arrive by cp.async during the
+// whole step (NBUF = 2) or during the dQ product (NBUF = 1). Grid, GQA order, query-tile range,
+// masks and deterministic slabs as flash_bwd; no GENERAL features (bias, mask, varlen run
+// flash_bwd's GENERAL variant).
+// =============================================================================================
+
+// Warp-tile products C[16·MI, 8·NJ] += A[16·MI, K] · B[K, 8·NJ]: 16-bit operands in shared
+// memory, read by ldmatrix (x4: lanes 8i..8i+7 address the rows of 8x8 matrix i).
+//   A_T = false: A row-major [16·MI, PA];  A_T = true: Aᵀ row-major [K, PA]
+//   B_T = false: Bᵀ row-major [8·NJ, PB];  B_T = true: B row-major [K, PB]
+// This lane's row address in a 16x16 fragment of A / B
+template <bool A_T, int PA>
+__device__ __forceinline__ const u16* frag_lane_a(const u16* a_smem, int lane) {
+    return A_T ? a_smem + ((lane & 7) + ((lane >> 4) & 1) * 8) * PA + ((lane >> 3) & 1) * 8
+               : a_smem + (lane & 15) * PA + (lane >> 4) * 8;
+}
+template <bool B_T, int PB>
+__device__ __forceinline__ const u16* frag_lane_b(const u16* b_smem, int lane) {
+    return B_T ? b_smem + ((lane & 7) + ((lane >> 3) & 1) * 8) * PB + (lane >> 4) * 8
+               : b_smem + ((lane & 7) + (lane >> 4) * 8) * PB + ((lane >> 3) & 1) * 8;
+}
+// The fragments of k step kk: MI of A, NJ / 2 of B (two n8 tiles each)
+template <int MI, int NJ, bool A_T, bool B_T, int PA, int PB>
+__device__ __forceinline__ void load_frags(u32 (&a_frag)[MI][4], u32 (&b_frag)[NJ / 2][4],
+                                           const u16* a_lane, const u16* b_lane, int kk) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+        if (A_T) ldmatrix_x4_trans(a_frag[mi], a_lane + kk * 16 * PA + mi * 16);
+        else     ldmatrix_x4(a_frag[mi], a_lane + mi * 16 * PA + kk * 16);
+    }
+#pragma unroll
+    for (int nn = 0; nn < NJ / 2; ++nn) {
+        if (B_T) ldmatrix_x4_trans(b_frag[nn], b_lane + kk * 16 * PB + nn * 16);
+        else     ldmatrix_x4(b_frag[nn], b_lane + nn * 16 * PB + kk * 16);
+    }
+}
+// The MI x NJ products of one k step
+template <typename E, int MI, int NJ>
+__device__ __forceinline__ void mma_frags(float (&c)[MI][NJ][4], const u32 (&a_frag)[MI][4],
+                                          const u32 (&b_frag)[NJ / 2][4]) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int nn = 0; nn < NJ / 2; ++nn) {
+            mma16816<E>(c[mi][2 * nn], a_frag[mi], b_frag[nn][0], b_frag[nn][1]);
+            mma16816<E>(c[mi][2 * nn + 1], a_frag[mi], b_frag[nn][2], b_frag[nn][3]);
+        }
+}
+
+// One product on one warp; the fragments of k step kk + 1 are loaded before the products of kk
+template <typename E, int MI, int NJ, int K, bool A_T, bool B_T, int PA, int PB>
+__device__ __forceinline__ void warp_tile_mma(float (&c)[MI][NJ][4], const u16* a_smem,
+                                              const u16* b_smem, int lane) {
+    static_assert(NJ % 2 == 0 && K % 16 == 0, "whole 16x16 fragments");
+    // this lane's row address in a 16x16 fragment (frag_lane_a / _b's, written out: calling them
+    // reorders the address arithmetic in the SASS of the default hd 64 / 96 variants)
+    const u16* a_lane = A_T ? a_smem + ((lane & 7) + ((lane >> 4) & 1) * 8) * PA + ((lane >> 3) & 1) * 8
+                            : a_smem + (lane & 15) * PA + (lane >> 4) * 8;
+    const u16* b_lane = B_T ? b_smem + ((lane & 7) + ((lane >> 3) & 1) * 8) * PB + (lane >> 4) * 8
+                            : b_smem + ((lane & 7) + (lane >> 4) * 8) * PB + ((lane >> 3) & 1) * 8;
+    u32 a_frag[2][MI][4], b_frag[2][NJ / 2][4];   // two k steps: loading one, multiplying the other
+    auto load = [&](int kk, int buf) {
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+            if (A_T) ldmatrix_x4_trans(a_frag[buf][mi], a_lane + kk * 16 * PA + mi * 16);
+            else     ldmatrix_x4(a_frag[buf][mi], a_lane + mi * 16 * PA + kk * 16);
+        }
+#pragma unroll
+        for (int nn = 0; nn < NJ / 2; ++nn) {   // two n8 tiles per load
+            if (B_T) ldmatrix_x4_trans(b_frag[buf][nn], b_lane + kk * 16 * PB + nn * 16);
+            else     ldmatrix_x4(b_frag[buf][nn], b_lane + nn * 16 * PB + kk * 16);
+        }
+    };
+    load(0, 0);
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        if (kk + 1 < K / 16) load(kk + 1, (kk + 1) & 1);
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int nn = 0; nn < NJ / 2; ++nn) {
+                mma16816<E>(c[mi][2 * nn], a_frag[kk & 1][mi], b_frag[kk & 1][nn][0], b_frag[kk & 1][nn][1]);
+                mma16816<E>(c[mi][2 * nn + 1], a_frag[kk & 1][mi], b_frag[kk & 1][nn][2], b_frag[kk & 1][nn][3]);
+            }
+    }
+}
+
+// Two independent products of one K extent in one k loop (C0 += A0 B0, C1 += A1 B1, same
+// layouts): twice warp_tile_mma's independent mma.sync per k step; fragments single-buffered
+// (their registers pay for the second product's)
+template <typename E, int MI, int NJ, int K, bool A_T, bool B_T, int PA, int PB>
+__device__ __forceinline__ void warp_tile_mma_pair(float (&c0)[MI][NJ][4], float (&c1)[MI][NJ][4],
+                                                   const u16* a0_smem, const u16* b0_smem,
+                                                   const u16* a1_smem, const u16* b1_smem, int lane) {
+    static_assert(NJ % 2 == 0 && K % 16 == 0, "whole 16x16 fragments");
+    const u16* a0_lane = frag_lane_a<A_T, PA>(a0_smem, lane);
+    const u16* b0_lane = frag_lane_b<B_T, PB>(b0_smem, lane);
+    const u16* a1_lane = frag_lane_a<A_T, PA>(a1_smem, lane);
+    const u16* b1_lane = frag_lane_b<B_T, PB>(b1_smem, lane);
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        u32 a_frag[2][MI][4], b_frag[2][NJ / 2][4];   // [product]
+        load_frags<MI, NJ, A_T, B_T, PA, PB>(a_frag[0], b_frag[0], a0_lane, b0_lane, kk);
+        load_frags<MI, NJ, A_T, B_T, PA, PB>(a_frag[1], b_frag[1], a1_lane, b1_lane, kk);
+        mma_frags<E, MI, NJ>(c0, a_frag[0], b_frag[0]);
+        mma_frags<E, MI, NJ>(c1, a_frag[1], b_frag[1]);
+    }
+}
+
+// One key tile n_block of (kv head blockIdx.y, batch blockIdx.z), 2-D warp tiles (see above)
+template <typename E, int D, int BM, int NW, int WMS, int WNKV, int WMQ, int NBUF, bool WINDOW,
+          bool SCORE_MOD, bool PAIR>
+__device__ __forceinline__ void flash_bwd_2d_key_tile(const Params& p, const int n_block) {
+    static_assert(Elem<E>::is16, "2-D warp tiles: 16-bit types (ldmatrix)");
+    typedef u16 S;
+    constexpr int NT = NW * 32, BN = 16 * NW;
+    constexpr int SM = BM / WMS, SN = BN / (NW / WMS);      // S / dP tile of a warp: queries x keys
+    constexpr int KN = BN / WNKV, KD = D / (NW / WNKV);     // dK / dV tile: keys x columns
+    constexpr int QM = BM / WMQ, QD = D / (NW / WMQ);       // dQ tile: queries x columns
+    static_assert(NW % WMS == 0 && NW % WNKV == 0 && NW % WMQ == 0, "warp grids must tile the block");
+    static_assert(SM % 16 == 0 && SN % 16 == 0 && KN % 16 == 0 && KD % 16 == 0 && QM % 16 == 0 &&
+                  QD % 16 == 0, "warp tiles of whole 16x16 fragments");
+    static_assert(NBUF == 1 || NBUF == 2, "one or two Q / dO buffers");
+    // rows padded by 16 bytes: ldmatrix and ldmatrix.trans read 8 rows of 16 bytes conflict-free
+    constexpr int PR = BwdPitch<E, D>::ROW, PP = BN + 8;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    S* k_smem = (S*)smem_raw;                     // [BN, PR]
+    S* v_smem = k_smem + BN * PR;                 // [BN, PR]
+    S* q_smem = v_smem + BN * PR;                 // [NBUF][BM, PR]
+    S* do_smem = q_smem + NBUF * BM * PR;         // [NBUF][BM, PR]
+    S* p_smem = do_smem + NBUF * BM * PR;         // [BM, PP]  P
+    S* ds_smem = p_smem + BM * PP;                // [BM, PP]  dS
+    float* lse_smem = (float*)(ds_smem + BM * PP);   // [NBUF][BM]  lse as stored (natural log; 0 past s_q)
+    float* dsum_smem = lse_smem + NBUF * BM;         // [NBUF][BM]  D (0 past s_q)
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;        // accumulator row / column pair of this lane
+    const int head_k = blockIdx.y, batch = blockIdx.z;
+    const int n0 = n_block * BN;
+    const int s_q = p.s_q, s_k = p.s_k, diag_offset = p.diag_offset;
+    const int n_rows = min(BN, s_k - n0);
+    const int s_r0 = (warp % WMS) * SM, s_c0 = (warp / WMS) * SN;       // S / dP tile: first query, key
+    const int kv_r0 = (warp % WNKV) * KN, kv_c0 = (warp / WNKV) * KD;   // dK / dV tile: first key, column
+    const int q_r0 = (warp % WMQ) * QM, q_c0 = (warp / WMQ) * QD;       // dQ tile: first query, column
+    const float scale = p.scale, scale_log2 = p.scale_log2;
+
+    const S* k_gmem = (const S*)p.k + batch * p.k_stride_b + head_k * p.k_stride_h + (i64)n0 * p.k_stride_s;  // [n_rows, d]
+    const S* v_gmem = (const S*)p.v + batch * p.v_stride_b + head_k * p.v_stride_h + (i64)n0 * p.v_stride_s;  // [n_rows, d_v]
+
+    // Query rows that see some key of this tile, [i_lo, i_hi]; tiles of BM rows over them (flash_bwd's)
+    int i_lo = 0, i_hi = s_q - 1;
+    if (WINDOW) {
+        i_lo = max(0, n0 - diag_offset - p.window_right);
+        i_hi = min(s_q - 1, n0 + n_rows - 1 - diag_offset + p.window_left);
+    }
+    const int m_first = i_lo / BM;
+    const int num_m = i_hi >= i_lo ? i_hi / BM - m_first + 1 : 0;   // query tiles per head
+    const int total = num_m * p.h_per_hk;                           // steps: (group head, query tile)
+    auto step_head = [&](int it) { return head_k * p.h_per_hk + it / num_m; };
+    auto step_m0 = [&](int it) { return (m_first + it % num_m) * BM; };
+
+    // Issue the loads of step `it` into buffer `buf` (cp.async): Q, dO tiles; lse and D rows
+    // (zero past s_q: those rows are masked, and their Q, dO rows are zero)
+    auto load_step = [&](int it, int buf) {
+        const int head = step_head(it), m0 = step_m0(it);
+        const int m_rows = min(BM, s_q - m0);
+        const S* q_gmem = (const S*)p.q + batch * p.q_stride_b + head * p.q_stride_h + (i64)m0 * p.q_stride_s;          // [m_rows, d]
+        const S* do_gmem = (const S*)p.dout + batch * p.do_stride_b + head * p.do_stride_h + (i64)m0 * p.do_stride_s;  // [m_rows, d_v]
+        copy_tile<BM, D, PR, NT>(q_smem + buf * BM * PR, q_gmem, p.q_stride_s, m_rows, p.d, p.vec_ok, p.q, tid);
+        copy_tile<BM, D, PR, NT>(do_smem + buf * BM * PR, do_gmem, p.do_stride_s, m_rows, p.d_v, p.vec_ok, p.dout, tid);
+        auto load_stat = [&](int i) {   // i in [0, BM): lse row i; [BM, 2 BM): D row i − BM
+            const int r = i % BM;
+            const float* stat_gmem = i < BM ? p.lse : p.dsum;        // [b, h, s_q]
+            const i64 row = ((i64)batch * p.h + head) * s_q + m0 + r;
+            cp_async_4((i < BM ? lse_smem : dsum_smem) + buf * BM + r,
+                       r < m_rows ? stat_gmem + row : stat_gmem, r < m_rows ? 4 : 0);
+        };
+        if constexpr (2 * BM <= NT) {
+            if (tid < 2 * BM) load_stat(tid);
+        } else {
+            for (int i = tid; i < 2 * BM; i += NT) load_stat(i);
+        }
+    };
+
+    float dk_frag[KN / 16][KD / 8][4], dv_frag[KN / 16][KD / 8][4];   // dK, dV [KN keys, KD] of this warp
+#pragma unroll
+    for (int mi = 0; mi < KN / 16; ++mi)
+#pragma unroll
+        for (int j = 0; j < KD / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk_frag[mi][j][e] = dv_frag[mi][j][e] = 0.f;
+
+    if (total > 0) {
+        // K, V tiles (kept for the whole block) and the first step's tiles in flight
+        copy_tile<BN, D, PR, NT>(k_smem, k_gmem, p.k_stride_s, n_rows, p.d, p.vec_ok, p.k, tid);
+        copy_tile<BN, D, PR, NT>(v_smem, v_gmem, p.v_stride_s, n_rows, p.d_v, p.vec_ok, p.v, tid);
+        load_step(0, 0);
+        cp_async_commit();
+    }
+    for (int it = 0; it < total; ++it) {
+        const int buf = NBUF == 2 ? (it & 1) : 0;
+        const int head = step_head(it), m0 = step_m0(it);
+        cp_async_wait<0>();
+        __syncthreads();   // step it's tiles landed for all threads; every warp is done with the other buffer and with P, dS
+        if (NBUF == 2 && it + 1 < total) load_step(it + 1, buf ^ 1);
+        cp_async_commit();
+        const S* qb_smem = q_smem + buf * BM * PR;      // [BM, PR]
+        const S* dob_smem = do_smem + buf * BM * PR;    // [BM, PR]
+
+        // S = Q Kᵀ, dP = dO Vᵀ   [SM queries, SN keys] of this warp
+        float s_frag[SM / 16][SN / 8][4], dp_frag[SM / 16][SN / 8][4];
+#pragma unroll
+        for (int mi = 0; mi < SM / 16; ++mi)
+#pragma unroll
+            for (int j = 0; j < SN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s_frag[mi][j][e] = dp_frag[mi][j][e] = 0.f;
+        if constexpr (PAIR) {
+            warp_tile_mma_pair<E, SM / 16, SN / 8, D, false, false, PR, PR>(
+                s_frag, dp_frag, qb_smem + s_r0 * PR, k_smem + s_c0 * PR, dob_smem + s_r0 * PR, v_smem + s_c0 * PR, lane);
+        } else {
+            warp_tile_mma<E, SM / 16, SN / 8, D, false, false, PR, PR>(s_frag, qb_smem + s_r0 * PR, k_smem + s_c0 * PR, lane);
+            warp_tile_mma<E, SM / 16, SN / 8, D, false, false, PR, PR>(dp_frag, dob_smem + s_r0 * PR, v_smem + s_c0 * PR, lane);
+        }
+
+        // P = exp2(score(S) − lse·log2 e) (masked: 0), dS = P ∘ (dP − D) · ds/dS_raw, in place
+        float l2[SM / 16][2], dd[SM / 16][2];           // this lane's rows g, g + 8 of each 16-row slab
+#pragma unroll
+        for (int mi = 0; mi < SM / 16; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = s_r0 + mi * 16 + g + h * 8;
+                l2[mi][h] = lse_smem[buf * BM + r] * CF_LOG2E;
+                dd[mi][h] = dsum_smem[buf * BM + r];
+            }
+        // this warp's tile holds a masked score: keys past s_k, rows past s_q, a window edge
+        const int wq0 = m0 + s_r0, wk0 = n0 + s_c0;
+        const bool need_mask = (wk0 + SN > s_k) || (wq0 + SM > s_q) ||
+            (WINDOW && (wk0 + SN - 1 > wq0 + diag_offset + p.window_right ||
+                        wk0 < wq0 + SM - 1 + diag_offset - p.window_left));
+        if (!SCORE_MOD && !need_mask) {
+#pragma unroll
+            for (int mi = 0; mi < SM / 16; ++mi)
+#pragma unroll
+                for (int j = 0; j < SN / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float pr = fast_exp2(fmaf(s_frag[mi][j][e], scale_log2, -l2[mi][e >> 1]));
+                        s_frag[mi][j][e] = pr;
+                        dp_frag[mi][j][e] = pr * (dp_frag[mi][j][e] - dd[mi][e >> 1]) * scale;
+                    }
+        } else {
+            const float slope_log2 = SCORE_MOD ? alibi_slope_log2<float>(p, batch, head) : 0.f;
+#pragma unroll
+            for (int mi = 0; mi < SM / 16; ++mi)
+#pragma unroll
+                for (int j = 0; j < SN / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = wq0 + mi * 16 + g + (e >> 1) * 8, key = wk0 + j * 8 + 2 * t + (e & 1);
+                        float ds_dqk;
+                        const float sc = score_log2<SCORE_MOD>(s_frag[mi][j][e], p, slope_log2, row, key,
+                                                               diag_offset, scale, &ds_dqk);
+                        const bool kept = !need_mask ||
+                            (row < s_q && score_kept<WINDOW>(p, nullptr, row, key, s_q, s_k, diag_offset));
+                        const float pr = kept ? fast_exp2(sc - l2[mi][e >> 1]) : 0.f;
+                        s_frag[mi][j][e] = pr;
+                        dp_frag[mi][j][e] = pr * (dp_frag[mi][j][e] - dd[mi][e >> 1]) * ds_dqk;
+                    }
+        }
+        // P, dS to shared memory [BM, BN] in E (rounded like the naive backward's operands)
+#pragma unroll
+        for (int mi = 0; mi < SM / 16; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int j = 0; j < SN / 8; ++j) {
+                    const int off = (s_r0 + mi * 16 + g + h * 8) * PP + s_c0 + j * 8 + 2 * t;
+                    *(u32*)(p_smem + off) = pack2<E>(s_frag[mi][j][2 * h], s_frag[mi][j][2 * h + 1]);
+                    *(u32*)(ds_smem + off) = pack2<E>(dp_frag[mi][j][2 * h], dp_frag[mi][j][2 * h + 1]);
+                }
+        __syncthreads();   // P, dS complete: the next products read other warps' tiles
+
+        // dV += Pᵀ dO, dK += dSᵀ Q   [KN keys, KD columns] of this warp
+        if constexpr (PAIR) {
+            warp_tile_mma_pair<E, KN / 16, KD / 8, BM, true, true, PP, PR>(
+                dv_frag, dk_frag, p_smem + kv_r0, dob_smem + kv_c0, ds_smem + kv_r0, qb_smem + kv_c0, lane);
+        } else {
+            warp_tile_mma<E, KN / 16, KD / 8, BM, true, true, PP, PR>(dv_frag, p_smem + kv_r0, dob_smem + kv_c0, lane);
+            warp_tile_mma<E, KN / 16, KD / 8, BM, true, true, PP, PR>(dk_frag, ds_smem + kv_r0, qb_smem + kv_c0, lane);
+        }
+        if (NBUF == 1) {
+            __syncthreads();   // every warp is done reading Q, dO, lse and D of this step
+            if (it + 1 < total) load_step(it + 1, 0);
+            cp_async_commit();
+        }
+
+        // dQ[m tile] += dS K   [QM queries, QD columns] of this warp, into the float32 accumulator
+        float dq_frag[QM / 16][QD / 8][4];
+#pragma unroll
+        for (int mi = 0; mi < QM / 16; ++mi)
+#pragma unroll
+            for (int j = 0; j < QD / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dq_frag[mi][j][e] = 0.f;
+        warp_tile_mma<E, QM / 16, QD / 8, BN, false, true, PP, PR>(dq_frag, ds_smem + q_r0 * PP, k_smem + q_c0, lane);
+        float* dq_gmem = (float*)p.dq_accum + (p.deterministic ? (i64)blockIdx.x * p.dq_accum_slab : 0)
+                         + (((i64)batch * p.h + head) * s_q + m0) * p.d;   // [s_q − m0, d]
+        const bool pairs = (p.d & 1) == 0;   // even d: column pairs (c, c + 1) are 8-byte aligned
+#pragma unroll
+        for (int mi = 0; mi < QM / 16; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = q_r0 + mi * 16 + g + h * 8;
+                if (m0 + r >= s_q) continue;
+                float* row_gmem = dq_gmem + (i64)r * p.d;   // [d]
+#pragma unroll
+                for (int j = 0; j < QD / 8; ++j) {
+                    // deterministic: this block's slab, and this lane adds these elements in every
+                    // key tile: one writer, whose reductions to one address apply in program order
+                    const int c = q_c0 + j * 8 + 2 * t;
+                    const float x = dq_frag[mi][j][2 * h], y = dq_frag[mi][j][2 * h + 1];
+                    if (pairs) {
+                        if (c < p.d) red_add_pair(row_gmem + c, x, y);
+                    } else {
+                        if (c < p.d) red_add(row_gmem + c, x);
+                        if (c + 1 < p.d) red_add(row_gmem + c + 1, y);
+                    }
+                }
+            }
+    }
+
+    // dK, dV [KN keys, KD] of this warp to global memory in E (zeros when no query sees the tile)
+    S* dk_gmem = (S*)p.dk + batch * p.dk_stride_b + head_k * p.dk_stride_h;   // [s_k, d]
+    S* dv_gmem = (S*)p.dv + batch * p.dv_stride_b + head_k * p.dv_stride_h;   // [s_k, d_v]
+#pragma unroll
+    for (int mi = 0; mi < KN / 16; ++mi)
+#pragma unroll
+        for (int j = 0; j < KD / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = n0 + kv_r0 + mi * 16 + g + (e >> 1) * 8, c = kv_c0 + j * 8 + 2 * t + (e & 1);
+                if (key < s_k) {
+                    if (c < p.d) dk_gmem[(i64)key * p.dk_stride_s + c] = from_float<E>(dk_frag[mi][j][e]);
+                    if (c < p.d_v) dv_gmem[(i64)key * p.dv_stride_s + c] = from_float<E>(dv_frag[mi][j][e]);
+                }
+            }
+}
+
+// Entry, grid (key tiles or G, kv heads, batch) as flash_bwd's (deterministic: key tiles x, x + G, ...).
+// PAIR: S with dP, and dV with dK, in one k loop each (warp_tile_mma_pair; not timed yet)
+template <typename E, int D, int BM, int NW, int WMS, int WNKV, int WMQ, int NBUF, bool WINDOW,
+          bool SCORE_MOD, bool PAIR = false>
+__global__ void __launch_bounds__(NW * 32, 1)
+flash_bwd_2d(const Params p) {
+    for (int n_block = blockIdx.x; n_block < p.num_n_blocks; n_block += gridDim.x) {
+        if (n_block != blockIdx.x) __syncthreads();   // the previous key tile's shared K, V, P, dS reads are done
+        flash_bwd_2d_key_tile<E, D, BM, NW, WMS, WNKV, WMQ, NBUF, WINDOW, SCORE_MOD, PAIR>(p, n_block);
     }
 }
 

@@ -246,3 +246,25 @@ def test_empty_and_zero_keys(rng):
     lse = cp.full((1, 2, 5), -cp.inf, cp.float32)
     backward(q, q, k, k, q, lse, dq, k.copy(), k.copy(), opts)
     assert (dq == 0).all()
+
+
+@pytest.mark.parametrize("d,spec", [(64, "128,8,4,4,4,2,1"), (128, "64,8,2,4,2,2,1"),
+                                    (64, "64,4,2,2,2,2,0"), (128, "64,8,2,4,2,1,0"),
+                                    (128, "32,4,2,2,2,2,0")],
+                         ids=["hd64-pair", "hd128-pair", "hd64-4warps", "hd128-1buf", "hd128-4warps"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_flash_bwd_2d_other_tiles(rng, dtype, d, spec):
+    """flash_bwd_2d tiles the planner does not pick on this GPU (lab/ab_bwd_portable.py's
+    candidates: S with dP and dV with dK in one k loop, 4 warps, one Q / dO buffer), forced:
+    causal GQA with a ragged end, and window + softcap + ALiBi."""
+    from cupyflash.gpu import plan_bwd
+    bm, nw, wms, wnkv, wmq, nbuf, pair = (int(x) for x in spec.split(","))
+    for kw in (dict(causal=True), dict(window=(60, 10), softcap=5.0, alibi="bh")):
+        auto = plan_bwd.plan_backward(dtype, 1, 64, 64, 1, 1, d, d, scale=1.0,
+                                      window_right=10 if kw.get("window") else 0,
+                                      softcap=kw.get("softcap", 0.0),
+                                      has_alibi="alibi" in kw).variant
+        v = auto.replace(bm=bm, nw=nw, wd=1, nbuf=nbuf, wms=wms, wnkv=wnkv, wmq=wmq, pair=bool(pair))
+        v.check_2d()
+        name = run_case(rng, dtype, 2, 150, 333, 4, 2, d, kernel=v, **kw)
+        assert name == v.name

@@ -15,8 +15,15 @@ def test_every_variant_fits_and_meets_the_kernel_static_asserts(smem):
     vs = plan_bwd.variants(smem)
     # float64 above D = 160 has no tile on the small class (99 KB): 3 buckets x 5 variants fewer
     missing = 3 * 5 if smem < gpu_variants.BIG_SMEM else 0
-    assert len(vs) == len(gpu_variants.ELEMS) * len(gpu_variants.HEAD_DIM_BUCKETS) * 5 - missing   # 4 flag pairs + GENERAL
+    # flash_bwd_2d: 16-bit types, buckets 32..128, 4 flag pairs, big class only
+    two_d = 2 * 4 * 4 if smem >= gpu_variants.BIG_SMEM else 0
+    assert len(vs) == len(gpu_variants.ELEMS) * len(gpu_variants.HEAD_DIM_BUCKETS) * 5 - missing + two_d   # 4 flag pairs + GENERAL
+    assert sum(1 for v in vs if v.wms) == two_d
     for v in vs:
+        if v.wms:
+            v.check_2d()
+            assert v.smem_bytes <= smem and not v.general, v.name
+            continue
         cg = 16 if v.elem in ("f16_t", "bf16_t") else 8   # column granularity (portable/bwd.cu CG)
         wmq = v.bm // 16
         assert v.smem_bytes <= smem, v.name
@@ -240,3 +247,22 @@ def test_varlen_backward_plan():
     assert many.params["num_n_blocks"] == -(-8192 // many.variant.bn)
     assert many.grid == (8, 16, 2) and many.params["dq_slabs"] == 8   # 264 // 32
     assert many.accum_elems == 8 * 16 * 9000 * 64
+
+
+def test_flash_bwd_2d_variant_names_and_template_args():
+    v = plan_bwd.variant_2d("bf16_t", 128, 227 * 1024, True, False)
+    assert v.template == "flash_bwd_2d" and v.bn == 128 and not v.pair
+    assert v.name == "bwd_bf16_d128_64x128w8t242b2_window"
+    assert v.name_expression == "flash_bwd_2d<bf16_t, 128, 64, 8, 2, 4, 2, 2, true, false>"
+    p = v.replace(pair=True)
+    assert p.name == "bwd_bf16_d128_64x128w8t242pb2_window"
+    assert p.name_expression.endswith("true, false, true>")
+    assert v.smem_bytes == plan_bwd.smem_bytes_2d(128, 64, 128, 2) == \
+        (2 * 128 * 136 + 4 * 64 * 136 + 2 * 64 * 136) * 2 + 4 * 64 * 4
+    with pytest.raises(ValueError, match="not a flash_bwd_2d tiling"):
+        v.replace(wmq=8).check_2d()          # dQ warp tile of 8 rows
+    with pytest.raises(ValueError, match="not a flash_bwd_2d tiling"):
+        v.replace(elem="f32x3_t").check_2d()
+    with pytest.raises(ValueError, match="cannot compute"):   # no GENERAL features
+        plan_bwd.plan_backward("bfloat16", 1, 64, 64, 1, 1, 128, 128, scale=1.0, has_bias=True,
+                               variant=v)

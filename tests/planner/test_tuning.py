@@ -15,7 +15,7 @@ def test_defaults_are_what_the_planners_do():
     assert dataclasses.asdict(TUNING) == dict(sm90_float32_auto=True, sm90_split_auto=True,
                                               hopper_sched_b=True, dbias_kernel=None,
                                               dbias_sm90=True, det_descending=True,
-                                              det_group=None)
+                                              det_group=None, portable_bwd_2d=True)
 
 
 def test_tuning_sets_for_the_block_and_restores(rng):
@@ -62,3 +62,23 @@ def test_det_switches_decide_the_deterministic_order(descending, group):
     with tuning(det_descending=descending, det_group=group):
         got = plan_bwd_sm90.det_sched(16, 128, 132)
     assert got == 2 * (plan_bwd_sm90.det_group(16, 128, 132) if group is None else group) + descending
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["2d", "slabs"])
+def test_portable_bwd_2d_picks_the_backward_kernel(on):
+    """16-bit calls without bias / mask / varlen at hd <= 128 (big shared-memory class) run
+    flash_bwd_2d when the switch is on, flash_bwd otherwise; everything else runs flash_bwd."""
+    with tuning(portable_bwd_2d=on):
+        for d in (32, 64, 96, 128):
+            v = plan_bwd.plan_backward("bfloat16", 1, 1024, 1024, 8, 8, d, d, scale=0.1,
+                                       window_right=0).variant
+            assert bool(v.wms) is on and v.template == ("flash_bwd_2d" if on else "flash_bwd")
+        for kw in (dict(dtype_name="float32", d=64), dict(dtype_name="bfloat16", d=160)):
+            d = kw["d"]
+            v = plan_bwd.plan_backward(kw["dtype_name"], 1, 1024, 1024, 8, 8, d, d,
+                                       scale=0.1).variant
+            assert not v.wms
+        assert not plan_bwd.plan_backward("bfloat16", 1, 1024, 1024, 8, 8, 64, 64, scale=0.1,
+                                          has_bias=True).variant.wms
+        assert not plan_bwd.plan_backward("bfloat16", 1, 1024, 1024, 8, 8, 64, 64, scale=0.1,
+                                          smem_optin=99 * 1024).variant.wms
