@@ -88,7 +88,7 @@ def _device():
 
 def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
                      zero_batch_strides=False, extra=None, hopper=None,
-                     hopper_accum=True, after=None, replan=None):
+                     hopper_accum=True, after=None, replan=None, extra_options=()):
     """Strides, pointers, ALiBi slopes into the plan's Params; D and dQ accumulator allocated;
     ``extra(prm)`` writes the GENERAL fields; the three kernels launched in order, or
     ``hopper(prm)`` launches them with the Hopper main kernel (None: it could not).
@@ -97,7 +97,8 @@ def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
     semaphores), so it is allocated only if ``hopper`` falls back; ``replan(plan)`` then gives
     the portable kernels' plan (deterministic: its dQ slabs). ``after(prm)`` launches more
     kernels reading the same Params (the 0-d array; flash_bwd_dbias or flash_bwd_dbias_sm90)
-    after the main kernels, while D is alive."""
+    after the main kernels, while D is alive. ``extra_options``: NVRTC options of the portable
+    kernels (tuning only)."""
 
 
     prm = plan.params.copy()
@@ -135,7 +136,7 @@ def _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, *,
             prm["dq_slabs"] = plan.params["dq_slabs"]
         if accum is None:
             accum = accumulator(plan)
-        main, pre, conv = compile.get_functions(plan.variant, dev_id)
+        main, pre, conv = compile.get_functions(plan.variant, dev_id, extra_options)
         rec = prm.reshape(1)[0]
         pre(plan.pre_grid, (256, 1, 1), (rec,))
         main(plan.grid, plan.block, (rec,), shared_mem=plan.smem)
@@ -242,7 +243,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
     q, k, v's shapes and dtype (any strides). Current device and stream. ``kernel``: None or
     "auto" (the planner: the Hopper main kernel, bwd_sm90, on compute capability 9.0 where
     it covers the call, else the portable one), "portable", "sm90" (ValueError where it cannot
-    run), or a BwdVariant to force (tuning, benchmarks); anything else is a ValueError. On
+    run), or a BwdVariant to force (tuning, benchmarks); or a pair ("portable" or a BwdVariant,
+    extra NVRTC options) for tuning experiments (e.g. ("portable", ("-DFLAG",))); anything else
+    is a ValueError. On
     float32 the Hopper main kernel is hopper/bwd_f32.cu (bwd_sm90_f32.py: 3xTF32, hd 64 / 128, dense,
     no softcap / ALiBi / bias / mask, not deterministic); other float32 calls run portable/bwd.cu.
     With ``opts.bias`` / ``opts.mask`` the GENERAL variant runs (a bias without a mask: the Hopper
@@ -254,6 +257,10 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
     head dims > 256, other dtypes, pre-sm_80 GPUs.
     """
 
+    nvrtc_extra = ()
+    if isinstance(kernel, tuple) and len(kernel) == 2 and (
+            kernel[0] == "portable" or isinstance(kernel[0], BwdVariant)):
+        kernel, nvrtc_extra = kernel[0], tuple(kernel[1])   # (kernel, extra options): tuning only
     if kernel == "auto":
         kernel = None
     if not (kernel is None or kernel in ("portable", "sm90") or isinstance(kernel, BwdVariant)):
@@ -364,7 +371,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, opts, *, kernel=None, dbias=No
     # deterministic 16-bit one allocates its own (with its semaphores)
     res = _fill_and_launch(plan, dout, q, k, v, out, lse, dq, dk, dv, opts, dev_id, extra=extra,
                            hopper=hopper, after=after, replan=replan,
-                           hopper_accum=name != "float32" and not opts.deterministic)
+                           hopper_accum=name != "float32" and not opts.deterministic,
+                           extra_options=nvrtc_extra)
     if dplan is not None:
         if dplan.mode < 0:     # bias constant along keys: exactly zero gradient
             dbias.fill(0)

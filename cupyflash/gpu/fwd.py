@@ -41,8 +41,9 @@ def _build(key, q, k, v, out, lse, opts, kernel, dev_id):
         if sm90_reason is not None and kernel != "auto":
             raise ValueError(f"kernel={kernel!r}: the Hopper kernel cannot run this call: "
                              f"{sm90_reason}")
-    if isinstance(kernel, tuple) and len(kernel) == 2 and isinstance(kernel[0], plan_fwd.Variant):
-        kernel, extra = kernel                 # (Variant, extra NVRTC options): tuning only
+    if isinstance(kernel, tuple) and len(kernel) == 2 and (
+            isinstance(kernel[0], plan_fwd.Variant) or kernel[0] == "portable"):
+        kernel, extra = kernel[0], tuple(kernel[1])   # (kernel, extra NVRTC options): tuning only
     if isinstance(kernel, plan_fwd.Variant):      # an explicit instantiation (tuning, benchmarks)
         forced = kernel
     elif kernel in ("auto", "portable") or fwd_sm90.want_sm90(kernel):
@@ -95,7 +96,8 @@ def forward(q, k, v, out, lse, opts, *, kernel="auto") -> str:
     "sm90" (the Hopper kernel; ValueError when it cannot run the call), a variant name from
     plan_fwd.variants() / plan_fwd_sm90.variants() / plan_fwd_sm90.f32_variants(), or a
     plan_fwd.Variant / plan_fwd_sm90.Sm90Variant / plan_fwd_sm90.Sm90F32Variant (any instantiation, for
-    tuning).
+    tuning), or a pair (a plan_fwd.Variant or "portable", extra NVRTC options) for tuning
+    experiments.
     float32 takes the Hopper float32 kernel under "auto" where it covers the call
     (TUNING.sm90_float32_auto). Runs on the current device and stream.
     A bias or mask goes to ``_forward_general`` (planned per call): the Hopper BIAS variant for a
