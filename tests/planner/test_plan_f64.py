@@ -34,7 +34,8 @@ def test_forward_f64_smem_formula():
 def test_backward_f64_variants_fit_and_meet_the_static_asserts(smem):
     """Float64 backward variants fit; above D = 160 the small class has none (planner:
     NotImplementedError). Registers: dK + dV (D / WD / 2 doubles each per lane) and Sᵀ + dPᵀ (BM / 2
-    doubles each) take at most 128 of the 255 32-bit registers."""
+    doubles each) take at most 128 of the 255 32-bit registers, 160 in sm_90's wide tiles
+    (plan_bwd._TILES_F64_WIDE: a few spilled registers, measured faster)."""
     vs = [v for v in plan_bwd.variants(smem) if v.elem == "f64_t"]
     want = {d for d in gpu_variants.HEAD_DIM_BUCKETS if smem >= gpu_variants.BIG_SMEM or d <= 160}
     assert {v.d for v in vs} == want
@@ -43,7 +44,8 @@ def test_backward_f64_variants_fit_and_meet_the_static_asserts(smem):
         assert v.smem_bytes <= smem, v.name
         assert v.nw % v.wd == 0 and v.bn % 16 == 0 and v.nw % wmq == 0, v.name
         assert (v.d // v.wd) % 8 == 0 and (v.d // (v.nw // wmq)) % 8 == 0, v.name
-        assert 2 * (v.d // v.wd) + 2 * v.bm <= 128, v.name
+        wide = (v.bm, v.nw, v.wd, v.nbuf) == plan_bwd._TILES_F64_WIDE.get(v.d)
+        assert 2 * (v.d // v.wd) + 2 * v.bm <= (160 if wide else 128), v.name
 
 
 def test_backward_f64_too_big_for_small_class():
