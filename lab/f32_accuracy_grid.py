@@ -165,6 +165,9 @@ def passes(row):
 
 def summary(title, results, modes):
     print(f"\n## {title}: {len(results)} cases; criterion err <= 2 * naive + {FLOOR:g}")
+    if not results:
+        print("(no cases run)")
+        return
     hdr = f"{'mode':>10} | {'pass':>9} | " + " | ".join(f"{w + ' med/max':>15}" for w in OUTPUTS)
     print(hdr + f" | {'worst case (err/naive)'}")
     for mode in modes:
