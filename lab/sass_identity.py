@@ -75,6 +75,9 @@ def families():
             _pick(bwd, elem="f16_t", d=64, window=True, score_mod=True, general=False),
             _pick(bwd, elem="bf16_t", d=128, general=True),   # bias / dbias / mask / varlen
             _pick(bwd, elem="tf32_t", d=64, general=False),
+            _pick(bwd, elem="bf16_t", d=128, window=False, score_mod=False, pair=False,
+                  wms=2, wnkv=4, wmq=2),                     # flash_bwd_2d
+            _pick(bwd, elem="f16_t", d=64, window=True, score_mod=True, wms=4, wnkv=4, wmq=4),
         ],
         "dbias_portable": [
             _pick(dbias, elem="bf16_t", d=128),

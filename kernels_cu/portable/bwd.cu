@@ -237,6 +237,31 @@ __device__ __forceinline__ void load_row_stats(A* lse2_smem,            // [BM]
 }
 
 // ---------------------------------------------------------------------------------------------
+// The query steps of one key tile [n0, n0 + n_rows): rows [i_lo, i_hi] see some key of it (key j
+// is kept for row i when i + diag_offset − left <= j <= i + diag_offset + right), in tiles of BM
+// rows; step it = (query head of the group it / num_m, query tile it % num_m).
+// ---------------------------------------------------------------------------------------------
+template <int BM, bool WINDOW>
+struct QuerySteps {
+    int m_first, num_m, total;
+    __device__ __forceinline__ QuerySteps(const Params& p, int s_q, int n0, int n_rows,
+                                          int diag_offset) {
+        int i_lo = 0, i_hi = s_q - 1;
+        if (WINDOW) {
+            i_lo = max(0, n0 - diag_offset - p.window_right);
+            i_hi = min(s_q - 1, n0 + n_rows - 1 - diag_offset + p.window_left);
+        }
+        m_first = i_lo / BM;
+        num_m = i_hi >= i_lo ? i_hi / BM - m_first + 1 : 0;   // query tiles per head
+        total = num_m * p.h_per_hk;
+    }
+    __device__ __forceinline__ int head(const Params& p, int head_k, int it) const {
+        return head_k * p.h_per_hk + it / num_m;
+    }
+    __device__ __forceinline__ int m0(int it) const { return (m_first + it % num_m) * BM; }
+};
+
+// ---------------------------------------------------------------------------------------------
 // One key tile n_block of (kv head blockIdx.y, batch blockIdx.z): loops over the query heads of
 // the group and the query tiles that see the key tile; dK, dV in registers throughout.
 // ---------------------------------------------------------------------------------------------
@@ -296,24 +321,12 @@ __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_
     const S* k_gmem = (const S*)p.k + batch * p.k_stride_b + head_k * p.k_stride_h + (k_tok0 + n0) * p.k_stride_s;  // [n_rows, d]
     const S* v_gmem = (const S*)p.v + batch * p.v_stride_b + head_k * p.v_stride_h + (k_tok0 + n0) * p.v_stride_s;  // [n_rows, d_v]
 
-    // Query rows that see some key of this tile: [i_lo, i_hi] (key j kept for row i when
-    // i + diag_offset − left <= j <= i + diag_offset + right)
-    int i_lo = 0, i_hi = s_q - 1;
-    if (WINDOW) {
-        i_lo = max(0, n0 - diag_offset - p.window_right);
-        i_hi = min(s_q - 1, n0 + n_rows - 1 - diag_offset + p.window_left);
-    }
-    const int m_first = i_lo / BM;
-    const int num_m = i_hi >= i_lo ? i_hi / BM - m_first + 1 : 0;   // query tiles per head
-    const int total = num_m * p.h_per_hk;                           // steps: (group head, query tile)
-
-    // Step `it` -> query head and first query row
-    auto step_head = [&](int it) { return head_k * p.h_per_hk + it / num_m; };
-    auto step_m0 = [&](int it) { return (m_first + it % num_m) * BM; };
+    const QuerySteps<BM, WINDOW> steps(p, s_q, n0, n_rows, diag_offset);
+    const int total = steps.total;                                  // steps: (group head, query tile)
 
     // Issue the loads of step `it` into buffer `buf`: Q, dO tiles (cp.async), lse·log2(e) and D.
     auto load_step = [&](int it, int buf) {
-        const int head = step_head(it), m0 = step_m0(it);
+        const int head = steps.head(p, head_k, it), m0 = steps.m0(it);
         const int m_rows = min(BM, s_q - m0);
         const S* q_gmem = (const S*)p.q + batch * p.q_stride_b + head * p.q_stride_h + (q_tok0 + m0) * p.q_stride_s;          // [m_rows, d]
         const S* do_gmem = (const S*)p.dout + batch * p.do_stride_b + head * p.do_stride_h + (q_tok0 + m0) * p.do_stride_s;  // [m_rows, d_v]
@@ -347,7 +360,7 @@ __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_
     }
     for (int it = 0; it < total; ++it) {
         const int buf = NBUF == 2 ? (it & 1) : 0;
-        const int head = step_head(it), m0 = step_m0(it);
+        const int head = steps.head(p, head_k, it), m0 = steps.m0(it);
         cp_async_wait<0>();
         __syncthreads();   // step it's tiles landed for all threads; every warp is done with the other buffer and with dSᵀ
         if (NBUF == 2 && it + 1 < total) load_step(it + 1, buf ^ 1);
@@ -671,22 +684,13 @@ __device__ __forceinline__ void flash_bwd_2d_key_tile(const Params& p, const int
     const S* k_gmem = (const S*)p.k + batch * p.k_stride_b + head_k * p.k_stride_h + (i64)n0 * p.k_stride_s;  // [n_rows, d]
     const S* v_gmem = (const S*)p.v + batch * p.v_stride_b + head_k * p.v_stride_h + (i64)n0 * p.v_stride_s;  // [n_rows, d_v]
 
-    // Query rows that see some key of this tile, [i_lo, i_hi]; tiles of BM rows over them (flash_bwd's)
-    int i_lo = 0, i_hi = s_q - 1;
-    if (WINDOW) {
-        i_lo = max(0, n0 - diag_offset - p.window_right);
-        i_hi = min(s_q - 1, n0 + n_rows - 1 - diag_offset + p.window_left);
-    }
-    const int m_first = i_lo / BM;
-    const int num_m = i_hi >= i_lo ? i_hi / BM - m_first + 1 : 0;   // query tiles per head
-    const int total = num_m * p.h_per_hk;                           // steps: (group head, query tile)
-    auto step_head = [&](int it) { return head_k * p.h_per_hk + it / num_m; };
-    auto step_m0 = [&](int it) { return (m_first + it % num_m) * BM; };
+    const QuerySteps<BM, WINDOW> steps(p, s_q, n0, n_rows, diag_offset);
+    const int total = steps.total;                                  // steps: (group head, query tile)
 
     // Issue the loads of step `it` into buffer `buf` (cp.async): Q, dO tiles; lse and D rows
     // (zero past s_q: those rows are masked, and their Q, dO rows are zero)
     auto load_step = [&](int it, int buf) {
-        const int head = step_head(it), m0 = step_m0(it);
+        const int head = steps.head(p, head_k, it), m0 = steps.m0(it);
         const int m_rows = min(BM, s_q - m0);
         const S* q_gmem = (const S*)p.q + batch * p.q_stride_b + head * p.q_stride_h + (i64)m0 * p.q_stride_s;          // [m_rows, d]
         const S* do_gmem = (const S*)p.dout + batch * p.do_stride_b + head * p.do_stride_h + (i64)m0 * p.do_stride_s;  // [m_rows, d_v]
@@ -723,7 +727,7 @@ __device__ __forceinline__ void flash_bwd_2d_key_tile(const Params& p, const int
     }
     for (int it = 0; it < total; ++it) {
         const int buf = NBUF == 2 ? (it & 1) : 0;
-        const int head = step_head(it), m0 = step_m0(it);
+        const int head = steps.head(p, head_k, it), m0 = steps.m0(it);
         cp_async_wait<0>();
         __syncthreads();   // step it's tiles landed for all threads; every warp is done with the other buffer and with P, dS
         if (NBUF == 2 && it + 1 < total) load_step(it + 1, buf ^ 1);
