@@ -75,6 +75,24 @@ def copy_bandwidth(cp, nbytes=4 << 30):
     return 2 * nbytes / t / 1e9
 
 
+def row_arrays(cp, b, s, h, hk, page, rng):
+    """One row's bf16 GPU arrays: q (b, 1, h, D), the contiguous k, v (b, s, hk, D) and the cache
+    the call reads: k, v themselves (``page`` None) or pages of ``page`` keys in ``rng``'s
+    shuffled order with their block table (b, s / page)."""
+    q = cp.random.standard_normal((b, 1, h, D), dtype=np.float32).astype(BF16)
+    k = cp.random.standard_normal((b, s, hk, D), dtype=np.float32).astype(BF16)
+    v = cp.random.standard_normal((b, s, hk, D), dtype=np.float32).astype(BF16)
+    if page is None:
+        return q, k, v, k, v, None
+    nb = b * s // page
+    perm = cp.asarray(rng.permutation(nb).astype(np.int32))
+    kc = cp.empty((nb, page, hk, D), BF16)
+    vc = cp.empty((nb, page, hk, D), BF16)
+    kc[perm] = k.reshape(nb, page, hk, D)
+    vc[perm] = v.reshape(nb, page, hk, D)
+    return q, k, v, kc, vc, perm.reshape(b, s // page)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", nargs="*", default=None, help="row names to run (default: all)")
@@ -131,19 +149,7 @@ def main(argv=None):
             continue
         cp.get_default_memory_pool().free_all_blocks()
         nbytes = 2 * b * s * hk * D * 2
-        q = cp.random.standard_normal((b, 1, h, D), dtype=np.float32).astype(BF16)
-        k = cp.random.standard_normal((b, s, hk, D), dtype=np.float32).astype(BF16)
-        v = cp.random.standard_normal((b, s, hk, D), dtype=np.float32).astype(BF16)
-        if page is None:
-            kc, vc, bt = k, v, None
-        else:
-            nb = b * s // page
-            perm = rng.permutation(nb).astype(np.int32)
-            bt = cp.asarray(perm.reshape(b, s // page))
-            kc = cp.empty((nb, page, hk, D), BF16)
-            vc = cp.empty((nb, page, hk, D), BF16)
-            kc[cp.asarray(perm)] = k.reshape(nb, page, hk, D)
-            vc[cp.asarray(perm)] = v.reshape(nb, page, hk, D)
+        q, k, v, kc, vc, bt = row_arrays(cp, b, s, h, hk, page, rng)
         lens_dev = cp.full(b, s, np.int32)
         kvcache.set_device_checks(False)     # the block table's values: no read-back per call
         kvcache._FAST.clear()

@@ -127,7 +127,7 @@ def main(argv=None):
     import cupy as cp
 
     import cupyflash as cf
-    from benchmarks.bench_kvcache import ROWS
+    from benchmarks.bench_kvcache import ROWS, row_arrays
     from cupyflash import _checks as ck
     from cupyflash import kvcache
     from cupyflash.gpu import compile as C
@@ -168,20 +168,8 @@ def main(argv=None):
             continue
         cp.get_default_memory_pool().free_all_blocks()
         nbytes = 2 * b * s * hk * D * 2
-        q = cp.random.standard_normal((b, 1, h, D), dtype=np.float32).astype(BF16)
-        k = cp.random.standard_normal((b, s, hk, D), dtype=np.float32).astype(BF16)
-        v = cp.random.standard_normal((b, s, hk, D), dtype=np.float32).astype(BF16)
-        if page is None:
-            kc, vc, bt = k, v, None
-        else:
-            nb = b * s // page
-            perm = cp.asarray(np.random.default_rng(0).permutation(nb).astype(np.int32))
-            bt = perm.reshape(b, s // page)
-            kc = cp.empty((nb, page, hk, D), BF16)
-            vc = cp.empty((nb, page, hk, D), BF16)
-            kc[perm] = k.reshape(nb, page, hk, D)
-            vc[perm] = v.reshape(nb, page, hk, D)
-            del k, v
+        q, k, v, kc, vc, bt = row_arrays(cp, b, s, h, hk, page, np.random.default_rng(0))
+        del k, v
         base_plan = plan_decode.plan_decode("bfloat16", b, 1, h, hk, D, s, 0, sms, smem, cc)
         fns, notes = {}, []
         for c in labels:
