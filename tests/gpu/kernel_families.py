@@ -190,6 +190,7 @@ CASES = {
     "sm90_bf16_d128_bias16": lambda r: dense(r, "bfloat16", 2, 200, 334, 2, 2, 128, fwd="sm90", bwd="sm90", bias=(2, 2, 200, 334)),
     "sm90_f16_d64_bias32_bcast": lambda r: dense(r, "float16", 2, 200, 334, 2, 1, 64, fwd="sm90", bwd="sm90", bias=(1, 2, 1, 334), bias_dtype="float32"),
     "sm90_bf16_d64_bias_dbiaskernel": lambda r: dense(r, "bfloat16", 2, 200, 334, 4, 2, 64, bias=(1, 1, 200, 334), causal=True),
+    "sm90_bf16_d128_deterministic": lambda r: dense(r, "bfloat16", 2, 200, 333, 4, 2, 128, fwd="sm90", bwd="sm90", causal=True, deterministic=True),
     # Hopper float32 (hopper/fwd_f32.cu / hopper/bwd_f32.cu)
     "sm90_f32_d64_causal": lambda r: dense(r, "float32", 1, 200, 333, 2, 1, 64, fwd="sm90", bwd="sm90", causal=True),
     "sm90_f32_d128_window": lambda r: dense(r, "float32", 1, 333, 200, 2, 2, 128, fwd="sm90", bwd="sm90", window=(50, 20)),
