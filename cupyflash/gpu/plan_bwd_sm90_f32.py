@@ -27,8 +27,9 @@ HEAD_DIMS = (64, 128)
 BN_OF = {64: 128, 128: 64}
 BN = BN_OF[64]     # the hd 64 kernel's (kept for callers that predate hd 128)
 TILE_RING = 2
-#: mbarrier slots per head dim (Layout: 15; LayoutT: those 15 and the four handoffs between its consumers)
-N_BARRIERS = {64: 15, 128: 17}
+#: mbarrier slots per head dim (Layout: 15; LayoutT: Layout's first 13 (one landing stage) and the
+#: two of the Pᵀ handoff between its consumers)
+N_BARRIERS = {64: 15, 128: 15}
 
 
 @dataclass(frozen=True)

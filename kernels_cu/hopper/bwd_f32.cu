@@ -69,8 +69,10 @@ constexpr int PANEL = 32;            // 32 floats = one 128-byte swizzle row
 constexpr int CONV_THREADS = 96;     // producer warps 1..3
 constexpr int CONV_BAR = 3;          // named barrier of the converters
 constexpr int WG_BAR = 4;            // named barriers 4, 5: the 128 threads of consumer 0, 1
-                                     // (design T's handoffs between the consumers: mbarriers,
-                                     // pt_full .. ds_empty in the kernel)
+// Design T's dSᵀ / dS handoff between its consumers (256 threads: one side arrives, the other
+// syncs); its Pᵀ handoff goes through the mbarriers pt_full, pt_empty (in the kernel)
+constexpr int DS_FULL = 6;           // c1 wrote the step's dSᵀ, dS (c0 waits)
+constexpr int DS_EMPTY = 7;          // c0 is done with the last dSᵀ, dS (c1 waits before the next)
 constexpr int TILE_RING = 2;
 constexpr int TILE_READERS = 2 * 4 + 3;   // consumer warps + converter warps
 constexpr int CONSUMER_WARPS = 2 * 4;
@@ -140,8 +142,8 @@ struct LayoutT {
     static constexpr int DSS = DSB + BN * BM * 4;            // ds_small
     static constexpr int ROWS = DSS + BN * BM * 4;           // [step % 2][lse·log2 e, D][BM]
     static constexpr int TILE = ROWS + 2 * 2 * BM * 4;       // tile_smem [TILE_RING] int (+ pad)
-    static constexpr int BARS = TILE + 16;                   // 17 mbarrier slots: Layout's 15 (T
-    static constexpr int BYTES = BARS + 8 * 17;              //   uses 11 of them), pt_full .. ds_empty
+    static constexpr int BARS = TILE + 16;                   // 15 mbarrier slots: Layout's up to
+    static constexpr int BYTES = BARS + 8 * 15;              //   t_empty (13: one landing stage), pt_full, pt_empty
     static constexpr int K_LAND = KR, V_LAND = VR;           // where TMA lands K, V
 };
 template <int D> struct LayoutOf { using type = Layout<D>; };
@@ -363,13 +365,12 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
     // transposes, so two slots take new names: the raw Q, dO copies landed (TMA) / every consumer
     // warp has loaded its dKᵀ, dVᵀ fragments from them
     const u32 r_full = raw_empty, r_empty = t_full;
-    // Design T's handoffs between its consumers (slots past t_empty: LayoutT only). Each thread
-    // arrives after its own accesses (the rule of docs/reliability.md), so pt_full / ds_full count
-    // the 128 writers and pt_empty / ds_empty the 256 readers (both consumers read Pᵀ and dSᵀ)
+    // Design T's Pᵀ handoff between its consumers (slots past t_empty: LayoutT only). Each thread
+    // arrives after its own accesses (the rule of docs/reliability.md): pt_full counts c0's 128
+    // writers, pt_empty c1's 128 readers (c0's own warps' reads are ordered by the DS_FULL sync
+    // each c0 thread makes after its dVᵀ_0, before the next Pᵀ stores)
     const u32 pt_full = t_empty + 8;                    // c0's Pᵀ of the step written
-    const u32 pt_empty = pt_full + 8;                   // every reader of the step's Pᵀ done with it
-    const u32 ds_full = pt_empty + 8;                   // c1's dSᵀ, dS of the step written
-    const u32 ds_empty = ds_full + 8;                   // every reader of the step's dSᵀ, dS done with them
+    const u32 pt_empty = pt_full + 8;                   // c1 done with the step's Pᵀ
     const int num_n = (p.s_k + BN - 1) / BN;                  // key tiles per (kv head, batch)
     const int num_work = num_n * p.h_k * p.b;
 
@@ -395,12 +396,10 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
         mbar_init(t_full, Shape<D>::T ? 32 * CONSUMER_WARPS : 1);   // converter leader (T: r_empty, per consumer thread)
         mbar_init(t_empty, 2);                           // one arrival per consumer
         if constexpr (Shape<D>::T) {
-            static_assert(L::BYTES - L::BARS == 8 * (2 * TILE_RING + 3 + 2 * RAW_STAGES + 4 + 4),
-                          "LayoutT holds Layout's slots and the four handoff barriers");
+            static_assert(L::BYTES - L::BARS == 8 * (2 * TILE_RING + 3 + 2 * RAW_STAGES + 4 + 2),
+                          "LayoutT holds Layout's slots and the two Pᵀ handoff barriers");
             mbar_init(pt_full, 128);                     // each c0 thread after its Pᵀ stores
-            mbar_init(pt_empty, 256);                    // each consumer thread after its dVᵀ_h (c1: and its read-back)
-            mbar_init(ds_full, 128);                     // each c1 thread after its dSᵀ, dS stores
-            mbar_init(ds_empty, 256);                    // each consumer thread after its dKᵀ_h, dQᵀ_h
+            mbar_init(pt_empty, 128);                    // each c1 thread after its read-back and dVᵀ_1
         }
         mbar_fence_init();
     }
@@ -750,7 +749,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                         }
                     }
                     // every reader of the last Pᵀ is done with it: each c1 thread's read-back and
-                    // dVᵀ_1, each c0 thread's dVᵀ_0
+                    // dVᵀ_1 (pt_empty); every c0 warp's dVᵀ_0 (its DS_FULL sync)
                     if (q_it > 0) mbar_wait(pt_empty, (q_it - 1) & 1);
                     // ---- Pᵀ big / small -> pT tile [BN keys][BM query slots]: B of dVᵀ_0, dVᵀ_1
 #pragma unroll
@@ -764,8 +763,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                     mbar_arrive(pt_full);                      // this thread's Pᵀ written (for c1)
                     named_bar_sync(WG_BAR, 128);               // every c0 warp's Pᵀ rows, for dVᵀ_0
                 } else {
-                    // every c0 thread's Pᵀ of the step written; each arrived after the last step's
-                    // dKᵀ_0, dQᵀ_0, so c0's reads of the last dSᵀ, dS are done too
+                    // every c0 thread's Pᵀ of the step written
                     mbar_wait(pt_full, q_it & 1);
                     // ---- dSᵀ = Pᵀ ∘ (dPᵀ − D)·scale, Pᵀ read back (big + small) where c0's lane t
                     //      wrote it: the same accumulator position as this lane's dPᵀ register
@@ -776,9 +774,9 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                         const float pe = lds32(smem + L::PTB + t_off(i)) + lds32(smem + L::PTS + t_off(i));
                         split_tf32(pe * (x_acc[i] - dsum_smem[col]) * p.scale, ds_big[i], ds_small[i]);
                     }
-                    // every reader of the last dSᵀ, dS is done with them: each c1 thread's dKᵀ_1,
-                    // dQᵀ_1 (its other warps' reads: nothing else orders them) and each c0 thread's
-                    if (q_it > 0) mbar_wait(ds_empty, (q_it - 1) & 1);
+                    // every reader of the last dSᵀ, dS is done with them: c0 (its arrival after
+                    // dQᵀ_0) and every c1 warp (this sync) after its dKᵀ_1, dQᵀ_1
+                    if (q_it > 0) named_bar_sync(DS_EMPTY, 256);
                     // ---- dSᵀ [BN keys][BM query slots] (B of dKᵀ_h) and dS [BN/32][BM queries]
                     //      [32 key slots] (B of dQᵀ_h), big / small
 #pragma unroll
@@ -792,7 +790,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                         sts32(smem + L::DSS + off, ds_small[i]);
                     }
                     fence_proxy_async();                       // read by wgmma (async proxy)
-                    mbar_arrive(ds_full);                      // this thread's dSᵀ, dS written (for c0)
+                    named_bar_arrive(DS_FULL, 256);            // dSᵀ, dS written: c0 may read them
                     named_bar_sync(WG_BAR + 1, 128);           // every c1 warp's rows, for dKᵀ_1, dQᵀ_1
                 }
 
@@ -801,8 +799,9 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 step_product(smem + L::RDO, smem + L::PTB, smem + L::PTS, false);
 #pragma unroll
                 for (int i = 0; i < NT; ++i) dvt_acc[i] += step_acc[i];
-                mbar_arrive(pt_empty);                         // this thread is done with the step's Pᵀ
-                if (cw == 0) mbar_wait(ds_full, q_it & 1);     // every c1 thread's dSᵀ, dS of the step written
+                if (cw == 1) mbar_arrive(pt_empty);            // this c1 thread is done with the step's Pᵀ
+                // c1's dSᵀ, dS of the step written; every c0 warp's dVᵀ_0 done (next Pᵀ may go)
+                if (cw == 0) named_bar_sync(DS_FULL, 256);
                 // ---- dKᵀ_h [DH, BN] += Qᵀ_h dS  (A from the raw Q copy, B = dSᵀ); once its
                 //      fragments are loaded, this warp is done with the raw copies
                 step_product(smem + L::RQ, smem + L::DSTB, smem + L::DSTS, true);
@@ -843,7 +842,7 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 fence_regs<NS>(dq_acc);
                 fence_regs<NT>(kt_big);
                 fence_regs<NT>(kt_small);
-                mbar_arrive(ds_empty);                         // this thread is done with the step's dSᵀ, dS
+                if (cw == 0) named_bar_arrive(DS_EMPTY, 256);  // c0 is done with the step's dSᵀ, dS
 
                 // ---- dq rows m0 .. += dQᵀ_hᵀ: this consumer's columns over the tile's keys
                 float* dq_bh = (float*)p.dq + wt.batch * p.dq_stride_b + head * p.dq_stride_h;   // [s_q, D]
@@ -872,9 +871,11 @@ flash_bwd_sm90_f32(const __grid_constant__ Params p) {
                 }
             }
         }
-        // The handoff mbarriers need no drain: each thread they count arrives once per step,
+        // pt_full / pt_empty need no drain: each thread they count arrives once per step,
         // unconditionally, so each completes one phase per step (parity q_it & 1, q_it running on
-        // across work tiles); the last pt_empty / ds_empty phases complete with nobody waiting
+        // across work tiles); the last pt_empty phase completes with nobody waiting. DS_EMPTY's
+        // last arrivals (c0's) are taken, so the named barrier is left with no generation open
+        if (q_it > 0 && cw == 1) named_bar_sync(DS_EMPTY, 256);
     } else {
         const int cw = wg - 1;                                 // consumer 0 or 1: keys n0 + 64·cw ..
         const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8

@@ -177,6 +177,36 @@ def varlen(rng, dtype, seqs_q, seqs_k, h, h_k, d, *, kernel="auto", backward=Tru
     return [cp.asnumpy(x).astype(np.float64) for x in res], names, dtype
 
 
+def kvcache(rng, dtype, b, s_q, h, h_k, d, cache_len, new, *, page=None, rotary_dim=0,
+            num_splits=0, **kw):
+    """attention_with_kvcache (portable/decode.cu: the append / rotary, split-KV and combine
+    kernels): ``new`` rows appended at random cache lengths, a paged cache (pages of ``page``
+    rows in shuffled order) or a contiguous one; returns (out, lse, k_cache, v_cache)."""
+    from cupyflash import attention_with_kvcache
+    dt = DTYPES[dtype]
+    q = draw(rng, (b, s_q, h, d), dt)
+    if page is None:
+        kc, vc, table = draw(rng, (b, cache_len, h_k, d), dt), draw(rng, (b, cache_len, h_k, d), dt), None
+    else:
+        pages = cache_len // page
+        kc, vc = draw(rng, (b * pages, page, h_k, d), dt), draw(rng, (b * pages, page, h_k, d), dt)
+        table = empty((b, pages), np.int32)
+        table[...] = cp.asarray(rng.permutation(b * pages).reshape(b, pages).astype(np.int32))
+    kn, vn = draw(rng, (b, new, h_k, d), dt), draw(rng, (b, new, h_k, d), dt)
+    lens = empty((b,), np.int32)
+    lens[...] = cp.asarray(rng.integers(0, cache_len - new + 1, b).astype(np.int32))
+    cos = sin = None
+    if rotary_dim:
+        ang = np.outer(np.arange(cache_len), 1e-2 * np.arange(1, rotary_dim // 2 + 1))
+        cos, sin = empty(ang.shape, np.float32), empty(ang.shape, np.float32)
+        cos[...], sin[...] = cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
+    out, lse = attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, block_table=table,
+                                      rotary_cos=cos, rotary_sin=sin, return_lse=True,
+                                      num_splits=num_splits, **kw)
+    name = f"attention_with_kvcache({'paged' if page else 'contiguous'}, splits {num_splits or 'auto'})"
+    return [cp.asnumpy(x).astype(np.float64) for x in (out, lse, kc, vc)], [name], dtype
+
+
 CASES = {
     # Hopper forward and backward (hopper/fwd.cu / hopper/bwd.cu), 16-bit
     "sm90_bf16_d128_causal": lambda r: dense(r, "bfloat16", 2, 200, 333, 4, 2, 128, fwd="sm90", bwd="sm90", causal=True),
@@ -208,6 +238,9 @@ CASES = {
     "varlen_sm90_bf16_d128_causal": lambda r: varlen(r, "bfloat16", [200, 1, 77], [333, 50, 77], 2, 1, 128, kernel="sm90", causal=True),
     "varlen_sm90_f16_d64_window": lambda r: varlen(r, "float16", [130, 7], [90, 200], 2, 2, 64, kernel="sm90", window=(20, 5)),
     "varlen_portable_bf16_d64_softcap": lambda r: varlen(r, "bfloat16", [200, 1, 77], [333, 50, 0], 2, 1, 64, kernel="portable", causal=True, softcap=15.0),
+    # KV cache (portable/decode.cu): append + rotary, split-KV, combine
+    "kvcache_bf16_d128_paged_gqa_rotary": lambda r: kvcache(r, "bfloat16", 2, 3, 8, 2, 128, 320, 5, page=16, rotary_dim=64, num_splits=3, causal=True, rotary_interleaved=True),
+    "kvcache_f16_d64_mqa": lambda r: kvcache(r, "float16", 3, 1, 4, 1, 64, 203, 1),
 }
 
 

@@ -41,7 +41,7 @@ def layout_t(d=D):
     for name, size in (("KR", kvt), ("VR", kvt), ("QB", qt), ("QS", qt), ("DOB", qt), ("DOS", qt),
                        ("RQ", qt), ("RDO", qt), ("PTB", pt), ("PTS", pt), ("DSTB", pt),
                        ("DSTS", pt), ("DSB", pt), ("DSS", pt), ("ROWS", 2 * 2 * BM * 4), ("TILE", 16),
-                       ("BARS", 8 * 17)):
+                       ("BARS", 8 * 15)):
         off[name] = o
         o += size
     off["BYTES"] = o
@@ -106,20 +106,22 @@ def test_layout_fits_and_matches_the_mirror():
 
 
 def test_barrier_slots_match_the_kernel():
-    """LayoutT's 17 mbarrier slots: Layout's 15 (one landing stage: the slots run up to t_empty,
-    13 of them) and the four handoffs between the consumers (pt_full, pt_empty, ds_full,
-    ds_empty after t_empty), as the kernel's text declares them."""
+    """LayoutT's 15 mbarrier slots: Layout's up to t_empty (one landing stage: 13 of them) and
+    the two of the Pᵀ handoff between the consumers (pt_full, pt_empty after t_empty); the dSᵀ /
+    dS handoff goes through the named barriers DS_FULL, DS_EMPTY. As the kernel's text declares
+    them."""
     src = (ROOT / "kernels_cu" / "hopper" / "bwd_f32.cu").read_text()
     layout_t_src = src[src.index("struct LayoutT {"):src.index("template <int D> struct LayoutOf")]
-    assert "BYTES = BARS + 8 * 17;" in layout_t_src
-    assert plan_bwd_sm90_f32.N_BARRIERS[D] == 17
+    assert "BYTES = BARS + 8 * 15;" in layout_t_src
+    assert plan_bwd_sm90_f32.N_BARRIERS[D] == 15
     slots = 2 * plan_bwd_sm90_f32.TILE_RING + 3 + 2 * 1 + 4      # tile ring, kv, raw, nat / t
-    assert slots + 4 == 17
-    for decl in ("const u32 pt_full = t_empty + 8;", "const u32 pt_empty = pt_full + 8;",
-                 "const u32 ds_full = pt_empty + 8;", "const u32 ds_empty = ds_full + 8;"):
+    assert slots + 2 == 15
+    for decl in ("const u32 pt_full = t_empty + 8;", "const u32 pt_empty = pt_full + 8;"):
         assert decl in src, decl
-    for bar, count in (("pt_full", 128), ("pt_empty", 256), ("ds_full", 128), ("ds_empty", 256)):
+    for bar, count in (("pt_full", 128), ("pt_empty", 128)):
         assert f"mbar_init({bar}, {count});" in src, bar
+    for nbar in ("DS_FULL", "DS_EMPTY"):
+        assert f"named_bar_sync({nbar}, 256);" in src and f"named_bar_arrive({nbar}, 256);" in src
 
 
 def jit_a_first_product(t, kk, x_smem):

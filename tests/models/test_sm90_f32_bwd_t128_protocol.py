@@ -4,8 +4,9 @@ CPU, with tests/models/test_sm90_f32_bwd_protocol.py's machinery (mbarriers, tag
 parity-alias / overwrite checks). Each consumer warp is its own role (c0w0 .. c1w3), so the model
 also sees the order between the warps of one consumer: the named barrier of a consumer's 128
 threads (WG_BAR, bar.sync of its four warps) and the mbarriers of the handoffs between the
-consumers (pt_full, pt_empty, ds_full, ds_empty), on which every thread arrives after its own
-accesses (one arrival per warp here; the kernel's counts are 32 times these). Every arrival
+consumers: Pᵀ through the mbarriers pt_full / pt_empty, on which every thread arrives after its
+own accesses (one arrival per warp here; the kernel's counts are 32 times these), dSᵀ / dS
+through the named barriers DS_FULL / DS_EMPTY (bar.arrive on one side, bar.sync on the other). Every arrival
 names the phase it is meant for and fails the model if it lands in another (the phases follow
 the step count across work tiles). Pᵀ, dSᵀ and dS are four buffers each, one per writing warp's
 rows; wgmma reads all four (B of the transposed products), c1's read-back of Pᵀ only its own
@@ -36,30 +37,32 @@ class PMBar(MBar):
 
 
 class NBar:
-    """A named barrier of ``parties`` roles, each of which bar.syncs once per generation."""
+    """A named barrier of ``parties`` warps: each role (acting for ``n`` warps) arrives
+    (bar.arrive) or arrives and waits (bar.sync) once per generation; a second arrival of a role
+    in one generation fails the model (the hardware would count it into the wrong one)."""
 
     def __init__(self, name, parties):
-        self.name, self.parties, self.cur, self.done = name, parties, set(), 0
+        self.name, self.parties, self.cur, self.count, self.done = name, parties, set(), 0, 0
 
-    def arrive(self, who):
+    def arrive(self, who, n=1):
         if who in self.cur:
             raise Hazard(f"{self.name}: {who} arrives twice in generation {self.done}")
         self.cur.add(who)
+        self.count += n
         gen = self.done
-        if len(self.cur) == self.parties:
-            self.cur, self.done = set(), self.done + 1
+        if self.count == self.parties:
+            self.cur, self.count, self.done = set(), 0, self.done + 1
         return gen
 
 
-def protocol(tiles, drop=None, lockstep_c1=False):
+def protocol(tiles, drop=None):
     """Role generators for work tiles with ``tiles`` steps each (0 allowed). Per step, Q and dO
     land twice: raw in the big halves of their parts (raw_full), split there in place by the
     converters (nat_full) and read by the first products (Sᵀ: Q parts, c0; dPᵀ: dO parts, c1;
     nat_empty frees them for the next step's landing), and raw in the copies (r_full) that the
     dVᵀ_h / dKᵀ_h fragment loads read (r_empty). Rows (lse, D) in two buffers by step parity.
-    ``lockstep_c1``: c1's four warps as one role (they act together, arriving for all four)."""
-    groups = {"c0": [(w,) for w in range(WARPS)],
-              "c1": [tuple(range(WARPS))] if lockstep_c1 else [(w,) for w in range(WARPS)]}
+    Pᵀ through mbarriers, dSᵀ / dS through named barriers (DS_FULL, DS_EMPTY)."""
+    groups = {"c0": [(w,) for w in range(WARPS)], "c1": [(w,) for w in range(WARPS)]}
     role = {(c, w): f"{c}w{ws[0]}" if len(ws) == 1 else c for c in groups for ws in groups[c] for w in ws}
     C0 = tuple(dict.fromkeys(role["c0", w] for w in range(WARPS)))
     C1 = tuple(dict.fromkeys(role["c1", w] for w in range(WARPS)))
@@ -70,11 +73,12 @@ def protocol(tiles, drop=None, lockstep_c1=False):
     kv_raw, kv_empty = B("kv_raw", 1), B("kv_empty", 8)
     raw_full, r_full, r_empty = B("raw_full", 1), B("r_full", 1), B("r_empty", 8)
     nat_full, nat_empty = B("nat_full", 1), B("nat_empty", 8)
-    # the handoffs: pt_full / ds_full count the writing consumer's warps, pt_empty / ds_empty
-    # every consumer warp (all read Pᵀ and dSᵀ)
-    pt_full, pt_empty = B("pt_full", WARPS), B("pt_empty", 2 * WARPS)
-    ds_full, ds_empty = B("ds_full", WARPS), B("ds_empty", 2 * WARPS)
-    wg_bar = {"c0": NBar("WG_BAR", len(C0)), "c1": NBar("WG_BAR+1", len(C1))}
+    # Pᵀ's handoff: pt_full counts c0's warps (the writers), pt_empty c1's (the other readers;
+    # c0's own warps' reads are ordered by their DS_FULL bar.sync after dVᵀ_0)
+    pt_full, pt_empty = B("pt_full", WARPS), B("pt_empty", WARPS)
+    wg_bar = {"c0": NBar("WG_BAR", WARPS), "c1": NBar("WG_BAR+1", WARPS)}
+    # dSᵀ / dS's handoff: bar.arrive on one side, bar.sync on the other, both consumers' warps
+    nbar = {n: NBar(n, 2 * WARPS) for n in ("DS_FULL", "DS_EMPTY")}
     ring = [Buf("tile_smem0"), Buf("tile_smem1")]
     QP, DOP = Buf("q_parts"), Buf("do_parts")       # big halves: TMA raw, then split in place
     RQ, RDO = Buf("q_raw_copy"), Buf("do_raw_copy")
@@ -92,7 +96,14 @@ def protocol(tiles, drop=None, lockstep_c1=False):
         """bar.sync of consumer c's four warps: arrive, then wait for the generation."""
         if drop == f"{c}:WG_BAR":
             return None
-        return W(wg_bar[c], wg_bar[c].arrive(me))
+        return W(wg_bar[c], wg_bar[c].arrive(me, WARPS if me == c else 1))
+
+    def nsync(name, me, n):
+        """bar.sync on a handoff named barrier (name "c0:PT_EMPTY" and the like)."""
+        if drop == name:
+            return None
+        bar = nbar[name[3:]]
+        return W(bar, bar.arrive(me, n))
 
     def tma():
         kv_it = q_it = 0
@@ -191,11 +202,11 @@ def protocol(tiles, drop=None, lockstep_c1=False):
                     yield None
                     row.end(me)
                     if q_it > 0:
-                        yield wait("c1:ds_empty", ds_empty, q_it - 1)
+                        yield nsync("c1:DS_EMPTY", me, n)
                     for w in ws:
                         DST[w].write(q_it, ALL)
                         DSN[w].write(q_it, ALL)
-                    ds_full.arrive(n, q_it)
+                    nbar["DS_FULL"].arrive(me, n)
                     yield wg_sync(c, me)               # every c1 warp's rows, for dKᵀ_1, dQᵀ_1
                 yield wait(f"{c}:r_full", r_full, q_it)
                 for buf in PT:
@@ -206,9 +217,10 @@ def protocol(tiles, drop=None, lockstep_c1=False):
                 yield None                             # dVᵀ_h: Pᵀ
                 for buf in PT:
                     buf.end(me)
-                pt_empty.arrive(n, q_it)
+                if c == "c1":
+                    pt_empty.arrive(n, q_it)
                 if c == "c0":
-                    yield wait("c0:ds_full", ds_full, q_it)
+                    yield nsync("c0:DS_FULL", me, n)
                 RQ.start(me, q_it)                     # dKᵀ_h fragments
                 yield None
                 RQ.end(me)
@@ -230,17 +242,21 @@ def protocol(tiles, drop=None, lockstep_c1=False):
                 yield None
                 for buf in DSN:
                     buf.end(me)
-                ds_empty.arrive(n, q_it)
+                if c == "c0":
+                    nbar["DS_EMPTY"].arrive(me, n)
                 q_it += 1
             if steps > 0:
                 kv_it += 1
-        # no drain: the handoff mbarriers' last phases complete with nobody waiting
+        # pt_full / pt_empty's last phases complete with nobody waiting; DS_EMPTY's last
+        # arrivals (c0's) are taken, so the named barrier ends with no generation open
+        if q_it > 0 and c == "c1":
+            yield nsync("c1:DS_EMPTY", me, n)
 
     roles = {"tma": tma(), "conv": converters()}
     for c in ("c0", "c1"):
         for ws in groups[c]:
             roles[role[c, ws[0]]] = consumer(c, ws)
-    return roles, wg_bar
+    return roles, {**wg_bar, **nbar}
 
 
 TILES = [[3], [1], [0, 2], [5, 0, 0, 1, 4], [2, 3, 1], [1, 1, 1, 1, 1, 1], [0], [7, 2]]
@@ -257,14 +273,12 @@ def test_protocol_has_no_hazard(tiles):
 
 WAITS = ["tma:nat_empty", "tma:r_empty", "tma:kv_empty", "tma:tile_empty", "conv:raw_full",
          "c0:nat_full", "c1:nat_full", "c0:kv_raw", "c1:kv_raw", "c0:r_full", "c1:r_full",
-         "c0:pt_empty", "c1:pt_full", "c1:ds_empty", "c0:ds_full", "c0:WG_BAR", "c1:WG_BAR"]
+         "c0:pt_empty", "c1:pt_full", "c1:DS_EMPTY", "c0:DS_FULL", "c0:WG_BAR", "c1:WG_BAR"]
 
 
 @pytest.mark.parametrize("drop", WAITS)
 def test_the_model_catches_a_missing_wait(drop):
-    """Each of these waits is needed: without it some interleaving breaks a rule. c1:ds_empty
-    for c1's own warps (a c1 warp would store the next dSᵀ rows while another still reads the
-    last ones): c0's reads of them are ordered by pt_full already."""
+    """Each of these waits is needed: without it some interleaving breaks a rule."""
     with pytest.raises(Hazard):
         for seed in range(300):
             for tiles in ([4, 3, 5, 2], [4, 0, 0, 3, 0, 0, 5]):
@@ -273,14 +287,3 @@ def test_the_model_catches_a_missing_wait(drop):
                 for bar in nb.values():
                     if bar.cur:
                         raise Hazard(f"{bar.name} left open")
-
-
-def test_ds_empty_orders_only_c1s_own_warps():
-    """With c1's four warps as one role (they cannot drift apart), the protocol holds without
-    c1's ds_empty wait: pt_full orders c0's reads of the last dSᵀ, dS before c1's next stores
-    (each c0 thread arrives on pt_full after its dKᵀ_0, dQᵀ_0). The wait is kept for c1's warps
-    (test_the_model_catches_a_missing_wait)."""
-    for seed in range(60):
-        for tiles in ([4, 3, 5, 2], [4, 0, 0, 3, 0, 0, 5]):
-            roles, _ = protocol(tiles, drop="c1:ds_empty", lockstep_c1=True)
-            run(roles, seed, skew=seed % 2 == 1)
