@@ -3,8 +3,10 @@
 
 FlashAttention's benchmark shapes: batch·seqlen = 16k tokens, hidden 2048 (hd 64: 32 heads,
 hd 128: 16 heads), seqlen 512..16k, causal and not. Both modes forced onto the Hopper kernel
-(kernel="sm90"); the deterministic one in its default order (TUNING.det_descending, det_group:
-plan_bwd_sm90.det_sched) and in the first version's (ascending, no draw groups: "det asc1");
+(kernel="sm90"); the deterministic one in each order of ``--orders`` (``desc`` / ``asc``: the
+key tiles' addition order, TUNING.det_descending; ``:auto`` / ``:G``: pairs per draw group,
+plan_bwd_sm90.det_group or G; ``plan``: what the planner picks; default ``plan,desc:auto,asc:1``,
+"asc:1" being the first version's order);
 cuDNN through PyTorch SDPA (benchmarks/peers.py) where PyTorch is installed; ``--portable`` adds
 the portable deterministic kernel (what deterministic=True ran before).
 Timing: lab/ab_timing.interleaved_tflops (every round times each candidate once, then the peer;
@@ -13,7 +15,7 @@ median over rounds of the median of ``--rep`` calls between CUDA events). FLOPs:
 the same bits.
 
     PYTHONPATH=. python lab/bench_det_bwd.py [--seqlens 512,...,16384] [--hdims 64,128]
-        [--rounds 5] [--rep 10] [--no-peer] [--portable]
+        [--rounds 5] [--rep 10] [--no-peer] [--portable] [--orders plan,desc:auto,asc:1]
 """
 from __future__ import annotations
 
@@ -39,7 +41,15 @@ from cupyflash.gpu.tuning import tuning  # noqa: E402
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def row(s, d, causal, rounds, rep, peer_name, portable):
+def order_switches(order: str) -> dict:
+    """TUNING switches of one --orders entry ("plan", "desc:auto", "asc:1", ...)."""
+    if order == "plan":
+        return {}
+    direction, group = order.split(":")
+    return {"det_descending": direction == "desc", "det_group": None if group == "auto" else int(group)}
+
+
+def row(s, d, causal, rounds, rep, peer_name, portable, orders):
     b, h = _bench.TOKENS // s, _bench.HIDDEN // d
     rnd = lambda: cp.random.standard_normal((b, s, h, d), dtype=cp.float32).astype(BF16)  # noqa: E731
     q, k, v, dout = rnd(), rnd(), rnd(), rnd()
@@ -57,8 +67,7 @@ def row(s, d, causal, rounds, rep, peer_name, portable):
                                                         kernel=kernel)
         return fn
 
-    calls = [call(False, "sm90"), call(True, "sm90"),
-             call(True, "sm90", det_descending=False, det_group=1)]
+    calls = [call(False, "sm90")] + [call(True, "sm90", **order_switches(o)) for o in orders]
     calls += [call(True, "portable")] if portable else []
     peer = None
     if peer_name:
@@ -83,26 +92,32 @@ def main(argv=None):
     ap.add_argument("--rep", type=int, default=10)
     ap.add_argument("--no-peer", action="store_true", help="no cuDNN column")
     ap.add_argument("--portable", action="store_true", help="also the portable deterministic kernel")
+    ap.add_argument("--orders", default="plan,desc:auto,asc:1",
+                    help="deterministic orders to time: plan, desc:auto, asc:1, asc:auto, desc:G ...")
     a = ap.parse_args(argv)
+    orders = a.orders.split(",")
     print(_bench.device_line())
-    cols = "default     det det_asc1" + (" portdet" if a.portable else "") + "   cudnn"
+    cols = "default " + " ".join(f"{o:>9}" for o in orders) + (" portdet" if a.portable else "") + "   cudnn"
     print(f"bf16 TFLOP/s (bwd = 2.5 x fwd), median of {a.rounds} rounds x {a.rep} calls")
-    print(f"{'hd':>3} {'seqlen':>6} {'causal':>6} {'b':>3} {'h':>3} | {cols} | det/default"
-          + " asc1/default" + (" portdet/default" if a.portable else "") + "  det/cudnn  bits")
+    print(f"{'hd':>3} {'seqlen':>6} {'causal':>6} {'b':>3} {'h':>3} | {cols} | "
+          + " ".join(f"{o:>9}" for o in orders) + " (/ default)"
+          + (" portdet/default" if a.portable else "") + "  first/cudnn  bits")
     worst = math.inf
     for d in (int(x) for x in a.hdims.split(",")):
         for causal in (False, True):
             for s in (int(x) for x in a.seqlens.split(",")):
                 b, h, tf, t_peer, same = row(s, d, causal, a.rounds, a.rep,
-                                             None if a.no_peer else "cudnn", a.portable)
+                                             None if a.no_peer else "cudnn", a.portable, orders)
                 ratio = tf[1] / tf[0]
                 worst = min(worst, ratio)
+                n = len(orders)
                 print(f"{d:3d} {s:6d} {str(causal):>6} {b:3d} {h:3d} | "
-                      + " ".join(f"{x:7.1f}" for x in tf) + f" {t_peer:7.1f} | {ratio:11.3f}"
-                      + f" {tf[2] / tf[0]:12.3f}"
-                      + (f" {tf[3] / tf[0]:15.3f}" if a.portable else "")
+                      + f"{tf[0]:7.1f} " + " ".join(f"{x:9.1f}" for x in tf[1:n + 1])
+                      + "".join(f" {x:7.1f}" for x in tf[n + 1:]) + f" {t_peer:7.1f} | "
+                      + " ".join(f"{x / tf[0]:9.3f}" for x in tf[1:n + 1]) + "           "
+                      + (f" {tf[n + 1] / tf[0]:15.3f}" if a.portable else "")
                       + f" {tf[1] / t_peer:10.2f}  {'same' if same else 'DIFFER'}", flush=True)
-    print(f"worst det/default: {worst:.3f}")
+    print(f"worst {orders[0]}/default: {worst:.3f}")
 
 
 if __name__ == "__main__":
