@@ -4,7 +4,7 @@
 Compiles a representative set of variants (at least two of every kernel family and every helper
 kernel: portable fwd / bwd / dbias / pre / dq for sm_80 and sm_90a; Hopper fwd 16-bit and float32,
 Hopper bwd 16-bit (+ pre / dq) and float32 (+ pre), Hopper dbias for sm_90a; varlen, bias,
-window, softcap, split and max-free variants among them) with NVRTC through
+window, softcap, split, max-free and deterministic variants among them) with NVRTC through
 ``cupyflash.gpu.compile.program`` (the package's own sources, options and name expressions),
 disassembles each cubin with nvdisasm, and keeps one normalized text per kernel function. The key
 is (arch, kernel symbol), which does not depend on the file layout, so a baseline recorded from
@@ -105,6 +105,8 @@ def families():
             _pick(b90, elem="bf16_t", d=128, varlen=True),
             _pick(b90, elem="bf16_t", d=128, bias=1),
             _pick(b90, elem="f16_t", d=64, bias=3),
+            _pick(b90, elem="bf16_t", d=128, window=False, varlen=False, det=True),
+            _pick(b90, elem="f16_t", d=64, window=True, varlen=True, det=True),
         ],
         "bwd_sm90_f32(+pre)": [
             _pick(b90f, d=64, window=False),

@@ -66,7 +66,9 @@
 #include "common/mma.cuh"
 #include "common/params.cuh"
 #include "common/types.cuh"
+#include "hopper/bwd_epilogue.cuh"
 #include "hopper/bwd_parts.cuh"
+#include "hopper/bwd_producer.cuh"
 #include "hopper/sched.cuh"
 #include "hopper/sm90.cuh"
 #include "hopper/wgmma.cuh"
@@ -97,10 +99,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     constexpr int DQ_THREADS = (D / PANEL_COLS) * 128;   // consumer threads that write a dQ slice
 
     extern __shared__ unsigned char smem_raw[];
-    u32 smem_given;   // the launcher sizes the launch: stop loudly if it disagrees with Layout
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_given));
-    if (smem_given < L::BYTES + 1024) __trap();
-    const u32 smem = (smem_addr(smem_raw) + 1023u) & ~1023u;   // swizzled panels: 1024-aligned
+    const u32 smem = aligned_smem<L>(smem_raw);   // swizzled panels: 1024-aligned (traps if too small)
     unsigned char* smem_gen = smem_raw + (smem - smem_addr(smem_raw));
     const u32 k_smem = smem + L::K, v_smem = smem + L::V, q_smem = smem + L::Q;
     const u32 do_smem = smem + L::DO, ds_smem = smem + L::DS, dq_smem = smem + L::DQ;
@@ -118,6 +117,10 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     const u32 dq_empty = dq_full + 8;                   // dq_smem read out by the bulk reduce
     const u32 tile_full = dq_empty + 8;                 // [TILE_RING]: tile_smem slot written
     const u32 tile_empty = tile_full + 8 * TILE_RING;   // [TILE_RING]: every reader has read the slot
+    // the same, for the roles written as functions (bwd_producer.cuh, bwd_epilogue.cuh)
+    const Smem sm = {smem, smem_gen, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
+                     rows_smem, tile_smem, seq_smem, job_smem, kv_full, kv_empty, qdo_full, qdo_empty,
+                     dq_full, dq_empty, tile_full, tile_empty};
     // VARLEN: p.b sequences, p.num_n_blocks key tiles of the longest one each
     const int num_work = (VARLEN ? p.num_n_blocks : (p.s_k + BN - 1) / BN) * p.h_k * p.b;
 
@@ -231,58 +234,9 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             }
             if (p.sched) sched_finish(p.sched);   // this block has drawn its last work tile
         } else if (warp == ROWS_WARP) {
-            // lse·log2 e and D [BM] per step into the stage's rows_smem (two rows per lane); rows
-            // past s_q and rows that saw no key in the forward (lse = -inf) get +inf: P is then 0
-            int q_it = 0;
-            for (int tile_i = 0;; ++tile_i) {
-                const int w = take_tile(tile_smem, tile_full, tile_empty, tile_i, TILE_RING);
-                if (w < 0) break;
-                const KeyTile wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS, DET>(p, w);
-                for (int st = 0; st < wt.steps; ++st, ++q_it) {
-                    const int head = step_head<DET>(p, wt, st), m0 = step_m0<BM, DET>(p, wt, st);
-                    const int s = q_it % NBUF;
-                    const i64 bh_row = head_rows<VARLEN>(p, wt, head);   // row 0 of the sequence's head
-                    if (q_it >= NBUF) mbar_wait(qdo_empty + 8 * s, ((q_it / NBUF) - 1) & 1);
-                    float* lse_stage = rows_smem + s * 2 * BM;   // [BM]
-                    float* dsum_stage = lse_stage + BM;          // [BM]
-#pragma unroll
-                    for (int r = lane; r < BM; r += 32) {
-                        const int i = m0 + r;
-                        const float lse = i < wt.s_q ? p.lse[bh_row + i] : CF_INF;
-                        lse_stage[r] = lse == -CF_INF ? CF_INF : lse * CF_LOG2E;
-                        dsum_stage[r] = i < wt.s_q ? p.dsum[bh_row + i] : 0.f;
-                    }
-                    mbar_arrive(qdo_full + 8 * s);   // release: the stores above are seen after the wait
-                }
-            }
+            stage_rows<WINDOW, VARLEN, BIAS, DET>(p, sm, lane);
         } else if (DQ_BULK && t == DQ_WARP * 32) {
-            // dQ tile of each step: accumulator rows += dq_smem (same layout), at the address the
-            // consumers left in job_smem; address 0: no more steps
-            for (int j = 0;; ++j) {
-                mbar_wait(dq_full, j & 1);    // the consumers stored (and fenced) the tile
-                float* dst = (float*)job_smem[0];
-                const u32 bytes = (u32)job_smem[1];
-                if (dst == nullptr) break;
-                int* sem = nullptr;
-                int rank = 0;
-                if constexpr (DET) {
-                    // the key tiles before this one that touch the dQ tile have added theirs
-                    sem = (int*)job_smem[2];
-                    rank = (int)job_smem[3];
-                    sem_wait_eq(sem, rank);
-                    fence_proxy_async_global();   // the acquire above, then the bulk reduce below
-                }
-                bulk_reduce_add_f32(dst, dq_smem, bytes);
-                bulk_commit();
-                bulk_wait_read<0>();          // dq_smem read out: the consumers may refill it
-                mbar_arrive(dq_empty);
-                if constexpr (DET) {
-                    bulk_wait<0>();               // this tile's additions are done,
-                    fence_proxy_async_global();   // ordered before the generic release:
-                    sem_release(sem, rank + 1);   // the next key tile's may start
-                }
-            }
-            bulk_wait<0>();                   // the additions landed before the block ends
+            reduce_dq<DET>(sm);
         }
         return;
     }

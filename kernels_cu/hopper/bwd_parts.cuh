@@ -65,6 +65,24 @@ struct Layout {
     static constexpr int BYTES = BARS + 8 * (2 * KVBUF + 2 * NBUF + 2 + 2 * TILE_RING);
 };
 
+// flash_bwd_sm90's shared memory (Layout's regions from the 1024-aligned base smem: u32 shared
+// addresses for TMA / wgmma / st.shared, generic pointers for plain loads and stores) and its
+// mbarriers, in this order (the kernel fills it); the roles written as functions read it
+struct Smem {
+    u32 smem;                                   // the aligned base
+    unsigned char* smem_gen;                    // the same, generic
+    u32 k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem;
+    float* rows_smem;                           // [NBUF][2][BM]: lse·log2 e, D per stage
+    volatile int* tile_smem;                    // [TILE_RING] work tile, -1: none left
+    volatile int* seq_smem;                     // [2] VARLEN: the consumers' tile nk, nrel
+    volatile u64* job_smem;                     // [2] dQ tile's accumulator address (0: stop),
+                                                // bytes; DET [4]: + semaphore, rank
+    u32 kv_full, kv_empty;                      // [KVBUF]: K, V landed / both consumers done with them
+    u32 qdo_full, qdo_empty;                    // [NBUF]: Q, dO, lse, D (bias) landed / consumers done
+    u32 dq_full, dq_empty;                      // dq_smem, job_smem hold the step's dQ tile / read out
+    u32 tile_full, tile_empty;                  // [TILE_RING]: tile_smem slot written / read by all
+};
+
 // cu_seqlens[z], read again where it is used (an L1 hit) rather than held in a register across
 // a tile's steps: the hd 128 consumers have none to spare
 __device__ __forceinline__ int ld_seq(const int* a) {

@@ -117,10 +117,7 @@ flash_bwd_dbias_sm90(const __grid_constant__ Params p) {
     constexpr int NS = BN / 2;       // S / dP / acc accumulator registers per lane: [64, BN]
 
     extern __shared__ unsigned char smem_raw[];
-    u32 smem_given;   // the launcher sizes the launch: stop loudly if it disagrees with Layout
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_given));
-    if (smem_given < L::BYTES + 1024) __trap();
-    const u32 smem = (smem_addr(smem_raw) + 1023u) & ~1023u;   // swizzled panels: 1024-aligned
+    const u32 smem = aligned_smem<L>(smem_raw);   // swizzled panels: 1024-aligned (traps if too small)
     const u32 ring_smem = smem + L::RING;               // [STAGES][HALF]: (Q, K) or (dO, V) of a pair
     const u32 bias_smem = smem + L::BIAS;               // [BIASBUF][BIAS_TILE]: a work tile's bias
     volatile int* tile_smem = (volatile int*)(smem_raw + (smem - smem_addr(smem_raw)) + L::TILE);

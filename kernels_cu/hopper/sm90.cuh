@@ -249,3 +249,14 @@ template <int R> __device__ __forceinline__ void regs_acquire() {
 __device__ __forceinline__ float tanh_fast(float x) {
     return 1.f - __fdividef(2.f, fast_exp2(x * (2.f * CF_LOG2E)) + 1.f);
 }
+
+// The block's dynamic shared memory, 1024-aligned (the swizzled panels need it): the launcher
+// sizes the launch, so stop loudly if it gave less than the kernel's layout L needs (L::BYTES
+// + 1024 bytes of alignment slack)
+template <typename L>
+__device__ __forceinline__ u32 aligned_smem(unsigned char* smem_raw) {
+    u32 smem_given;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_given));
+    if (smem_given < L::BYTES + 1024) __trap();
+    return (smem_addr(smem_raw) + 1023u) & ~1023u;
+}
