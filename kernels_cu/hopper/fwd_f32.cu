@@ -50,55 +50,17 @@
 #include "common/params.cuh"
 #include "common/types.cuh"
 #include "hopper/epilogue.cuh"
+#include "hopper/fwd_f32_layout.cuh"
+#include "hopper/fwd_f32_producer.cuh"
 #include "hopper/fwd_layout.cuh"
 #include "hopper/sched.cuh"
 #include "hopper/sm90.cuh"
 #include "hopper/softmax.cuh"
 #include "hopper/wgmma.cuh"
 
-namespace sm90f32 {
-
-constexpr int F32_PANEL_COLS = 32;   // 32 floats = one 128-byte swizzle row
-constexpr int CONV_THREADS = 96;     // producer warps 1..3: the converters
-constexpr int CONV_BAR = 8;          // named barrier of the 96 converter threads
-// (hopper/fwd.cu's named barriers 1 .. NC and 4 .. 3 + NC are the consumers')
-
-// Registers per thread after setmaxnreg, NC = 2: producer·128 + consumer·256 = the block's
-// 168·384 (the total may not grow: setmaxnreg.inc only takes what the block's warps gave back).
-// 56 / 224 by default; WIDE (hd 128 with O_RN and the window masks, which spill 56 B at 224):
-// 40 / 232 (the TMA thread and converters fit 40 without spills, but hd 64 timed -3 to +2 % with
-// it against 56 / 224 on the H200). NC = 1 keeps the launch
-// allocation: 256 threads x 255 registers fit as they are.
-template <int NC, bool WIDE> struct Regs;
-template <bool WIDE> struct Regs<2, WIDE> {
-    static constexpr int CONSUMER = WIDE ? 232 : 224, PRODUCER = (168 * 384 - 256 * CONSUMER) / 128;
-};
-
-// Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
-// cupyflash/gpu/plan_fwd_sm90.py: sm90_f32_smem_bytes. QREG: no q_small tile (the consumers keep it in
-// registers).
-template <int D, int BN, int STAGES, int NC, bool QREG>
-struct Layout {
-    static constexpr int BM = 64 * NC;                       // query rows per work tile
-    static constexpr int Q_PANEL = BM * 128;                 // bytes of one Q panel [BM, 32]
-    static constexpr int KV_PANEL = BN * 128;                // one K / raw V panel [BN, 32]
-    static constexpr int VT_PANEL = D * 128;                 // one Vᵀ panel [D, 32 keys]
-    static constexpr int QT = BM * D * 4;                    // bytes of one Q tile
-    static constexpr int KVT = BN * D * 4;                   // bytes of one K / V / Vᵀ tile
-    static constexpr int Q = 0;                              // q_smem [D/32][BM][32]: raw, then big
-    static constexpr int QS = Q + QT;                        // q_small [D/32][BM][32] (!QREG)
-    static constexpr int KB = QS + (QREG ? 0 : QT);          // k_big [STAGES][D/32][BN][32] (TMA, then big)
-    static constexpr int KS = KB + STAGES * KVT;             // k_small [STAGES][D/32][BN][32]
-    static constexpr int VTB = KS + STAGES * KVT;            // vt_big [STAGES][BN/32][D][32]
-    static constexpr int VTS = VTB + STAGES * KVT;           // vt_small [STAGES][BN/32][D][32]
-    static constexpr int VRAW = VTS + STAGES * KVT;          // v_raw [STAGES][D/32][BN][32] (TMA)
-    static constexpr int BARS = VRAW + STAGES * KVT;         // 3 + 7·STAGES mbarriers
-    static constexpr int TILE = BARS + 8 * (3 + 7 * STAGES); // work-tile index, producer -> all
-    static constexpr int BYTES = TILE + 8;
-};
-
-}  // namespace sm90f32
-
+// The entry sets up shared memory (FwdF32Smem) and the mbarriers; the producer warpgroup's roles
+// are fwd_f32_load and fwd_f32_convert (hopper/fwd_f32_producer.cuh), the consumers' mainloop is
+// written below.
 // QREG: the consumers split their own 64 Q rows (big in place, small kept in registers as the A
 // fragments of q_small·k_big, a register-shared product): no q_small tile in shared memory, which
 // leaves room for two 64-row consumers at hd 128. Otherwise the converters split Q like K.
@@ -113,6 +75,47 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     static_assert(!Elem<E>::is16, "the float32 Hopper kernel takes f32x3_t / tf32_t");
     static_assert(D % 32 == 0 && D <= 128 && BN % 32 == 0 && BN <= 128 && (NC == 1 || NC == 2),
                   "tile shape");
+    // consumers take 232 registers (Regs): hd 128 with O_RN (3xTF32: fwd_f32_consumer) and the window
+    constexpr bool WIDE_REGS = Elem<E>::split && D > 64 && WINDOW;
+
+    extern __shared__ unsigned char smem_raw[];
+    // The planner (_plan.sm90_f32_smem_bytes) sizes the launch: stop loudly if it disagrees
+    u32 smem_given;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_given));
+    if (smem_given < L::BYTES + 1024) __trap();
+    const FwdF32Smem<D, BN, STAGES, NC, QREG> sm(smem_raw);   // tiles and mbarriers
+    const int num_work = p.num_m_blocks * p.h * p.b;
+
+    const int wg = threadIdx.x / 128;      // 0 producer, 1 .. NC consumers
+    const int t = threadIdx.x % 128;       // lane within the warpgroup
+
+    if (threadIdx.x == 0) {
+        mbar_init(sm.q_raw, 1);                   // the TMA thread's expect_tx arrival (+ bytes)
+        mbar_init(sm.q_full, 1);                  // the converters' leader
+        mbar_init(sm.q_empty, 128 * NC + CONV_THREADS);   // one arrival per consumer and converter thread
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(sm.k_raw + 8 * s, 1);
+            mbar_init(sm.v_rawb + 8 * s, 1);
+            mbar_init(sm.k_full + 8 * s, 1);
+            mbar_init(sm.v_full + 8 * s, 1);
+            mbar_init(sm.k_empty + 8 * s, NC);
+            mbar_init(sm.v_empty + 8 * s, NC);
+            mbar_init(sm.vraw_empty + 8 * s, 1);
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();   // barriers initialised before anyone waits on them
+
+    if (wg == 0) {
+        // ================================ producer ================================
+        if constexpr (NC > 1) regs_release<sm90f32::Regs<NC, WIDE_REGS>::PRODUCER>();
+        if (t == 0) fwd_f32_load<D, BN, STAGES, NC, WINDOW, QREG>(p, sm, num_work);
+        else if (t >= 32) fwd_f32_convert<E, D, BN, STAGES, NC, WINDOW, QREG>(p, sm, t - 32);
+        return;
+    }
+
+    // ================================ consumers ================================
+    if constexpr (NC > 1) regs_acquire<sm90f32::Regs<NC, WIDE_REGS>::CONSUMER>();
     constexpr int NS = BN / 2;       // S accumulator registers per lane: [64, BN] over 128 lanes
     constexpr int NO = D / 2;        // O accumulator registers per lane: [64, D]
     // O_RN: each key tile's P V goes to a zeroed accumulator added to O in fp32 (round to
@@ -124,221 +127,12 @@ flash_fwd_sm90_f32(const __grid_constant__ Params p) {
     constexpr bool O_RN = SPLIT;
     constexpr int PV_PARTS = O_RN && D > 64 ? 2 : 1;
     constexpr int NPV = NO / PV_PARTS;   // accumulator registers of one P V part
-    constexpr bool WIDE_REGS = PV_PARTS > 1 && WINDOW;   // consumers take 232 registers (Regs)
-
-    extern __shared__ unsigned char smem_raw[];
-    // The planner (_plan.sm90_f32_smem_bytes) sizes the launch: stop loudly if it disagrees
-    u32 smem_given;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_given));
-    if (smem_given < L::BYTES + 1024) __trap();
-    // 128-byte swizzled panels need 1024-byte alignment (the swizzle pattern repeats every 8 rows)
-    const u32 smem = (smem_addr(smem_raw) + 1023u) & ~1023u;
-    const u32 q_smem = smem + L::Q, q_small = smem + L::QS;
-    const u32 k_big = smem + L::KB, k_small = smem + L::KS;
-    const u32 vt_big = smem + L::VTB, vt_small = smem + L::VTS, v_raw = smem + L::VRAW;
-    const u32 q_raw = smem + L::BARS;                  // Q tile (and its work-tile index) landed
-    const u32 q_full = q_raw + 8;                      // Q split: consumers may read the tile (!QREG)
-    const u32 q_empty = q_full + 8;                    // every consumer is done with the Q tile
-                                                       // (QREG: and the converters with its index)
-    const u32 k_raw = q_empty + 8;                     // [STAGES]: K tile landed (TMA)
-    const u32 v_rawb = k_raw + 8 * STAGES;             // [STAGES]: V tile landed (TMA)
-    const u32 k_full = v_rawb + 8 * STAGES;            // [STAGES]: K split: S may read it
-    const u32 v_full = k_full + 8 * STAGES;            // [STAGES]: Vᵀ written: O += P V may read it
-    const u32 k_empty = v_full + 8 * STAGES;           // [STAGES]: every consumer's S is done with K
-    const u32 v_empty = k_empty + 8 * STAGES;          // [STAGES]: every consumer's P V is done with Vᵀ
-    const u32 vraw_empty = v_empty + 8 * STAGES;       // [STAGES]: the converters have read raw V
-    volatile int* tile_smem = (volatile int*)(smem_raw + (smem - smem_addr(smem_raw)) + L::TILE);
-    const int num_work = p.num_m_blocks * p.h * p.b;
-
-    const int wg = threadIdx.x / 128;      // 0 producer, 1 .. NC consumers
-    const int t = threadIdx.x % 128;       // lane within the warpgroup
-
-    if (threadIdx.x == 0) {
-        mbar_init(q_raw, 1);                   // the TMA thread's expect_tx arrival (+ bytes)
-        mbar_init(q_full, 1);                  // the converters' leader
-        mbar_init(q_empty, 128 * NC + CONV_THREADS);   // one arrival per consumer and converter thread
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(k_raw + 8 * s, 1);
-            mbar_init(v_rawb + 8 * s, 1);
-            mbar_init(k_full + 8 * s, 1);
-            mbar_init(v_full + 8 * s, 1);
-            mbar_init(k_empty + 8 * s, NC);
-            mbar_init(v_empty + 8 * s, NC);
-            mbar_init(vraw_empty + 8 * s, 1);
-        }
-        mbar_fence_init();
-    }
-    __syncthreads();   // barriers initialised before anyone waits on them
-
-    if (wg == 0) {
-        // ================================ producer ================================
-        if constexpr (NC > 1) regs_release<sm90f32::Regs<NC, WIDE_REGS>::PRODUCER>();
-        if (t == 0) {
-            // ---- TMA thread: Q, K, V tiles (raw float32) in consumption order
-            tma_prefetch_desc(&p.tma_q);
-            tma_prefetch_desc(&p.tma_k);
-            tma_prefetch_desc(&p.tma_v);
-            int kv_it = 0;     // K/V tiles issued so far (ring position)
-            int drawn = 0;     // work-tile indices drawn so far (without a counter: i + k·grid)
-            // K [BN, D] into k_big and V [BN, D] into v_raw of ring position kv_it: key tile `it`
-            // of work tile wt, right to left through the band, STAGES buffers deep
-            auto load_kv = [&](const FwdTile& wt, int it) {
-                const int n0 = (wt.t_first + wt.n_tiles - 1 - it) * BN;
-                const int s = kv_it % STAGES;
-                const u32 prev = ((kv_it / STAGES) - 1) & 1;   // phase of the stage's last use
-                // one [BN, D] tile of keys n0 .. in its D / 32 panels, landing on barrier `full`
-                auto load_tile = [&](u32 dst_smem, const TmaDesc* desc, u32 full) {
-                    mbar_arrive_expect_tx(full, BN * D * 4);
-#pragma unroll
-                    for (int c = 0; c < D / F32_PANEL_COLS; ++c)
-                        tma_load_4d(dst_smem + c * L::KV_PANEL, desc, full, c * F32_PANEL_COLS, n0,
-                                    wt.kv_head, wt.batch);
-                };
-                // K into k_big[s] once every consumer's S has read the stage's last K (and so
-                // the converters are done with it: S waited for their k_full)
-                if (kv_it >= STAGES) mbar_wait(k_empty + 8 * s, prev);
-                load_tile(k_big + s * L::KVT, &p.tma_k, k_raw + 8 * s);
-                // V into v_raw[s] once the converters have transposed the stage's last V
-                if (kv_it >= STAGES) mbar_wait(vraw_empty + 8 * s, prev);
-                load_tile(v_raw + s * L::KVT, &p.tma_v, v_rawb + 8 * s);
-                ++kv_it;
-            };
-            // The next work tile w (-1: no work left), drawn before the Q tile of the current one is
-            // released: its Q tile [BM, D] prefetched into L2 and its first key tile loaded into
-            // the ring (`ahead` = 1) now, while the consumers still have up to STAGES key tiles of
-            // the current tile to go. Then only Q's load, from L2, stands between the current
-            // tile's last S and the next tile's first (no counter atomic, device-memory Q latency
-            // or first K conversion there)
-            int w, ahead;
-            FwdTile wt;
-            auto draw_next = [&]() {
-                const int w_drawn = sched_draw(p.sched, drawn);
-                ahead = 0;
-                w = -1;
-                if (w_drawn >= num_work) return;
-                // causal / window: the grid's tail longest first
-                w = WINDOW ? longest_first_tail(w_drawn, p.num_m_blocks, p.h * p.b, gridDim.x) : w_drawn;
-                wt = fwd_work_tile<WINDOW, false, BM, BN>(p, w);
-                if (wt.n_tiles == 0) return;              // rows that see no key: nothing to load
-#pragma unroll
-                for (int c = 0; c < D / F32_PANEL_COLS; ++c)
-                    tma_prefetch_l2_4d(&p.tma_q, c * F32_PANEL_COLS, wt.m0, wt.head, wt.batch);
-                load_kv(wt, 0);
-                ahead = 1;
-            };
-            draw_next();
-            for (int tile_i = 0;; ++tile_i) {
-                // the consumers are done with the previous tile's Q (big and small) and index
-                if (tile_i > 0) mbar_wait(q_empty, (tile_i - 1) & 1);
-                *tile_smem = w;                           // published by the q_raw arrival (release)
-                if (w < 0) {                              // no work left: tell everyone, stop
-                    mbar_arrive(q_raw);
-                    break;
-                }
-                if (wt.n_tiles == 0) {
-                    mbar_arrive(q_raw);
-                } else {
-                    // Q tile [BM, D]: D / 32 boxes of [BM, 32]
-                    mbar_arrive_expect_tx(q_raw, BM * D * 4);
-#pragma unroll
-                    for (int c = 0; c < D / F32_PANEL_COLS; ++c)
-                        tma_load_4d(q_smem + c * L::Q_PANEL, &p.tma_q, q_raw, c * F32_PANEL_COLS,
-                                    wt.m0, wt.head, wt.batch);
-                    // the tile's other key tiles
-                    for (int it = ahead; it < wt.n_tiles; ++it) load_kv(wt, it);
-                }
-                draw_next();
-            }
-            if (p.sched) sched_finish(p.sched);   // this block has drawn its last work tile
-        } else if (t >= 32) {
-            // ---- converters (96 threads): TF32 parts of Q and K, Vᵀ parts, tile by tile
-            const int cu = t - 32;
-            // Hand a converted tile on: each thread's shared writes fenced for the async proxy,
-            // all 96 done (barrier), one arrival on `bar`
-            auto release = [&](u32 bar) {
-                fence_proxy_async();
-                named_bar_sync(CONV_BAR, CONV_THREADS);   // every converter's part is written
-                if (cu == 0) mbar_arrive(bar);
-            };
-            // [rows, D] tile at `big` (raw in, big out, in place) and its small part at `small`:
-            // elementwise, so the swizzled layout is kept as it is (16-byte chunks)
-            // (two chunks per pass: both loads are in flight before the first store)
-            auto split_tile = [&](u32 big, u32 small, int chunks) {
-#pragma unroll 1   // (unrolled, the hd 128 window variant's 40-register converters spill 8 B)
-                for (int i = cu; i < chunks; i += 2 * CONV_THREADS) {
-                    const int j = i + CONV_THREADS;           // the pass's second chunk
-                    const bool two = j < chunks;
-                    float x[8] = {};
-                    u32 b[8], sm[8];
-                    lds128(big + 16 * i, x);
-                    if (two) lds128(big + 16 * j, x + 4);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) {
-                        if (SPLIT) split_tf32(x[e], b[e], sm[e]);
-                        else b[e] = tf32_rn(x[e]);
-                    }
-                    sts128(big + 16 * i, b);
-                    if (SPLIT) sts128(small + 16 * i, sm);
-                    if (two) {
-                        sts128(big + 16 * j, b + 4);
-                        if (SPLIT) sts128(small + 16 * j, sm + 4);
-                    }
-                }
-            };
-            // Vᵀ of stage s: v_raw [D/32][BN][32] (row = key, swizzled) -> vt_big / vt_small
-            // [BN/32][D][32] (row = head-dim column d, keys permuted within each 8-key step), item
-            // by item (4 keys x 4 columns: hopper/sm90.cuh's TransposeItem)
-            auto transpose_v = [&](int s) {
-                const u32 src = v_raw + s * L::KVT;
-                const u32 dst_b = vt_big + s * L::KVT, dst_s = vt_small + s * L::KVT;
-                constexpr int ITEMS = BN * D / 16;
-                for (int i = cu; i < ITEMS; i += CONV_THREADS)
-                    TransposeItem<BN, D>(i).template move<SPLIT>(src, dst_b, dst_s);
-            };
-            int kv_it = 0;
-            for (int tile_i = 0;; ++tile_i) {
-                mbar_wait(q_raw, tile_i & 1);                 // Q landed, tile index published
-                // each converter reads the index and releases it itself (q_empty: the producer
-                // waits for the consumers' arrivals too, which come after this tile's Q
-                // conversion); once per work tile, and fewer registers than a warp broadcast
-                const int w = *tile_smem;
-                mbar_arrive(q_empty);
-                named_bar_sync(CONV_BAR, CONV_THREADS);       // the converters start the tile together
-                if (w < 0) {                                  // no work left: tell the consumers
-                    if (!QREG && cu == 0) mbar_arrive(q_full);
-                    break;
-                }
-                const FwdTile wt = fwd_work_tile<WINDOW, false, BM, BN>(p, w);
-                if (wt.n_tiles == 0) {                        // nothing loaded: pass the index on
-                    if (!QREG && cu == 0) mbar_arrive(q_full);
-                    continue;
-                }
-                if constexpr (!QREG) {
-                    split_tile(q_smem, q_small, BM * D / 4);
-                    release(q_full);
-                }
-                // the tile's ring positions, bounded by kv_end (with a second counter it = 0 ..
-                // n_tiles, the hd 128 window variant's 40-register converters spilled 8 B)
-                for (const int kv_end = kv_it + wt.n_tiles; kv_it < kv_end; ++kv_it) {
-                    const int s = kv_it % STAGES;
-                    const u32 ph = (kv_it / STAGES) & 1;
-                    mbar_wait(k_raw + 8 * s, ph);             // K landed (k_small[s] is free:
-                                                              // the TMA thread saw k_empty)
-                    split_tile(k_big + s * L::KVT, k_small + s * L::KVT, BN * D / 4);
-                    release(k_full + 8 * s);
-                    mbar_wait(v_rawb + 8 * s, ph);            // V landed
-                    if (kv_it >= STAGES) mbar_wait(v_empty + 8 * s, ph ^ 1);   // Vᵀ[s] is free
-                    transpose_v(s);
-                    release(v_full + 8 * s);                  // (also: every converter has read
-                    if (cu == 0) mbar_arrive(vraw_empty + 8 * s);   // v_raw[s]: TMA may refill it)
-                }
-            }
-        }
-        return;
-    }
-
-    // ================================ consumers ================================
-    if constexpr (NC > 1) regs_acquire<sm90f32::Regs<NC, WIDE_REGS>::CONSUMER>();
+    const u32 q_smem = sm.q_smem, q_small = sm.q_small, k_big = sm.k_big, k_small = sm.k_small;
+    const u32 vt_big = sm.vt_big, vt_small = sm.vt_small, v_raw = sm.v_raw;
+    const u32 q_raw = sm.q_raw, q_full = sm.q_full, q_empty = sm.q_empty, k_raw = sm.k_raw, v_rawb = sm.v_rawb;
+    const u32 k_full = sm.k_full, v_full = sm.v_full, k_empty = sm.k_empty, v_empty = sm.v_empty;
+    const u32 vraw_empty = sm.vraw_empty;
+    volatile int* tile_smem = sm.tile_smem;
     const int cw = wg - 1;                                 // consumer 0 .. NC-1: rows 64·cw .. of a tile
     const int next_turn = TURN_BAR + (cw + 1) % NC;        // the consumer whose turn follows ours
     const int row_in_wg = (t / 32) * 16 + (t % 32) / 4;   // accumulator rows row_in_wg, +8

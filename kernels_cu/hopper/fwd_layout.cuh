@@ -1,7 +1,9 @@
 // cupyflash: the Hopper forwards' constants, register split and shared-memory layout (namespace
-// sm90; hopper/fwd.cu, and hopper/fwd_f32.cu for the constants it shares).
+// sm90; hopper/fwd.cu, and hopper/fwd_f32.cu for the constants it shares): Layout and FwdSmem,
+// the tiles' and mbarriers' addresses both roles of the 16-bit forward use.
 #pragma once
 
+#include "hopper/sched.cuh"
 #include "hopper/sm90.cuh"
 
 namespace sm90 {
@@ -47,6 +49,38 @@ struct Layout {
     static constexpr int BARS = O + (O_SMEM ? NC * O_WG : 0);  // q_full, q_empty, k/v_full[S], k/v_empty[S], k_full2[S]
     static constexpr int TILE = BARS + 8 * (2 + 5 * STAGES);  // work-tile index, producer -> consumers
     static constexpr int BYTES = TILE + 8;
+};
+
+// The 16-bit forward's shared memory (addresses in the shared window): tiles, mbarriers and the
+// work-tile slot, from the Layout of the kernel's template arguments
+template <int D, int BN, int STAGES, int NC, bool VARLEN>
+struct FwdSmem {
+    using L = Layout<D, BN, STAGES, NC, VARLEN>;
+    u32 smem;                  // 1024-aligned start
+    u32 q_smem, k_smem, v_smem;
+    u32 q_full;                // Q tile (and its work-tile index) landed
+    u32 q_empty;               // every consumer is done with the Q tile
+    u32 k_full;                // [STAGES]: K tile of the stage landed
+    u32 v_full;                // [STAGES]: V tile landed
+    u32 k_empty;               // [STAGES]: every consumer is done with the K tile
+    u32 v_empty;               // [STAGES]: every consumer is done with the V tile
+    // KSPLIT (D >= 128): k_full counts the K tile's first half of panels, k_full2 [STAGES] the
+    // second, so that S = Q Kᵀ starts on the first half while the second lands
+    u32 k_full2;
+    volatile int* tile_smem;   // work-tile index, producer -> consumers
+    __device__ __forceinline__ FwdSmem(unsigned char* smem_raw) {
+        // 128-byte swizzled tiles need 1024-byte aligned panels (the swizzle pattern repeats every 8 rows)
+        smem = (smem_addr(smem_raw) + 1023u) & ~1023u;
+        q_smem = smem + L::Q, k_smem = smem + L::K, v_smem = smem + L::V;
+        q_full = smem + L::BARS;
+        q_empty = q_full + 8;
+        k_full = q_empty + 8;
+        v_full = k_full + 8 * STAGES;
+        k_empty = v_full + 8 * STAGES;
+        v_empty = k_empty + 8 * STAGES;
+        k_full2 = v_empty + 8 * STAGES;
+        tile_smem = (volatile int*)(smem_raw + (smem - smem_addr(smem_raw)) + L::TILE);
+    }
 };
 
 }  // namespace sm90
