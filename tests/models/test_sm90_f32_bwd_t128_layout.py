@@ -1,7 +1,8 @@
-"""CPU (NumPy) models of the hd 128 path of the float32 Hopper backward (design T in
-kernels_cu/hopper/bwd_f32.cu), checked without a GPU. Every address below is the kernel's own
-expression transcribed (swz, key_of_slot, slot_of_key, t_off, the fragment and accumulator
-positions); the wgmma reads of B go through the descriptor (start + n·128 + 4·k, 128-byte swizzle):
+"""CPU (NumPy) models of the hd 128 path of the float32 Hopper backward (design T:
+kernels_cu/hopper/bwd_f32.cu, its roles in hopper/bwd_f32_*.cuh), checked without a GPU. Every
+address below is the kernel's own expression transcribed (swz, key_of_slot, slot_of_key, t_off,
+the fragment and accumulator positions); the wgmma reads of B go through the descriptor
+(start + n·128 + 4·k, 128-byte swizzle):
 
 * the shared-memory map (LayoutT) against its Python mirror and the 232,448-byte limit;
 * one whole step of both consumers on random data: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ with A split on the
@@ -110,18 +111,21 @@ def test_barrier_slots_match_the_kernel():
     the two of the Pᵀ handoff between the consumers (pt_full, pt_empty after t_empty); the dSᵀ /
     dS handoff goes through the named barriers DS_FULL, DS_EMPTY. As the kernel's text declares
     them."""
-    src = (ROOT / "kernels_cu" / "hopper" / "bwd_f32.cu").read_text()
-    layout_t_src = src[src.index("struct LayoutT {"):src.index("template <int D> struct LayoutOf")]
+    hopper = ROOT / "kernels_cu" / "hopper"
+    layout = (hopper / "bwd_f32_layout.cuh").read_text()     # Layout, LayoutT, BwdF32Smem
+    entry = (hopper / "bwd_f32.cu").read_text()              # the mbarrier counts
+    consumer = (hopper / "bwd_f32_consumer.cuh").read_text() # the named-barrier handoff
+    layout_t_src = layout[layout.index("struct LayoutT {"):layout.index("template <int D> struct LayoutOf")]
     assert "BYTES = BARS + 8 * 15;" in layout_t_src
     assert plan_bwd_sm90_f32.N_BARRIERS[D] == 15
     slots = 2 * plan_bwd_sm90_f32.TILE_RING + 3 + 2 * 1 + 4      # tile ring, kv, raw, nat / t
     assert slots + 2 == 15
-    for decl in ("const u32 pt_full = t_empty + 8;", "const u32 pt_empty = pt_full + 8;"):
-        assert decl in src, decl
+    for decl in ("pt_full = t_empty + 8;", "pt_empty = pt_full + 8;"):
+        assert decl in layout, decl
     for bar, count in (("pt_full", 128), ("pt_empty", 128)):
-        assert f"mbar_init({bar}, {count});" in src, bar
+        assert f"mbar_init(sm.{bar}, {count});" in entry, bar
     for nbar in ("DS_FULL", "DS_EMPTY"):
-        assert f"named_bar_sync({nbar}, 256);" in src and f"named_bar_arrive({nbar}, 256);" in src
+        assert f"named_bar_sync({nbar}, 256);" in consumer and f"named_bar_arrive({nbar}, 256);" in consumer
 
 
 def jit_a_first_product(t, kk, x_smem):
