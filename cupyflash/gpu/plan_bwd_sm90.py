@@ -121,7 +121,7 @@ class Sm90BwdVariant(KernelVariant):
 
 
 def smem_bytes(d: int, kvbuf: int = None, bias_tma: bool = False, det: bool = False) -> int:
-    """Mirrors sm90b::Layout in hopper/bwd.cu: KVBUF x K, V [128, d]; NBUF x (Q, dO [64, d]); two
+    """Mirrors sm90b::Layout in hopper/bwd_parts.cuh: KVBUF x K, V [128, d]; NBUF x (Q, dO [64, d]); two
     dSᵀ [128, 64] buffers (16-bit); the dQ tile [64, d] float32; ``bias_tma``: NBUF x the bias
     tile [64, 128] (16-bit); NBUF x (lse, D [64] floats); the work-tile ring and dQ job (16 + 16
     bytes, ``det``: + 16); the mbarriers; 1024 bytes of slack to align the swizzled panels.

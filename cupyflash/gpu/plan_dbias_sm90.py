@@ -34,13 +34,13 @@ SMEM_LIMIT = SM90_SMEM_MAX   # the H100 / H200 opt-in limit the rings below are 
 
 
 #: (STAGES, BIASBUF) per (d, float32 bias): half stages of the ring ((Q, K) or (dO, V) of a pair)
-#: and bias tile buffers within SMEM_LIMIT (kernels_cu/hopper/dbias.cu: the arithmetic): at d = 128
+#: and bias tile buffers within SMEM_LIMIT (kernels_cu/hopper/dbias_layout.cuh: the arithmetic): at d = 128
 #: the most that fit; at d = 64 two pairs ahead (a fifth half stage would fit, not measured)
 BUFFERS = {(128, False): (3, 1), (128, True): (2, 1), (64, False): (4, 2), (64, True): (4, 1)}
 
 
 def smem_bytes(d: int, bias_f32: bool, stages: int, biasbuf: int) -> int:
-    """Mirrors sm90d::Layout in hopper/dbias.cu: STAGES x ([BM, d] + [BN, d] 16-bit), BIASBUF x the
+    """Mirrors sm90d::Layout in hopper/dbias_layout.cuh: STAGES x ([BM, d] + [BN, d] 16-bit), BIASBUF x the
     bias tile [BM, BN] (2 or 4 bytes), the tile ring (16 bytes), the mbarriers, and 1024 bytes of
     slack to align the swizzled panels."""
     half = (BM + BN) * d * 2

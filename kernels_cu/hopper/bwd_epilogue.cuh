@@ -1,7 +1,7 @@
 // cupyflash: flash_bwd_sm90's epilogue roles (hopper/bwd.cu wires them): DQ_WARP's bulk
 // reduce-add of each step's dQ tile (the consumers' dq_smem) into the float32 accumulator, in
-// key-tile order where DET. The consumers' dQ slice and dK, dV stores are still written in the
-// kernel (as functions they changed the SASS).
+// key-tile order where DET. The consumers' dQ slice and dK, dV stores are part of their role
+// (hopper/bwd_consumer.cuh).
 #pragma once
 
 #include "common/mma.cuh"

@@ -536,7 +536,7 @@ def test_backward_varlen_tiles_cover_the_band_once(lens, mode):
                  "need_mask |= VARLEN ? nrel + BN - 1 > m0 + p.window_right || nrel < m0 + BM - 1 - p.window_left",
                  "const int kt = key - n0, rel = nrel + kt - m0 - col;",
                  "keep = kt < nk;",
-                 "if (WINDOW) keep = keep && rel <= p.window_right && rel >= -p.window_left;",
+                 "if (WINDOW) keep = keep & (rel <= p.window_right) & (rel >= -p.window_left);",
                  "seq_smem[0] = wt.s_k - n0;", "seq_smem[1] = n0 - wt.diag;",
                  "} while (VARLEN && w < num_work && !wt.keys);"):
         assert expr in src, expr
