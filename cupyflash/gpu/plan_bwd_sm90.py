@@ -41,7 +41,7 @@ tokens as one batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from .variants import KernelVariant, cpp_bool, sm90_common_unsupported
 
@@ -211,16 +211,36 @@ def det_group(num_n: int, pairs: int, grid: int) -> int:
     return max(1, min(pairs, grid // min(num_n, DET_TILES_TOGETHER)))
 
 
+#: Key tiles per sequence from which the deterministic order is ascending with one pair per draw
+#: group (the first version's order) instead of descending with draw groups. bf16, 16k tokens,
+#: det/default on the H200 (lab/bench_det_bwd.py): at 16k (128 key tiles) ascending 0.914-0.942
+#: against descending 0.747-0.943 (hd 64 / 128, causal and not); at 4k (32) and 1k descending
+#: 0.896-1.008 against ascending 0.360-0.875.
+DET_ASCENDING_FROM = 128
+
+
+def det_order(num_n: int, pairs: int, grid: int) -> Tuple[bool, int]:
+    """(descending, pairs per draw group) the deterministic backward uses by default."""
+    if num_n >= DET_ASCENDING_FROM:
+        return False, 1
+    return True, det_group(num_n, pairs, grid)
+
+
 def det_sched(num_n: int, pairs: int, grid: int, descending: Optional[bool] = None,
               group: Optional[int] = None) -> int:
     """Params.det_sched of a DET launch: 2 · (pairs per draw group) + (1: key tiles add in
     descending order). ``descending`` / ``group`` default to TUNING.det_descending /
-    TUNING.det_group, and where that is None to ``det_group``."""
+    TUNING.det_group; where both are None, ``det_order`` decides both; an order given without a
+    group takes ``det_group``'s."""
     from .tuning import TUNING
     if descending is None:
         descending = TUNING.det_descending
     if group is None:
         group = TUNING.det_group
+    if descending is None:
+        descending, auto_group = det_order(num_n, pairs, grid)
+        if group is None:
+            group = auto_group
     if group is None:
         group = det_group(num_n, pairs, grid)
     return 2 * max(1, min(int(group), pairs)) + int(bool(descending))

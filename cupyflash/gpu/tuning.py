@@ -49,16 +49,17 @@ class Tuning:
     #: portable flash_bwd_dbias.
     dbias_sm90: bool = True
 
-    #: The deterministic Hopper backward (flash_bwd_sm90<..., DET>) adds the key tiles' dQ parts
-    #: into each dQ tile in descending key-tile order, drawn longest-last, with ascending query
-    #: tiles: under causal / right-bounded bands the tile that adds first then reaches each dQ
-    #: tile two steps ahead of the next (FlashAttention 3's order). False: ascending, query tiles
-    #: descending (the first version measured: det/default 0.30-0.51 in causal 1k-4k on the
-    #: H100, before the draw groups below). plan_bwd_sm90.det_sched.
-    det_descending: bool = True
+    #: The deterministic Hopper backward (flash_bwd_sm90<..., DET>): True adds the key tiles' dQ
+    #: parts into each dQ tile in descending key-tile order, drawn longest-last, with ascending
+    #: query tiles: under causal / right-bounded bands the tile that adds first then reaches each
+    #: dQ tile two steps ahead of the next (FlashAttention 3's order). False: ascending, query
+    #: tiles descending. None: plan_bwd_sm90.det_order decides (descending below
+    #: DET_ASCENDING_FROM key tiles per sequence, ascending with one pair per draw group from
+    #: there). plan_bwd_sm90.det_sched.
+    det_descending: Optional[bool] = None
 
     #: (kv head, batch) pairs per draw group of that backward (plan_bwd_sm90.det_sched); None:
-    #: plan_bwd_sm90.det_group decides.
+    #: plan_bwd_sm90.det_order decides.
     det_group: Optional[int] = None
 
     #: The portable backward's main kernel for 16-bit calls without bias / mask / varlen at head

@@ -106,6 +106,19 @@ def test_det_group_rule(num_n, pairs, grid, want):
     assert P.det_group(num_n, pairs, grid) == want
 
 
+@pytest.mark.parametrize("num_n,pairs,want", [
+    (8, 512, (True, 16)), (32, 64, (True, 16)), (64, 32, (True, 16)), (127, 16, (True, 16)),
+    (128, 16, (False, 1)), (128, 32, (False, 1)), (512, 4, (False, 1))])
+def test_det_order_rule(num_n, pairs, want):
+    """Descending with draw groups below DET_ASCENDING_FROM key tiles per sequence, ascending with
+    one pair per group from there (the H200 figures in plan_bwd_sm90); the planner's det_sched
+    follows it when TUNING leaves both switches to it."""
+    assert P.DET_ASCENDING_FROM == 128
+    assert P.det_order(num_n, pairs, 132) == want
+    desc, group = want
+    assert P.det_sched(num_n, pairs, 132) == 2 * group + desc
+
+
 def test_det_sched_encoding_and_tuning():
     from cupyflash.gpu.tuning import tuning
     assert P.det_sched(16, 128, 132) == 2 * 16 + 1            # default: descending, det_group
