@@ -2,7 +2,8 @@
 """SASS identity gate for pure refactors of kernels_cu/ (moves, headers, include structure).
 
 Compiles a representative set of variants (at least two of every kernel family and every helper
-kernel: portable fwd / bwd / dbias / pre / dq for sm_80 and sm_90a; Hopper fwd 16-bit and float32,
+kernel: portable fwd / bwd / dbias / pre / dq and the split-KV decode (with its combine / kvcache
+helpers, under plan_decode.build_options()) for sm_80 and sm_90a; Hopper fwd 16-bit and float32,
 Hopper bwd 16-bit (+ pre / dq) and float32 (+ pre), Hopper dbias for sm_90a; varlen, bias,
 window, softcap, split, max-free and deterministic variants among them) with NVRTC through
 ``cupyflash.gpu.compile.program`` (the package's own sources, options and name expressions),
@@ -52,7 +53,7 @@ def _pick(vs, **want):
 def families():
     """{family: [(arch, variant), ...]}: the representative set."""
     from cupyflash.gpu import (plan_bwd, plan_bwd_sm90, plan_bwd_sm90_f32, plan_dbias_sm90,
-                               plan_fwd, plan_fwd_sm90)
+                               plan_decode, plan_fwd, plan_fwd_sm90)
     both = ("sm_80", "sm_90a")
     fwd = list(plan_fwd.variants())
     bwd = list(plan_bwd.variants())
@@ -120,7 +121,17 @@ def families():
     jobs = {}
     for fam, vs in out.items():
         archs = both if "portable" in fam else ("sm_90a",)
-        jobs[fam] = [(a, v) for v in vs for a in archs]
+        jobs[fam] = [(a, v, ()) for v in vs for a in archs]
+    # decode: each arch's own ring depths (opt-in shared memory of an A100 / H100), compiled with
+    # the options the package passes (plan_decode.build_options)
+    jobs["decode"] = []
+    for a, optin in (("sm_80", 166912), ("sm_90a", 232448)):
+        dec = plan_decode.variants(optin)
+        jobs["decode"] += [(a, v, plan_decode.build_options()) for v in (
+            _pick(dec, elem="bf16_t", d=128, mt=2),
+            _pick(dec, elem="f16_t", d=64, mt=1),
+            _pick(dec, elem="bf16_t", d=256),
+        )]
     return jobs
 
 
@@ -179,9 +190,9 @@ def _renumber_labels(text: str) -> str:
 
 
 def _job(args):
-    arch, variant = args
+    arch, variant, extra = args
     from cupyflash.gpu import compile as gc
-    _, _, cubin = gc.nvrtc_compile(gc.program([variant]), arch, variant.file)
+    _, _, cubin = gc.nvrtc_compile(gc.program([variant], extra), arch, variant.file)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
