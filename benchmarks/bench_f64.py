@@ -156,6 +156,15 @@ def _compiled(vs, lines):
         return ok
 
 
+def _time_tiles(lines, d, base, vs, run, fl, reps):
+    """Time ``run(variant)`` for each of ``vs`` (FLOPs ``fl``) and append one line per variant,
+    ``base`` tagged as the planner's."""
+    for var in vs:
+        ms = time_ms(lambda: run(var), warmup=1, rep=reps)
+        tag = "planner" if var == base else "alternative"
+        lines.append(f"  hd {d:3d} {var.name:34s} {fl / ms / 1e9:7.2f} TFLOP/s  ({tag})")
+
+
 def bwd_ab(reps, s=4096):
     """Backward TFLOP/s of the planner's float64 tiles and the BWD_AB alternatives (non-causal,
     seqlen ``s``, 16k tokens, hidden 2048), through the launcher with a forced BwdVariant."""
@@ -176,12 +185,9 @@ def bwd_ab(reps, s=4096):
         out, lse = cf.attention(q, k, v, return_lse=True)
         opts = _checks.make_options(_checks.check_qkv(q, k, v), cp, dtype=np.float64)
         grads = [cp.empty_like(x) for x in (q, k, v)]
-        for var in vs:
-            ms = time_ms(lambda: gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts,
-                                                  kernel=var), warmup=1, rep=reps)
-            tag = "planner" if var == base else "alternative"
-            lines.append(f"  hd {d:3d} {var.name:34s} {flops(b, h, s, d, False, True) / ms / 1e9:7.2f} "
-                         f"TFLOP/s  ({tag})")
+        _time_tiles(lines, d, base, vs,
+                    lambda var: gpu_bwd.backward(dout, q, k, v, out, lse, *grads, opts, kernel=var),
+                    flops(b, h, s, d, False, True), reps)
         del q, k, v, dout, out, lse, grads
         cp.get_default_memory_pool().free_all_blocks()
     return "\n".join(lines)
@@ -206,12 +212,9 @@ def fwd_ab(reps, s=4096):
         q, k, v = (rng.standard_normal((b, s, h, d)) for _ in range(3))
         opts = _checks.make_options(_checks.check_qkv(q, k, v), cp, dtype=np.float64)
         out, lse = cp.empty_like(q), cp.empty((b, h, s))
-        for var in vs:
-            ms = time_ms(lambda: gpu_fwd.forward(q, k, v, out, lse, opts, kernel=var),
-                         warmup=1, rep=reps)
-            tag = "planner" if var == base else "alternative"
-            lines.append(f"  hd {d:3d} {var.name:34s} {flops(b, h, s, d, False) / ms / 1e9:7.2f} "
-                         f"TFLOP/s  ({tag})")
+        _time_tiles(lines, d, base, vs,
+                    lambda var: gpu_fwd.forward(q, k, v, out, lse, opts, kernel=var),
+                    flops(b, h, s, d, False), reps)
         del q, k, v, out, lse
         cp.get_default_memory_pool().free_all_blocks()
     return "\n".join(lines)
