@@ -116,7 +116,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     const u32 tile_full = dq_empty + 8;                 // [TILE_RING]: tile_smem slot written
     const u32 tile_empty = tile_full + 8 * TILE_RING;   // [TILE_RING]: every reader has read the slot
     // the same, for the role functions
-    const Smem sm = {smem, smem_gen, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
+    const Smem sm = {smem, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem,
                      rows_smem, tile_smem, seq_smem, job_smem, kv_full, kv_empty, qdo_full, qdo_empty,
                      dq_full, dq_empty, tile_full, tile_empty};
     // VARLEN: p.b sequences, p.num_n_blocks key tiles of the longest one each

@@ -38,7 +38,7 @@ __device__ __forceinline__ void bwd_consumer(const Params& p, const Smem& sm, un
     constexpr int NS = BM / 2;       // Sᵀ / dPᵀ accumulator registers per lane: [64, BM]
     constexpr int NKV = D / 2;       // dK / dV accumulator registers per lane: [64, D]
     constexpr int NQ = PANEL_COLS / 2;   // dQ slice accumulator registers per lane: [BM, 64]
-    unsigned char* smem_gen = smem_raw + (sm.smem - smem_addr(smem_raw));   // = sm.smem_gen
+    unsigned char* smem_gen = smem_raw + (sm.smem - smem_addr(smem_raw));   // the generic aligned base
     const u32 k_smem = sm.k_smem, v_smem = sm.v_smem, q_smem = sm.q_smem;
     const u32 do_smem = sm.do_smem, ds_smem = sm.ds_smem, dq_smem = sm.dq_smem;
     float* rows_smem = sm.rows_smem;

@@ -69,8 +69,8 @@ struct Layout {
 // addresses for TMA / wgmma / st.shared, generic pointers for plain loads and stores) and its
 // mbarriers, in this order (the kernel fills it); the roles written as functions read it
 struct Smem {
-    u32 smem;                                   // the aligned base
-    unsigned char* smem_gen;                    // the same, generic
+    u32 smem;                                   // the aligned base (generic pointer: derived
+                                                // from the kernel's smem_raw where needed)
     u32 k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem;
     float* rows_smem;                           // [NBUF][2][BM]: lse·log2 e, D per stage
     volatile int* tile_smem;                    // [TILE_RING] work tile, -1: none left
