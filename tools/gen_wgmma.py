@@ -9,6 +9,7 @@ this generator. Each wrapper is a specialization of
 
     wgmma_ss<E, N>(float* d, u64 a_desc, u64 b_desc, int accumulate)   // A, B in shared memory
     wgmma_ss_tt<E, N>(float* d, u64 a_desc, u64 b_desc, int accumulate) // both MN-major
+    wgmma_ss_tb<E, N>(float* d, u64 a_desc, u64 b_desc, int accumulate) // B MN-major
     wgmma_rs<E, N>(float* d, const u32* a, u64 b_desc)                 // A in registers
 
 for E in {f16_t, bf16_t} and the N the Hopper forward uses (key-tile widths for S = Q Kᵀ, head
@@ -23,7 +24,8 @@ import sys
 from pathlib import Path
 
 NS = (64, 80, 96, 112, 128, 144, 160, 176, 192, 256)   # S = Q Kᵀ widths (BN) and head dims
-NS_TT = (64,)   # dQ = dS K in the Hopper backward: dSᵀ and K both stored MN-major
+NS_TT = (64, 128)   # dQ = dS K in the Hopper backward: dSᵀ and K both stored MN-major
+NS_TB = (128,)      # d = 256 backward, dK += dSᵀ Q with dSᵀ from shared memory (K-major)
 NS_TF32 = (32, 64, 96, 128)   # float32 forward: key-tile widths (S) and head dims (O)
 TYPES = (("f16_t", "f16"), ("bf16_t", "bf16"))
 OUT = Path(__file__).resolve().parent.parent / "kernels_cu" / "hopper/wgmma.cuh"
@@ -83,6 +85,7 @@ def render() -> str:
         "// wgmma_ss: A and B described by shared-memory descriptors (K-major, 128-byte swizzle);",
         "//           accumulate = 0 overwrites D (first k-step), 1 adds to it.",
         "// wgmma_ss_tt: like wgmma_ss with both operands MN-major (transpose-a = transpose-b = 1).",
+        "// wgmma_ss_tb: like wgmma_ss with B MN-major (transpose-b = 1), A K-major.",
         "// wgmma_rs: A from registers (4 x 16-bit pairs per lane: the m64nNk16 A fragment, which is",
         "//           the fp32 accumulator layout packed pairwise), B MN-major in shared memory",
         "//           (transpose-b = 1: V stored [keys, head dim] with the head dim contiguous).",
@@ -90,6 +93,7 @@ def render() -> str:
         "",
         "template <typename E, int N> __device__ __forceinline__ void wgmma_ss(float* d, u64 a_desc, u64 b_desc, int accumulate);",
         "template <typename E, int N> __device__ __forceinline__ void wgmma_ss_tt(float* d, u64 a_desc, u64 b_desc, int accumulate);",
+        "template <typename E, int N> __device__ __forceinline__ void wgmma_ss_tb(float* d, u64 a_desc, u64 b_desc, int accumulate);",
         "template <typename E, int N> __device__ __forceinline__ void wgmma_rs(float* d, const u32* a, u64 b_desc);",
         "// TF32 (k = 8), float32 forward: A [64, 8] and B [8, N] TF32 bit patterns (fp32 with the low 13",
         "// mantissa bits zero). wgmma_ss_tf32: both operands K-major in shared memory (128-byte swizzle);",
@@ -103,7 +107,8 @@ def render() -> str:
         for n in NS:
             shape = f"m64n{n}k16.f32.{ptx}.{ptx}"
             parts += _ss(f"wgmma_ss<{tag}, {n}>", n, shape, "1, 1, 0, 0") + (
-                _ss(f"wgmma_ss_tt<{tag}, {n}>", n, shape, "1, 1, 1, 1") if n in NS_TT else [])
+                _ss(f"wgmma_ss_tt<{tag}, {n}>", n, shape, "1, 1, 1, 1") if n in NS_TT else []) + (
+                _ss(f"wgmma_ss_tb<{tag}, {n}>", n, shape, "1, 1, 0, 1") if n in NS_TB else [])
             parts += _rs(f"wgmma_rs<{tag}, {n}>", n, shape, "1, 1, 1, 1") + [""]
     for n in NS_TF32:
         parts += _tf32(n)

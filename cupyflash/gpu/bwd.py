@@ -177,7 +177,7 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, for
         why = "a boolean mask (not in the Hopper backward)"
     if why is None and varlen is not None:   # the kernel's int work-tile count
         nseq, max_k = varlen
-        if -(-int(max_k) // plan_bwd_sm90.BN) * k.shape[2] * int(nseq) > 2**31 - 1:
+        if -(-int(max_k) // plan_bwd_sm90.bn_for(q.shape[3])) * k.shape[2] * int(nseq) > 2**31 - 1:
             why = (f"{nseq} sequences x {k.shape[2]} kv heads x the longest sequence's key tiles "
                    "exceed 2^31 - 1 work tiles")
     if why is None and bias_operand is not None:
@@ -193,6 +193,8 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, for
         if forced:
             raise ValueError(f"kernel='sm90': the Hopper backward cannot run this call: {why}")
         return None
+    if q.shape[3] == plan_bwd_sm90.SPLIT_D and not forced and not TUNING.bwd_sm90_d256:
+        return None   # head dim 256 under "auto": the portable kernel until the switch is on
     # (a GENERAL plan always has window set: the Hopper variant only where a side is bounded)
     window = int(opts.window_left) >= 0 or int(opts.window_right) >= 0
     variant = plan_bwd_sm90.variant_for(plan.variant.elem, q.shape[3], window, bias_kind,

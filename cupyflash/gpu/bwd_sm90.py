@@ -8,7 +8,7 @@ from typing import Optional
 import cupy
 
 from . import compile, device, params, tma
-from .plan_bwd_sm90 import BIAS_TMA, BM, BN, THREADS, Sm90BwdVariant, det_sched, dq_semaphores
+from .plan_bwd_sm90 import BIAS_TMA, BM, THREADS, Sm90BwdVariant, det_sched, dq_semaphores
 from .variants import DTYPE_NAMES
 
 
@@ -45,7 +45,8 @@ def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
         ws = cupy.empty(slab + n_sem, cupy.float32)
         (ws.data + 4 * slab).memset_async(0, 4 * n_sem)
         prm["dq_accum"] = ws.data.ptr
-    for field, a, rows in (("tma_q", q, BM), ("tma_k", k, BN), ("tma_v", v, BN),
+    bn = variant.bn                                # keys per work tile
+    for field, a, rows in (("tma_q", q, BM), ("tma_k", k, bn), ("tma_v", v, bn),
                            ("tma_do", dout, BM)):
         dims, byte_strides, box = tma.tma_tensor(a.shape, params.elem_strides(a, field), 2, rows)
         prm[field] = tma.encode(dtype_name, a.data.ptr, dims, byte_strides, box)
@@ -53,10 +54,10 @@ def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
         tma.bias_tma_desc(prm, bias, box_rows=BM)
     prm["sched"] = device.sched_counter(dev_id, device.current_stream().ptr)
     main, pre, pre_portable, conv = compile.get_functions(variant, dev_id)
-    num_n, pairs = -(-s_k // BN), h_k * b          # key tiles of a pair, (kv head, batch) pairs
+    num_n, pairs = -(-s_k // bn), h_k * b          # key tiles of a pair, (kv head, batch) pairs
     if variant.varlen:
         nseq, max_k = varlen
-        num_n, pairs = -(-max_k // BN), h_k * nseq
+        num_n, pairs = -(-max_k // bn), h_k * nseq
     num_work = num_n * pairs
     grid = min(num_sms, num_work)
     if variant.det:   # the order of the dQ additions and the work tiles' numbering

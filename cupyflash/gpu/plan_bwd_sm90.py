@@ -6,7 +6,8 @@ portable main kernel (flash_bwd in portable/bwd.cu) on compute capability 9.0 wh
 kernels before it (``flash_bwd_pre_sm90``: D = rowsum(dO ∘ O) with the zeroed dQ accumulator; portable/bwd.cu's
 ``flash_bwd_pre`` when O's rows are not 16-byte aligned) and after it (``flash_bwd_dq_sm90``: the dQ
 conversion) are compiled into the same module. Coverage (``why_unsupported`` says why not):
-float16 / bfloat16, d = d_v in {64, 128}, no softcap / ALiBi, scale > 0, strides TMA accepts
+float16 / bfloat16, d = d_v in {64, 128, 256} (256: dense or varlen, no bias, not deterministic),
+no softcap / ALiBi, scale > 0, strides TMA accepts
 (16-byte multiples) for q, k, v and dout; an additive bias with dbias where ``bias_unsupported``
 accepts its layout (no mask: the launcher keeps masks on the portable GENERAL kernel), not in
 deterministic mode (dbias is added with atomics). The BIAS template argument says how the bias is read:
@@ -22,6 +23,14 @@ current one; two consumer warpgroups of 64 keys each keep dK, dV in registers; e
 goes through shared memory into the float32 accumulator (one cp.reduce.async.bulk .add.f32 by a
 producer warp). The accumulator's rows are chunk-swizzled (hopper/bwd.cu: dq_swizzle), so the dQ
 conversion is flash_bwd_dq_sm90.
+
+Head dim 256 (``split_d``): dK, dV [64 keys, 256] would take all of a consumer's registers, so the
+work tile is 64 keys and both consumers take them, each with half the head dim
+(hopper/bwd_split_consumer.cuh: c0 computes Sᵀ and Pᵀ, c1 dPᵀ and dSᵀ, handed over in shared
+memory); one K / V buffer, no dQ tile in shared memory (64 KB more than the block has): each
+consumer adds its dQ slice into the accumulator with red.global.add (``dq_bulk`` False).
+``TUNING.bwd_sm90_d256`` lets the planner route such calls to it (``kernel="sm90"`` runs it
+whatever the switch).
 
 DET (``deterministic=True``): each dQ tile of 64 query rows of one (sequence, query head) receives
 the additions of the key tiles that touch it in key-tile order (descending by default), each
@@ -46,10 +55,12 @@ from typing import Optional, Tuple
 from .variants import KernelVariant, cpp_bool, sm90_common_unsupported
 
 
-BN = 128             # keys per block
+BN = 128             # keys per block (head dims 64, 128)
+BN_SPLIT = 64        # keys per block at head dim 256 (both consumers on the same keys)
 BM = 64              # query rows per step
 THREADS = 384
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
+SPLIT_D = 256        # the head dim whose consumers split the head dim between them
 NBUF = 2             # Q / dO ring depth
 TILE_RING = 2        # work-tile indices in flight
 
@@ -61,6 +72,11 @@ BIAS_NONE, BIAS_LD16, BIAS_LD32, BIAS_TMA = 0, 1, 2, 3
 def kv_buffers(d: int) -> int:
     """K / V buffers (KVBUF): two where they fit in shared memory (d = 64), else one."""
     return 2 if d == 64 else 1
+
+
+def bn_for(d: int) -> int:
+    """Keys per work tile of the head dim (sm90b::Layout::BN)."""
+    return BN_SPLIT if d == SPLIT_D else BN
 
 
 @dataclass(frozen=True)
@@ -79,11 +95,14 @@ class Sm90BwdVariant(KernelVariant):
 
     file = "hopper/bwd.cu"
     arch_options = ("-arch=sm_90a",)
-    bn = BN
     bm = BM
     threads = THREADS
 
     template = "flash_bwd_sm90"
+
+    @property
+    def bn(self) -> int:
+        return bn_for(self.d)
 
     def template_args(self) -> tuple:
         b = cpp_bool
@@ -109,7 +128,7 @@ class Sm90BwdVariant(KernelVariant):
 
     @property
     def name(self) -> str:
-        return (f"bwd90_{self.elem[:-2]}_d{self.d}_{BM}x{BN}" + ("_window" if self.window else "")
+        return (f"bwd90_{self.elem[:-2]}_d{self.d}_{BM}x{self.bn}" + ("_window" if self.window else "")
                 + ("" if self.dq_bulk else "_red") + (f"_kv{self.kvbuf}" if self.kvbuf != 1 else "")
                 + ("_varlen" if self.varlen else "")
                 + ("", "_bias16", "_bias32", "_bias16_tma")[self.bias]
@@ -121,16 +140,18 @@ class Sm90BwdVariant(KernelVariant):
 
 
 def smem_bytes(d: int, kvbuf: int = None, bias_tma: bool = False, det: bool = False) -> int:
-    """Mirrors sm90b::Layout in hopper/bwd_parts.cuh: KVBUF x K, V [128, d]; NBUF x (Q, dO [64, d]); two
-    dSᵀ [128, 64] buffers (16-bit); the dQ tile [64, d] float32; ``bias_tma``: NBUF x the bias
-    tile [64, 128] (16-bit); NBUF x (lse, D [64] floats); the work-tile ring and dQ job (16 + 16
-    bytes, ``det``: + 16); the mbarriers; 1024 bytes of slack to align the swizzled panels.
-    ``kvbuf`` defaults to kv_buffers(d)."""
+    """Mirrors sm90b::Layout in hopper/bwd_parts.cuh: KVBUF x K, V [BN, d]; NBUF x (Q, dO [64, d]); two
+    dSᵀ [BN, 64] buffers (16-bit; d = 256: dSᵀ and Pᵀ); the dQ tile [64, d] float32 (not at
+    d = 256); ``bias_tma``: NBUF x the bias tile [64, BN] (16-bit); NBUF x (lse, D [64] floats);
+    the work-tile ring and dQ job (16 + 16 bytes, ``det``: + 16); the mbarriers (d = 256: + Pᵀ's
+    two); 1024 bytes of slack to align the swizzled panels. ``kvbuf`` defaults to kv_buffers(d)."""
     kvbuf = kv_buffers(d) if kvbuf is None else kvbuf
-    return (2 * kvbuf * BN * d * 2 + 2 * NBUF * BM * d * 2 + 2 * BN * BM * 2 + BM * d * 4
-            + (NBUF * BM * BN * 2 if bias_tma else 0)
+    bn, split = bn_for(d), d == SPLIT_D
+    return (2 * kvbuf * bn * d * 2 + 2 * NBUF * BM * d * 2 + 2 * bn * BM * 2
+            + (0 if split else BM * d * 4)
+            + (NBUF * BM * bn * 2 if bias_tma else 0)
             + NBUF * 2 * BM * 4 + 16 + (32 if det else 16)
-            + 8 * (2 * kvbuf + 2 * NBUF + 2 + 2 * TILE_RING) + 1024)
+            + 8 * (2 * kvbuf + 2 * NBUF + 2 + 2 * TILE_RING + (2 if split else 0)) + 1024)
 
 
 def variant_for(elem: str, d: int, window: bool, bias: int = 0,
@@ -140,18 +161,21 @@ def variant_for(elem: str, d: int, window: bool, bias: int = 0,
     with a bias) and dQ order (``det``: deterministic; never with a bias)."""
     assert not (varlen and bias), "the varlen backward takes no bias"
     assert not (det and bias), "the deterministic Hopper backward takes no bias"
-    return Sm90BwdVariant(elem, d, window, True, kv_buffers(d), varlen, bias, det)
+    assert d != SPLIT_D or not (bias or det), "head dim 256: no bias, not deterministic"
+    return Sm90BwdVariant(elem, d, window, d != SPLIT_D, kv_buffers(d), varlen, bias, det)
 
 
 def variants():
     """Every Sm90BwdVariant (compiled by the harness for sm_90a): dense without and with a bias
-    (each BIAS kind), varlen, and the deterministic dense and varlen ones."""
+    (each BIAS kind), varlen, and the deterministic dense and varlen ones (head dim 256: dense
+    and varlen)."""
     return [variant_for(e, d, w, bias, vl, det) for e in ("f16_t", "bf16_t") for d in HEAD_DIMS
             for w in (False, True)
             for bias, vl, det in ((BIAS_NONE, False, False), (BIAS_LD16, False, False),
                                   (BIAS_LD32, False, False), (BIAS_TMA, False, False),
                                   (BIAS_NONE, True, False), (BIAS_NONE, False, True),
-                                  (BIAS_NONE, True, True))]
+                                  (BIAS_NONE, True, True))
+            if d != SPLIT_D or not (bias or det)]
 
 
 def dq_semaphores(rows: int, slabs: int) -> int:
@@ -259,24 +283,26 @@ def det_work_tile(w: int, num_n: int, pairs: int, sched: int):
 
 
 def varlen_work_tiles(cu_seqlens_q, cu_seqlens_k, h: int, h_k: int, window_left: int,
-                      window_right: int, bottom_right: bool = True, window: bool = True):
+                      window_right: int, bottom_right: bool = True, window: bool = True,
+                      bn: int = BN):
     """Mirror of the VARLEN kernel's work decomposition (hopper/sched.cuh: key_tile,
     query_tile_range; hopper/bwd.cu: the producer's skip): yields (w, sequence, kv_head, n0, m_first, m_count)
     for every work tile handed to the consumers, in index order. Window sides are Params values
-    (unbounded: total_q + total_k); ``window``: the WINDOW template flag."""
+    (unbounded: total_q + total_k); ``window``: the WINDOW template flag; ``bn``: keys per tile
+    (bn_for(d))."""
     cq = [int(x) for x in cu_seqlens_q]
     ck = [int(x) for x in cu_seqlens_k]
     nseq = len(cq) - 1
-    num_n = -(-max(ck[z + 1] - ck[z] for z in range(nseq)) // BN)
+    num_n = -(-max(ck[z + 1] - ck[z] for z in range(nseq)) // bn)
     for w in range(num_n * h_k * nseq):
-        n0 = (w % num_n) * BN
+        n0 = (w % num_n) * bn
         kv_head = (w // num_n) % h_k
         z = w // num_n // h_k
         s_q, s_k = cq[z + 1] - cq[z], ck[z + 1] - ck[z]
         if n0 >= s_k:          # skipped by the producer
             continue
         diag = s_k - s_q if bottom_right else 0
-        n_rows = min(BN, s_k - n0)
+        n_rows = min(bn, s_k - n0)
         i_lo, i_hi = 0, s_q - 1
         if window:
             i_lo = max(0, n0 - diag - window_right)
@@ -296,6 +322,9 @@ def why_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap:
         return f"scale {scale} <= 0"
     if deterministic and has_bias:
         return "deterministic=True with a bias (the Hopper backward adds dbias with atomics)"
+    if d == SPLIT_D and d_v == d and (deterministic or has_bias):
+        return ("deterministic=True" if deterministic else "a bias") + \
+            " at head dim 256 (the Hopper backward's head dim 256 adds dQ with unordered atomics, takes no bias)"
     return sm90_common_unsupported(dtype_name, d, d_v, HEAD_DIMS, cc=cc,
                                          smem_need=smem_bytes(d, det=deterministic),
                                          smem_optin=smem_optin, tensors=tensors)

@@ -68,6 +68,13 @@ class Tuning:
     #: warp, the transposed products) as for every other call.
     portable_bwd_2d: bool = True
 
+    #: kernel="auto" runs 16-bit backwards at head dim 256 on the Hopper kernel (flash_bwd_sm90's
+    #: split-head-dim consumers, hopper/bwd_split_consumer.cuh) where it covers the call. Off
+    #: until that kernel has passed the GPU correctness grid and its benchmark on a Hopper card
+    #: (it has been compiled, not run); kernel="sm90" runs it whatever this says. False: head
+    #: dim 256 backwards run the portable kernel under "auto".
+    bwd_sm90_d256: bool = False
+
 
 #: The switches the planners read.
 TUNING = Tuning()

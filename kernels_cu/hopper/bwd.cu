@@ -70,6 +70,7 @@
 #include "hopper/bwd_epilogue.cuh"
 #include "hopper/bwd_parts.cuh"
 #include "hopper/bwd_producer.cuh"
+#include "hopper/bwd_split_consumer.cuh"
 #include "hopper/sched.cuh"
 #include "hopper/sm90.cuh"
 #include "hopper/wgmma.cuh"
@@ -88,7 +89,9 @@ __global__ void __launch_bounds__(sm90b::THREADS, 1)
 flash_bwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90b;
     using L = Layout<D, KVBUF, BIAS == BIAS_TMA, DET>;
-    static_assert(Elem<E>::is16 && (D == 64 || D == 128), "float16 / bfloat16, head dim 64 or 128");
+    static_assert(Elem<E>::is16 && (D == 64 || D == 128 || D == 256), "float16 / bfloat16, head dim 64, 128, 256");
+    static_assert(D != 256 || (!DQ_BULK && KVBUF == 1 && BIAS == BIAS_NONE && !DET),
+                  "head dim 256: dQ from registers, one K / V buffer, no bias, not deterministic");
     static_assert(KVBUF == 1 || KVBUF == 2, "one or two K / V buffers");
     static_assert(BIAS >= BIAS_NONE && BIAS <= BIAS_TMA, "bias: none, E, float32, E by TMA");
     static_assert(!(VARLEN && BIAS), "varlen takes no bias");
@@ -120,7 +123,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
                      rows_smem, tile_smem, seq_smem, job_smem, kv_full, kv_empty, qdo_full, qdo_empty,
                      dq_full, dq_empty, tile_full, tile_empty};
     // VARLEN: p.b sequences, p.num_n_blocks key tiles of the longest one each
-    const int num_work = (VARLEN ? p.num_n_blocks : (p.s_k + BN - 1) / BN) * p.h_k * p.b;
+    const int num_work = (VARLEN ? p.num_n_blocks : (p.s_k + L::BN - 1) / L::BN) * p.h_k * p.b;
 
     const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
     if (threadIdx.x == 0) {
@@ -138,6 +141,10 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
             mbar_init(tile_full + 8 * s, 1);     // the scheduling thread
             mbar_init(tile_empty + 8 * s, 32 * TILE_READERS);   // every lane of each reading warp
         }
+        if constexpr (L::SPLIT_D) {
+            mbar_init(tile_empty + 8 * TILE_RING, 128);       // pt_full: each c0 thread's Pᵀ pairs written
+            mbar_init(tile_empty + 8 * TILE_RING + 8, 128);   // pt_empty: each c1 thread's read back
+        }
         mbar_fence_init();
     }
     __syncthreads();   // barriers initialised before anyone waits on them
@@ -149,7 +156,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
         if (t == 0) {
             bwd_load<D, WINDOW, KVBUF, VARLEN, BIAS, DET>(p, sm, num_work);
         } else if (warp == ROWS_WARP) {
-            stage_rows<WINDOW, VARLEN, BIAS, DET>(p, sm, lane);
+            stage_rows<L::BN, WINDOW, VARLEN, BIAS, DET>(p, sm, lane);
         } else if (DQ_BULK && t == DQ_WARP * 32) {
             reduce_dq<DET>(sm);
         }
@@ -158,7 +165,10 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
 
     // ================================ consumers ================================
     regs_acquire<CONSUMER_REGS>();
-    bwd_consumer<E, D, WINDOW, DQ_BULK, KVBUF, VARLEN, BIAS, DET>(p, sm, smem_raw, wg, t);
+    if constexpr (L::SPLIT_D)
+        bwd_split_consumer<E, D, WINDOW, VARLEN>(p, sm, wg, t);
+    else
+        bwd_consumer<E, D, WINDOW, DQ_BULK, KVBUF, VARLEN, BIAS, DET>(p, sm, smem_raw, wg, t);
 }
 
 // ---------------------------------------------------------------------------------------------

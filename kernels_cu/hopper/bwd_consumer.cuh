@@ -32,6 +32,8 @@ template <typename E, int D, bool WINDOW, bool DQ_BULK, int KVBUF, bool VARLEN, 
 __device__ __forceinline__ void bwd_consumer(const Params& p, const Smem& sm, unsigned char* smem_raw,
                                              int wg, int t) {
     using L = Layout<D, KVBUF, BIAS == BIAS_TMA, DET>;
+    static_assert(!L::SPLIT_D, "d = 256: bwd_split_consumer");
+    constexpr int BN = L::BN;   // keys per work tile: 64 per consumer
     typedef typename Elem<E>::storage S;
     constexpr bool BIAS_LD = BIAS == BIAS_LD16 || BIAS == BIAS_LD32;   // the consumers load it
     constexpr int BIAS_BYTES = BIAS == BIAS_LD32 ? 4 : 2;   // bytes per bias element

@@ -17,6 +17,8 @@ constexpr int THREADS = 384;
 constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = 232;   // 40·128 + 232·256 <= 64K registers per SM
 constexpr int DS_BAR = 1;            // named barrier 1: both consumers wrote their dSᵀ rows
+constexpr int SPLIT_DS_FULL = 2;     // d = 256: c1 wrote the step's dSᵀ (both sync)
+constexpr int SPLIT_DS_EMPTY = 3;    // d = 256: c0's products have read the last dSᵀ (c1 syncs)
 constexpr int ROWS_WARP = 1;         // producer warp staging lse·log2 e and D
 constexpr int DQ_WARP = 2;           // producer warp adding dq_smem into the accumulator
 constexpr int PANEL_COLS = 64;       // 64 16-bit columns = one 128-byte swizzle row
@@ -35,9 +37,13 @@ constexpr int BIAS_TMA = 3;    // E's 16-bit elements, staged per step into bias
 
 // Byte offsets inside the (1024-aligned) dynamic shared memory; mirrored by
 // cupyflash/gpu/plan_bwd_sm90.py: smem_bytes. DET: the dQ job has two more fields (the tile's
-// semaphore and its rank)
+// semaphore and its rank). SPLIT_D (d = 256, hopper/bwd_split_consumer.cuh): BN = 64 keys, both
+// consumers on the same keys with half the head dim each; one dSᵀ tile and one Pᵀ tile (the
+// consumers' handoffs), no dq_smem (dQ is added from registers: 64 KB more do not fit)
 template <int D, int KVBUF, bool BIAS_SMEM, bool DET = false>
 struct Layout {
+    static constexpr bool SPLIT_D = D == 256;
+    static constexpr int BN = SPLIT_D ? 64 : sm90b::BN;     // keys per work tile
     static constexpr int PANELS = D / PANEL_COLS;
     static constexpr int KV_PANEL = BN * 128;                // bytes of k_smem / v_smem [BN, 64]
     static constexpr int KV_TILE = PANELS * KV_PANEL;
@@ -49,11 +55,13 @@ struct Layout {
     static constexpr int V = K + KVBUF * KV_TILE;            // v_smem [KVBUF][PANELS][BN][64]
     static constexpr int Q = V + KVBUF * KV_TILE;            // q_smem [NBUF][PANELS][BM][64]
     static constexpr int DO = Q + NBUF * Q_TILE;             // do_smem [NBUF][PANELS][BM][64]
-    static constexpr int DS = DO + NBUF * Q_TILE;            // dsT_smem [2][BN][BM]
+    static constexpr int DS = DO + NBUF * Q_TILE;            // dsT_smem [2][BN][BM] (SPLIT_D: [BN][BM])
+    static constexpr int PT = DS + DS_TILE;                  // SPLIT_D: pT_smem [BN][BM] (in the
+                                                             // second dSᵀ buffer's place)
     static constexpr int DQ = DS + 2 * DS_TILE;              // dq_smem [BM][D] float32 (DQ_BULK)
     static constexpr int BIAS_PANEL = BM * 128;              // bias_smem [BM queries, 64 keys], 16-bit
     static constexpr int BIAS_TILE = BIAS_SMEM ? (BN / PANEL_COLS) * BIAS_PANEL : 0;
-    static constexpr int BIAS = DQ + BM * DQ_PITCH;          // bias_smem [NBUF][BN / 64][BM][64] (BIAS_TMA)
+    static constexpr int BIAS = DQ + (SPLIT_D ? 0 : BM * DQ_PITCH);   // bias_smem [NBUF][BN / 64][BM][64] (BIAS_TMA)
     static constexpr int ROWS = BIAS + NBUF * BIAS_TILE;     // rows_smem [NBUF][lse·log2 e, D][BM]
     static constexpr int TILE = ROWS + NBUF * 2 * BM * 4;    // tile_smem [TILE_RING] int, seq_smem [2] int (16 bytes)
     static constexpr int JOB = TILE + 16;                    // dq_job: accumulator address, bytes
@@ -62,7 +70,8 @@ struct Layout {
                                                              // qdo_full[NBUF], qdo_empty[NBUF],
                                                              // dq_full, dq_empty,
                                                              // tile_full[TILE_RING], tile_empty[TILE_RING]
-    static constexpr int BYTES = BARS + 8 * (2 * KVBUF + 2 * NBUF + 2 + 2 * TILE_RING);
+                                                             // (SPLIT_D: pt_full, pt_empty)
+    static constexpr int BYTES = BARS + 8 * (2 * KVBUF + 2 * NBUF + 2 + 2 * TILE_RING + (SPLIT_D ? 2 : 0));
 };
 
 // flash_bwd_sm90's shared memory (Layout's regions from the 1024-aligned base smem: u32 shared

@@ -20,6 +20,7 @@ namespace sm90b {
 template <int D, bool WINDOW, int KVBUF, bool VARLEN, int BIAS, bool DET>
 __device__ __forceinline__ void bwd_load(const Params& p, const Smem& sm, int num_work) {
     using L = Layout<D, KVBUF, BIAS == BIAS_TMA, DET>;
+    constexpr int BN = L::BN;   // keys per work tile
     const u32 smem = sm.smem, k_smem = sm.k_smem, v_smem = sm.v_smem, q_smem = sm.q_smem;
     const u32 do_smem = sm.do_smem;
     volatile int* tile_smem = sm.tile_smem;
@@ -113,7 +114,7 @@ __device__ __forceinline__ void bwd_load(const Params& p, const Smem& sm, int nu
 
 // ROWS_WARP: lse·log2 e and D [BM] per step into the stage's rows_smem (two rows per lane); rows
 // past s_q and rows that saw no key in the forward (lse = -inf) get +inf: P is then 0
-template <bool WINDOW, bool VARLEN, int BIAS, bool DET>
+template <int BN, bool WINDOW, bool VARLEN, int BIAS, bool DET>
 __device__ __forceinline__ void stage_rows(const Params& p, const Smem& sm, int lane) {
     int q_it = 0;
     for (int tile_i = 0;; ++tile_i) {

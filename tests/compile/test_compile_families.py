@@ -39,6 +39,8 @@ FAMILIES = {
     "fwd_sm90_bf16": [("sm_90a", [plan_fwd_sm90.sm90_variant("bf16_t", 128, False, False)])],
     "fwd_sm90_f32": [("sm_90a", [plan_fwd_sm90.sm90_f32_variant("f32x3_t", 64, False)])],
     "bwd_sm90_bf16": [("sm_90a", [plan_bwd_sm90.variant_for("bf16_t", 128, False)])],
+    # head dim 256: the split-head-dim consumers (hopper/bwd_split_consumer.cuh)
+    "bwd_sm90_bf16_d256": [("sm_90a", [plan_bwd_sm90.variant_for("bf16_t", 256, True)])],
     "bwd_sm90_f32": [("sm_90a", [plan_bwd_sm90_f32.Sm90F32BwdVariant(64, False)])],
     "dbias_sm90": [("sm_90a", [plan_dbias_sm90.variant_for("bf16_t", 128, False, False)])],
     "decode_and_kvcache_prep": [(arch, [plan_decode.variant_for("bf16_t", 128, 4, SMEM[arch])[0],

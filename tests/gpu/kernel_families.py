@@ -214,6 +214,7 @@ CASES = {
     "sm90_bf16_d64_window": lambda r: dense(r, "bfloat16", 1, 333, 200, 2, 1, 64, fwd="sm90", bwd="sm90", window=(40, 17)),
     "sm90_f16_d128_topleft": lambda r: dense(r, "float16", 1, 333, 200, 2, 2, 128, fwd="sm90", bwd="sm90", causal=True, bottom_right=False),
     "sm90_bf16_d256_fwd": lambda r: dense(r, "bfloat16", 1, 200, 333, 2, 1, 256, fwd="sm90", backward=False),
+    "sm90_f16_d256_causal": lambda r: dense(r, "float16", 1, 200, 333, 4, 2, 256, fwd="sm90", bwd="sm90", causal=True),
     "sm90_bf16_d128_softcap_fwd": lambda r: dense(r, "bfloat16", 1, 200, 333, 2, 1, 128, fwd="sm90", backward=False, softcap=30.0),
     "sm90_bf16_d128_maxfree_fwd": lambda r: dense(r, "bfloat16", 1, 300, 1100, 2, 2, 128, backward=False),
     "sm90_bf16_d128_split_fwd": lambda r: dense(r, "bfloat16", 1, 256, 4000, 2, 2, 128, backward=False),
@@ -237,6 +238,7 @@ CASES = {
     # Varlen (Hopper VARLEN variants, portable GENERAL)
     "varlen_sm90_bf16_d128_causal": lambda r: varlen(r, "bfloat16", [200, 1, 77], [333, 50, 77], 2, 1, 128, kernel="sm90", causal=True),
     "varlen_sm90_f16_d64_window": lambda r: varlen(r, "float16", [130, 7], [90, 200], 2, 2, 64, kernel="sm90", window=(20, 5)),
+    "varlen_sm90_bf16_d256_window": lambda r: varlen(r, "bfloat16", [130, 7], [90, 200], 2, 1, 256, kernel="sm90", window=(20, 5)),
     "varlen_portable_bf16_d64_softcap": lambda r: varlen(r, "bfloat16", [200, 1, 77], [333, 50, 0], 2, 1, 64, kernel="portable", causal=True, softcap=15.0),
     # KV cache (portable/decode.cu): append + rotary, split-KV, combine
     "kvcache_bf16_d128_paged_gqa_rotary": lambda r: kvcache(r, "bfloat16", 2, 3, 8, 2, 128, 320, 5, page=16, rotary_dim=64, num_splits=3, causal=True, rotary_interleaved=True),

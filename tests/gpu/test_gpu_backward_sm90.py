@@ -94,11 +94,21 @@ def test_long_sequence(rng):
     (dict(softcap=5.0), "bwd_bf16_d128"),           # softcap: portable
     (dict(deterministic=True), "bwd90_bf16_d128_64x128_det"),   # ordered dQ (DET)
     (dict(deterministic=True, d=96), "bwd_bf16_d96"),    # deterministic, not covered: portable
-], ids=["d128", "window", "d64", "d96", "softcap", "deterministic", "deterministic_d96"])
+    (dict(d=256), "bwd_bf16_d256"),                      # TUNING.bwd_sm90_d256 off: portable
+    (dict(d=256, d256_on=True), "bwd90_bf16_d256_64x64_red"),
+    (dict(d=256, d256_on=True, deterministic=True), "bwd_bf16_d256"),   # not in the d = 256 kernel
+], ids=["d128", "window", "d64", "d96", "softcap", "deterministic", "deterministic_d96",
+        "d256_switch_off", "d256_switch_on", "d256_deterministic"])
 def test_launcher_picks_sm90_where_covered(kw, expect):
-    from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd
+    from cupyflash.gpu.tuning import tuning
     kw = dict(kw)
     d = kw.pop("d", 128)
+    with tuning(bwd_sm90_d256=kw.pop("d256_on", False)):
+        _launcher_case(kw, d, expect)
+
+
+def _launcher_case(kw, d, expect):
+    from cupyflash.gpu import bwd as gpu_bwd, fwd as gpu_fwd
     q, k, v, do = (cp.random.standard_normal((1, 100, 2, d), dtype=cp.float32).astype(BF16)
                    for _ in range(4))
     opts = Options(scale=0.1, **kw)
@@ -108,6 +118,51 @@ def test_launcher_picks_sm90_where_covered(kw, expect):
                              cp.empty_like(v), opts)
     assert name.startswith(expect), name
 
+
+# ---------------------------------------------------------------------------------------------
+# Head dim 256 (flash_bwd_sm90<E, 256, ...>: 64-key tiles, the consumers split the head dim,
+# hopper/bwd_split_consumer.cuh), forced: seqlen 1, primes, s_q != s_k both ways under causal,
+# windows, GQA 32 / 8 and MQA 16 / 1, strided views, fully masked rows, a long causal sequence.
+# ---------------------------------------------------------------------------------------------
+def d256(rng, dtype, *args, **kw):
+    name = sm90(rng, dtype, *args, **kw)
+    assert "_d256_64x64" in name, name
+    return name
+
+
+D256_SEQLENS = [(1, 1), (1, 239), (239, 1), (113, 203), (1021, 509), (509, 1021), (64, 64),
+                (127, 131), (700, 129)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("s_q,s_k", D256_SEQLENS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_d256_seqlens(rng, dtype, s_q, s_k, causal):
+    d256(rng, dtype, 1, s_q, s_k, 2, 1, 256, causal=causal)
+
+
+@pytest.mark.parametrize("opt", list(OPTION_SETS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_d256_options(rng, dtype, opt):
+    d256(rng, dtype, 2, 157, 411, 4, 2, 256, **OPTION_SETS[opt])
+
+
+@pytest.mark.parametrize("h,h_k", [(32, 8), (16, 1)], ids=["gqa32_8", "mqa16_1"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_d256_gqa(rng, h, h_k, causal):
+    d256(rng, "bfloat16", 1, 130, 290, h, h_k, 256, causal=causal)
+
+
+@pytest.mark.parametrize("layout,pad", [("bhsd", 0), ("padded", 8), ("sstride", 0)])
+def test_d256_strided_views_and_masked_rows(rng, layout, pad):
+    d256(rng, "bfloat16", 2, 150, 170, 4, 2, 256, causal=True, layout=layout, pad=pad)
+    d256(rng, "float16", 1, 300, 100, 2, 1, 256, causal=True, layout=layout, pad=pad)
+    d256(rng, "bfloat16", 1, 260, 110, 2, 2, 256, window=(0, 0))
+
+
+def test_d256_long_sequence(rng):
+    d256(rng, "bfloat16", 1, 2048, 2048, 2, 1, 256, causal=True)
+    d256(rng, "float16", 2, 1500, 1001, 4, 2, 256)
 
 
 # ---------------------------------------------------------------------------------------------

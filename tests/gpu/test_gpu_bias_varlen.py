@@ -751,7 +751,7 @@ HOPPER_BWD_LENS = {
 
 @hopper
 @pytest.mark.parametrize("opt", ["plain", "causal", "causal_top_left", "window", "gqa", "mqa"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_varlen_backward_hopper(rng, dtype, d, opt):
     kw = {"causal": dict(causal=True), "causal_top_left": dict(causal=True, causal_align="top_left"),

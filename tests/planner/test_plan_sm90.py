@@ -205,7 +205,9 @@ def test_out_alignment_the_forward_needs(d, bn, varlen, dtype_name, align):
 @pytest.mark.parametrize("kw,why", [
     (dict(), None),
     (dict(dtype="float16", d=64), None),
-    (dict(d=256), "head dims 256"),
+    (dict(d=256), None),
+    (dict(d=256, deterministic=True), "deterministic=True at head dim 256"),
+    (dict(d=256, has_bias=True), "a bias at head dim 256"),
     (dict(d=128, d_v=64), "head dims 128 / 64"),
     (dict(softcap=3.0), "softcap"),
     (dict(has_alibi=True), "alibi"),
@@ -216,7 +218,7 @@ def test_out_alignment_the_forward_needs(d, bn, varlen, dtype_name, align):
     (dict(scale=-1.0), "scale -1.0"),
     (dict(cc=80), "compute capability 8.0"),
     (dict(dtype="float32"), "dtype float32"),
-], ids=["bf16_d128", "f16_d64", "d256", "dv_differs", "softcap", "alibi", "deterministic",
+], ids=["bf16_d128", "f16_d64", "d256", "d256_det", "d256_bias", "dv_differs", "softcap", "alibi", "deterministic",
         "deterministic_f16_d64", "deterministic_bias", "bias", "negative_scale", "sm80",
         "float32"])
 def test_backward_coverage(kw, why):
@@ -236,28 +238,35 @@ def test_backward_coverage(kw, why):
 def test_backward_variants_fit_and_layout_mirror():
     from cupyflash.gpu import plan_bwd_sm90
     vs = plan_bwd_sm90.variants()
-    assert len(vs) == 56 and len({v.name for v in vs}) == 56 == len({v.name_expression for v in vs})
+    assert len(vs) == 64 and len({v.name for v in vs}) == 64 == len({v.name_expression for v in vs})
     assert {(v.varlen, v.bias, v.det) for v in vs} == {
         (False, 0, False), (False, 1, False), (False, 2, False), (False, 3, False),
         (True, 0, False), (False, 0, True), (True, 0, True)}
     assert all(v.smem_bytes <= H200_SMEM for v in vs)
-    assert {(v.d, v.kvbuf) for v in vs} == {(64, 2), (128, 1)}
+    assert {(v.d, v.kvbuf) for v in vs} == {(64, 2), (128, 1), (256, 1)}
+    # head dim 256: dense and varlen, no bias, not deterministic, dQ from registers, 64-key tiles
+    assert {(v.varlen, v.bias, v.det, v.dq_bulk, v.bn) for v in vs if v.d == 256} == {
+        (False, 0, False, False, 64), (True, 0, False, False, 64)}
     src = _kernel_source("hopper/bwd.cu")
     for expr in ("V = K + KVBUF * KV_TILE", "Q = V + KVBUF * KV_TILE", "DQ = DS + 2 * DS_TILE",
                  "DQ_PITCH = D * 4;", "BIAS_PANEL = BM * 128;",
                  "BIAS_TILE = BIAS_SMEM ? (BN / PANEL_COLS) * BIAS_PANEL : 0;",
-                 "BIAS = DQ + BM * DQ_PITCH", "ROWS = BIAS + NBUF * BIAS_TILE",
+                 "BIAS = DQ + (SPLIT_D ? 0 : BM * DQ_PITCH)", "ROWS = BIAS + NBUF * BIAS_TILE",
+                 "BN = SPLIT_D ? 64 : sm90b::BN", "PT = DS + DS_TILE",
                  "TILE = ROWS + NBUF * 2 * BM * 4",
                  "constexpr int BIAS_NONE = 0;", "constexpr int BIAS_LD16 = 1;",
                  "constexpr int BIAS_LD32 = 2;", "constexpr int BIAS_TMA = 3;",
                  "JOB = TILE + 16", "BARS = JOB + (DET ? 32 : 16)",
-                 "BYTES = BARS + 8 * (2 * KVBUF + 2 * NBUF + 2 + 2 * TILE_RING)",
+                 "BYTES = BARS + 8 * (2 * KVBUF + 2 * NBUF + 2 + 2 * TILE_RING + (SPLIT_D ? 2 : 0))",
                  "if (smem_given < L::BYTES + 1024) __trap();"):
         assert expr in src, expr
     assert plan_bwd_sm90.smem_bytes(128) == (2 * 128 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 2 * 128 * 64 * 2
                                    + 64 * 128 * 4 + 1024 + 32 + 8 * 12 + 1024)
     assert plan_bwd_sm90.smem_bytes(64) == (2 * 2 * 128 * 64 * 2 + 2 * 2 * 64 * 64 * 2 + 2 * 128 * 64 * 2
                                   + 64 * 64 * 4 + 1024 + 32 + 8 * 14 + 1024)
+    # d = 256: 64-key K, V; dSᵀ and Pᵀ [64, 64]; no dQ tile; Pᵀ's two mbarriers
+    assert plan_bwd_sm90.smem_bytes(256) == (2 * 64 * 256 * 2 + 2 * 2 * 64 * 256 * 2 + 2 * 64 * 64 * 2
+                                             + 1024 + 32 + 8 * 14 + 1024) <= H200_SMEM
     # a second K / V buffer does not fit at d = 128; the staged bias tiles do
     assert plan_bwd_sm90.smem_bytes(128, 2) > H200_SMEM
     assert plan_bwd_sm90.smem_bytes(128, 1, True) == plan_bwd_sm90.smem_bytes(128) + 2 * 64 * 128 * 2 <= H200_SMEM
@@ -480,18 +489,22 @@ def test_backward_varlen_variant_names():
     assert vl.smem_bytes == dense.smem_bytes
     assert {v.name for v in plan_bwd_sm90.variants() if v.varlen and not v.det} == {
         f"bwd90_{e}_d{d}_64x128{w}{kv}_varlen" for e in ("f16", "bf16") for d in (64, 128)
-        for w in ("", "_window") for kv in (("_kv2",) if d == 64 else ("",))}
+        for w in ("", "_window") for kv in (("_kv2",) if d == 64 else ("",))} | {
+        f"bwd90_{e}_d256_64x64{w}_red_varlen" for e in ("f16", "bf16") for w in ("", "_window")}
 
 
 @pytest.mark.parametrize("mode", ["plain", "causal", "causal_top_left", "window", "left_window"])
 @pytest.mark.parametrize("lens", [((5, 1, 0, 300, 64, 129, 3, 260), (7, 65, 3, 257, 0, 300, 3, 250)),
                                   ((127, 131, 1, 257, 61, 0, 2), (127, 131, 1, 257, 61, 5, 0))],
                          ids=["mixed", "primes"])
-def test_backward_varlen_tiles_cover_the_band_once(lens, mode):
+@pytest.mark.parametrize("bn", [128, 64], ids=["bn128", "bn64_d256"])
+def test_backward_varlen_tiles_cover_the_band_once(lens, mode, bn):
     """The VARLEN decomposition (varlen_work_tiles, the kernel's work_tile mirror) and the
     kernel's per-step mask (need_mask; keep = key − n0 < s_k − n0 and, windowed, nrel + (key −
     n0) − row within [−left, right], nrel = n0 − diag) give every (sequence, head, row, key)
-    pair of each sequence's band exactly once, none outside it (rows past s_q: lse = +inf)."""
+    pair of each sequence's band exactly once, none outside it (rows past s_q: lse = +inf).
+    ``bn``: the key tile of head dims 64 / 128 (128) and of head dim 256 (64, whose mask lives in
+    hopper/bwd_split_consumer.cuh)."""
     import numpy as np
 
     from cupyflash.gpu import plan_bwd_sm90
@@ -507,19 +520,19 @@ def test_backward_varlen_tiles_cover_the_band_once(lens, mode):
     bottom_right = mode != "causal_top_left"
     seen = {}
     for w, z, kv_head, n0, m_first, m_count in plan_bwd_sm90.varlen_work_tiles(
-            cq, ck, h, h_k, wl_p, wr_p, bottom_right, window):
+            cq, ck, h, h_k, wl_p, wr_p, bottom_right, window, bn):
         s_q, s_k = lens_q[z], lens_k[z]
         diag = s_k - s_q if bottom_right else 0
         nk, nrel = s_k - n0, n0 - diag
         for st in range(m_count * (h // h_k)):
             head = kv_head * (h // h_k) + st // m_count
             m0 = (m_first + st % m_count) * plan_bwd_sm90.BM
-            need_mask = nk < plan_bwd_sm90.BN
+            need_mask = nk < bn
             if window:
-                need_mask |= nrel + plan_bwd_sm90.BN - 1 > m0 + wr_p or nrel < m0 + plan_bwd_sm90.BM - 1 - wl_p
-            kt = np.arange(plan_bwd_sm90.BN)[:, None]
+                need_mask |= nrel + bn - 1 > m0 + wr_p or nrel < m0 + plan_bwd_sm90.BM - 1 - wl_p
+            kt = np.arange(bn)[:, None]
             col = np.arange(plan_bwd_sm90.BM)[None, :]
-            keep = np.ones((plan_bwd_sm90.BN, plan_bwd_sm90.BM), bool)
+            keep = np.ones((bn, plan_bwd_sm90.BM), bool)
             rel = nrel + kt - m0 - col
             band = (kt < nk) & (rel <= wr_p) & (rel >= -wl_p)
             if need_mask:
@@ -532,7 +545,13 @@ def test_backward_varlen_tiles_cover_the_band_once(lens, mode):
     assert all(c == 1 for c in seen.values()), "a pair is visited twice"
     # the model above is the kernel's own mask and tile expressions (kept in step with them)
     src = _kernel_source("hopper/bwd.cu")
-    for expr in ("bool need_mask = VARLEN ? nk < BN : n0 + BN > p.s_k;",
+    split = ("const int nk = wt.s_k - n0, nrel = n0 - wt.diag;", "bool need_mask = nk < BN;",
+             "need_mask |= nrel + BN - 1 > m0 + p.window_right || nrel < m0 + BM - 1 - p.window_left;",
+             "const int rel = nrel + kt - m0 - col;", "bool keep = kt < nk;",
+             "if (WINDOW) keep = keep & (rel <= p.window_right) & (rel >= -p.window_left);",
+             "static constexpr int BN = SPLIT_D ? 64 : sm90b::BN;")
+    for expr in split if bn == plan_bwd_sm90.BN_SPLIT else (
+                 "bool need_mask = VARLEN ? nk < BN : n0 + BN > p.s_k;",
                  "need_mask |= VARLEN ? nrel + BN - 1 > m0 + p.window_right || nrel < m0 + BM - 1 - p.window_left",
                  "const int kt = key - n0, rel = nrel + kt - m0 - col;",
                  "keep = kt < nk;",
