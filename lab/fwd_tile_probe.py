@@ -214,7 +214,8 @@ def patched(source: str, patches) -> str:
 
 
 #: the Hopper forward's sources the probes patch (kernels_cu/...): the entry and its headers
-FILES = ["hopper/fwd.cu", "hopper/softmax.cuh", "hopper/epilogue.cuh", "hopper/sched.cuh"]
+FILES = ["hopper/fwd.cu", "hopper/fwd_producer.cuh", "hopper/fwd_consumer.cuh", "hopper/fwd_layout.cuh",
+         "hopper/softmax.cuh", "hopper/epilogue.cuh", "hopper/sched.cuh"]
 
 
 def patched_tree(tree: Path, patches) -> None:
