@@ -8,7 +8,7 @@ from typing import Optional
 import cupy
 
 from . import compile, device, params, tma
-from .plan_bwd_sm90 import BIAS_TMA, BM, THREADS, Sm90BwdVariant, det_sched, dq_semaphores
+from .plan_bwd_sm90 import BIAS_TMA, BM, SPLIT_D, THREADS, Sm90BwdVariant, det_sched, dq_semaphores
 from .variants import DTYPE_NAMES
 
 
@@ -41,7 +41,8 @@ def launch(variant: Sm90BwdVariant, prm, pre_grid, q, k, v, dout, dev_id,
         prm = prm.copy()
         prm["deterministic"] = 0   # flash_bwd_pre (O rows not aligned) zeroes the accumulator
         slab = int(prm["dq_accum_slab"])
-        n_sem = dq_semaphores(slab // variant.d, (varlen[0] if variant.varlen else b) * h)
+        n_sem = dq_semaphores(slab // variant.d, (varlen[0] if variant.varlen else b) * h,
+                              parts=2 if variant.d == SPLIT_D else 1)   # d = 256: one per column half
         ws = cupy.empty(slab + n_sem, cupy.float32)
         (ws.data + 4 * slab).memset_async(0, 4 * n_sem)
         prm["dq_accum"] = ws.data.ptr

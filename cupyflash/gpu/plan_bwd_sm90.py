@@ -6,7 +6,7 @@ portable main kernel (flash_bwd in portable/bwd.cu) on compute capability 9.0 wh
 kernels before it (``flash_bwd_pre_sm90``: D = rowsum(dO ∘ O) with the zeroed dQ accumulator; portable/bwd.cu's
 ``flash_bwd_pre`` when O's rows are not 16-byte aligned) and after it (``flash_bwd_dq_sm90``: the dQ
 conversion) are compiled into the same module. Coverage (``why_unsupported`` says why not):
-float16 / bfloat16, d = d_v in {64, 128, 256} (256: dense or varlen, no bias, not deterministic),
+float16 / bfloat16, d = d_v in {64, 128, 256} (256: no bias),
 no softcap / ALiBi, scale > 0, strides TMA accepts
 (16-byte multiples) for q, k, v and dout; an additive bias with dbias where ``bias_unsupported``
 accepts its layout (no mask: the launcher keeps masks on the portable GENERAL kernel), not in
@@ -28,7 +28,9 @@ Head dim 256 (``split_d``): dK, dV [64 keys, 256] would take all of a consumer's
 work tile is 64 keys and both consumers take them, each with half the head dim
 (hopper/bwd_split_consumer.cuh: c0 computes Sᵀ and Pᵀ, c1 dPᵀ and dSᵀ, handed over in shared
 memory); one K / V buffer, no dQ tile in shared memory (64 KB more than the block has): each
-consumer adds its dQ slice into the accumulator with red.global.add (``dq_bulk`` False).
+consumer adds its dQ slice into the accumulator with red.global.add (``dq_bulk`` False); DET
+orders those adds per (dQ tile, column half) on two semaphores per tile
+(``dq_semaphores(..., parts=2)``).
 ``TUNING.bwd_sm90_d256`` lets the planner route such calls to it (``kernel="sm90"`` runs it
 whatever the switch).
 
@@ -161,35 +163,36 @@ def variant_for(elem: str, d: int, window: bool, bias: int = 0,
     with a bias) and dQ order (``det``: deterministic; never with a bias)."""
     assert not (varlen and bias), "the varlen backward takes no bias"
     assert not (det and bias), "the deterministic Hopper backward takes no bias"
-    assert d != SPLIT_D or not (bias or det), "head dim 256: no bias, not deterministic"
+    assert d != SPLIT_D or not bias, "head dim 256: no bias"
     return Sm90BwdVariant(elem, d, window, d != SPLIT_D, kv_buffers(d), varlen, bias, det)
 
 
 def variants():
     """Every Sm90BwdVariant (compiled by the harness for sm_90a): dense without and with a bias
-    (each BIAS kind), varlen, and the deterministic dense and varlen ones (head dim 256: dense
-    and varlen)."""
+    (each BIAS kind), varlen, and the deterministic dense and varlen ones (head dim 256: those
+    without a bias)."""
     return [variant_for(e, d, w, bias, vl, det) for e in ("f16_t", "bf16_t") for d in HEAD_DIMS
             for w in (False, True)
             for bias, vl, det in ((BIAS_NONE, False, False), (BIAS_LD16, False, False),
                                   (BIAS_LD32, False, False), (BIAS_TMA, False, False),
                                   (BIAS_NONE, True, False), (BIAS_NONE, False, True),
                                   (BIAS_NONE, True, True))
-            if d != SPLIT_D or not (bias or det)]
+            if d != SPLIT_D or not bias]
 
 
-def dq_semaphores(rows: int, slabs: int) -> int:
-    """int32 semaphores of a DET launch (after the accumulator's floats): one per BM-row tile of
-    each of the ``slabs`` (sequence, query head) slabs of the accumulator's ``rows`` rows, at index
-    floor(R / BM) + slab (``dq_semaphore_index``), all below ceil(rows / BM) + slabs."""
-    return -(-rows // BM) + slabs
+def dq_semaphores(rows: int, slabs: int, parts: int = 1) -> int:
+    """int32 semaphores of a DET launch (after the accumulator's floats): ``parts`` per BM-row
+    tile (head dim 256: one per consumer's column half) of each of the ``slabs`` (sequence, query
+    head) slabs of the accumulator's ``rows`` rows, at index parts · (floor(R / BM) + slab) + part
+    (``dq_semaphore_index``), all below parts · (ceil(rows / BM) + slabs)."""
+    return parts * (-(-rows // BM) + slabs)
 
 
-def dq_semaphore_index(slab: int, row0: int, m0: int) -> int:
+def dq_semaphore_index(slab: int, row0: int, m0: int, parts: int = 1, part: int = 0) -> int:
     """Mirror of hopper/bwd_parts.cuh dq_sem: the semaphore of the dQ tile whose first row is m0
     of slab number ``slab`` (dense: batch · h + head; varlen: head · sequences + sequence), whose
-    first accumulator row is ``row0``."""
-    return (row0 + m0) // BM + slab
+    first accumulator row is ``row0`` (``part`` of its ``parts``)."""
+    return parts * ((row0 + m0) // BM + slab) + part
 
 
 def steps(m_first: int, m_count: int, kv_head: int, group: int, det: bool = False,
@@ -206,16 +209,17 @@ def steps(m_first: int, m_count: int, kv_head: int, group: int, det: bool = Fals
 
 
 def dq_rank(n_block: int, m_block: int, diag: int, window_left: int, window: bool = True, *,
-            descending: bool = False, s_q: int = 0, s_k: int = 0, window_right: int = 0) -> int:
-    """Mirror of hopper/bwd_parts.cuh dq_rank: the semaphore value key tile ``n_block`` waits for
-    before adding into query tile ``m_block`` of a sequence (s_q, s_k, diag): the key tiles that
-    touch it are n_lo .. n_hi; ascending order: n_block − n_lo, ``descending``: n_hi − n_block.
-    Window sides are Params values (unbounded: s_q + s_k)."""
+            descending: bool = False, s_q: int = 0, s_k: int = 0, window_right: int = 0,
+            bn: int = BN) -> int:
+    """Mirror of hopper/bwd_parts.cuh dq_rank: the semaphore value key tile ``n_block`` (of ``bn``
+    keys: bn_for(d)) waits for before adding into query tile ``m_block`` of a sequence (s_q, s_k,
+    diag): the key tiles that touch it are n_lo .. n_hi; ascending order: n_block − n_lo,
+    ``descending``: n_hi − n_block. Window sides are Params values (unbounded: s_q + s_k)."""
     if descending:
         last_row = min(m_block * BM + BM, s_q) - 1
-        n_hi = (min(s_k - 1, last_row + diag + window_right) if window else s_k - 1) // BN
+        n_hi = (min(s_k - 1, last_row + diag + window_right) if window else s_k - 1) // bn
         return n_hi - n_block
-    n_lo = max(0, m_block * BM + diag - window_left) // BN if window else 0
+    n_lo = max(0, m_block * BM + diag - window_left) // bn if window else 0
     return n_block - n_lo
 
 
@@ -322,9 +326,8 @@ def why_unsupported(dtype_name: str, d: int, d_v: int, *, scale: float, softcap:
         return f"scale {scale} <= 0"
     if deterministic and has_bias:
         return "deterministic=True with a bias (the Hopper backward adds dbias with atomics)"
-    if d == SPLIT_D and d_v == d and (deterministic or has_bias):
-        return ("deterministic=True" if deterministic else "a bias") + \
-            " at head dim 256 (the Hopper backward's head dim 256 adds dQ with unordered atomics, takes no bias)"
+    if d == SPLIT_D and d_v == d and has_bias:
+        return "a bias at head dim 256 (not in the Hopper backward's head dim 256 kernel)"
     return sm90_common_unsupported(dtype_name, d, d_v, HEAD_DIMS, cc=cc,
                                          smem_need=smem_bytes(d, det=deterministic),
                                          smem_optin=smem_optin, tensors=tensors)

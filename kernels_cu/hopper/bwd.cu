@@ -57,11 +57,13 @@
 // p.sched). Steps run query tiles outer, ascending or descending with the order, the group's
 // heads inner, so that the predecessor reaches each shared query tile first (sched.cuh step_m0;
 // docs/hopper.md). dK, dV are summed in registers in both modes (GQA too).
-// Covered (the launcher routes the rest to portable/bwd.cu): float16 / bfloat16, d = d_v in {64, 128},
+// Covered (the launcher routes the rest to portable/bwd.cu): float16 / bfloat16, d = d_v in {64, 128, 256},
 // causal / window (either alignment), GQA / MQA, any s_q, s_k, scale > 0, no softcap / ALiBi,
 // atomic or (DET) ordered dQ, TMA-compatible strides; dense or (VARLEN) packed sequences;
 // (BIAS, not with DET) an additive bias with dbias, in the layouts plan_bwd_sm90.bias_unsupported
 // accepts. A boolean mask, deterministic dbias and other bias layouts run portable/bwd.cu.
+// d = 256 (Layout::SPLIT_D): 64-key work tiles, both consumers on the same keys with half the head
+// dim each (hopper/bwd_split_consumer.cuh), dQ added from registers; no bias.
 #include "common/bwd_pre_dq.cuh"
 #include "common/mma.cuh"
 #include "common/params.cuh"
@@ -90,13 +92,13 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     using namespace sm90b;
     using L = Layout<D, KVBUF, BIAS == BIAS_TMA, DET>;
     static_assert(Elem<E>::is16 && (D == 64 || D == 128 || D == 256), "float16 / bfloat16, head dim 64, 128, 256");
-    static_assert(D != 256 || (!DQ_BULK && KVBUF == 1 && BIAS == BIAS_NONE && !DET),
-                  "head dim 256: dQ from registers, one K / V buffer, no bias, not deterministic");
+    static_assert(D != 256 || (!DQ_BULK && KVBUF == 1 && BIAS == BIAS_NONE),
+                  "head dim 256: dQ from registers, one K / V buffer, no bias");
     static_assert(KVBUF == 1 || KVBUF == 2, "one or two K / V buffers");
     static_assert(BIAS >= BIAS_NONE && BIAS <= BIAS_TMA, "bias: none, E, float32, E by TMA");
     static_assert(!(VARLEN && BIAS), "varlen takes no bias");
-    static_assert(!DET || (DQ_BULK && BIAS == BIAS_NONE),
-                  "deterministic: bulk dQ, no bias (dbias is added with atomics)");
+    static_assert(!DET || ((DQ_BULK || D == 256) && BIAS == BIAS_NONE),
+                  "deterministic: bulk dQ (d = 256: ordered adds from registers), no bias (dbias is added with atomics)");
     constexpr int DQ_THREADS = (D / PANEL_COLS) * 128;   // consumer threads that write a dQ slice
 
     extern __shared__ unsigned char smem_raw[];
@@ -166,7 +168,7 @@ flash_bwd_sm90(const __grid_constant__ Params p) {
     // ================================ consumers ================================
     regs_acquire<CONSUMER_REGS>();
     if constexpr (L::SPLIT_D)
-        bwd_split_consumer<E, D, WINDOW, VARLEN>(p, sm, wg, t);
+        bwd_split_consumer<E, D, WINDOW, VARLEN, DET>(p, sm, wg, t);
     else
         bwd_consumer<E, D, WINDOW, DQ_BULK, KVBUF, VARLEN, BIAS, DET>(p, sm, smem_raw, wg, t);
 }

@@ -19,6 +19,7 @@ constexpr int CONSUMER_REGS = 232;   // 40·128 + 232·256 <= 64K registers per 
 constexpr int DS_BAR = 1;            // named barrier 1: both consumers wrote their dSᵀ rows
 constexpr int SPLIT_DS_FULL = 2;     // d = 256: c1 wrote the step's dSᵀ (both sync)
 constexpr int SPLIT_DS_EMPTY = 3;    // d = 256: c0's products have read the last dSᵀ (c1 syncs)
+constexpr int SPLIT_WG_BAR = 4;      // d = 256, DET: bar 4 + c, consumer c's own 128 threads
 constexpr int ROWS_WARP = 1;         // producer warp staging lse·log2 e and D
 constexpr int DQ_WARP = 2;           // producer warp adding dq_smem into the accumulator
 constexpr int PANEL_COLS = 64;       // 64 16-bit columns = one 128-byte swizzle row
@@ -113,9 +114,10 @@ __device__ __forceinline__ float* dq_rows(const Params& p, const KeyTile& wt, in
 // work tile wt: int32 counters after the accumulator's p.dq_accum_slab floats (zeroed by the
 // launcher), one per BM-row tile of each (sequence, head) slab of accumulator rows, at
 // floor(R / BM) + slab (R: the tile's first accumulator row; slab: the slab's place in row order),
-// distinct for distinct tiles and below ceil(rows / BM) + slabs (docs/hopper.md)
-template <bool VARLEN, int BM>
-__device__ __forceinline__ int* dq_sem(const Params& p, const KeyTile& wt, int head, int m0) {
+// distinct for distinct tiles and below ceil(rows / BM) + slabs (docs/hopper.md). PARTS > 1 (the
+// d = 256 kernel: one per consumer's column half): PARTS semaphores per tile, `part` its own
+template <bool VARLEN, int BM, int PARTS = 1>
+__device__ __forceinline__ int* dq_sem(const Params& p, const KeyTile& wt, int head, int m0, int part = 0) {
     i64 slab, row0;   // the slab's number and first accumulator row
     if constexpr (VARLEN) {
         slab = (i64)head * p.b + wt.batch;
@@ -124,7 +126,7 @@ __device__ __forceinline__ int* dq_sem(const Params& p, const KeyTile& wt, int h
         slab = (i64)wt.batch * p.h + head;
         row0 = slab * p.s_q;
     }
-    return (int*)(p.dq_accum + p.dq_accum_slab) + (row0 + m0) / BM + slab;
+    return (int*)(p.dq_accum + p.dq_accum_slab) + PARTS * ((row0 + m0) / BM + slab) + part;
 }
 // DET: the rank of key tile n0 / BN among the key tiles that touch query tile m0 of a sequence
 // (s_q, s_k, diag): they are n_lo .. n_hi, the tiles of the keys the query tile's rows keep,

@@ -11,6 +11,9 @@
 //         dQ slice added to the float32 accumulator from registers (red.global.add.v2: a dQ tile
 //         [BM, 256] in shared memory would take 64 KB more than the block has).
 // Pᵀ reaches c1 as E (its dSᵀ is computed from the rounded Pᵀ, which its dV product uses too).
+// DET (deterministic=True): each consumer adds its half of a dQ tile after the key tiles before
+// its own (dq_rank, the 16-bit backward's order), on its own semaphore per (tile, half): thread 0
+// waits (acquire), the warpgroup adds, fences, and thread 0 releases rank + 1.
 // Handoffs (docs/reliability.md's rule: the thread that accesses a handed-over value releases
 // it): c1 reads Pᵀ with its own loads, so Pᵀ goes through two mbarriers with one arrival per
 // thread (pt_full: c0's 128 writers; pt_empty: c1's 128 readers; pt_empty's order is also implied
@@ -42,9 +45,9 @@ __device__ __forceinline__ u32 frag_pair_addr(u32 tile, int row_in_wg, int t, in
 
 // One consumer warpgroup (wg = 1: c0, 2: c1; thread t of its 128) of the d = 256 kernel, until
 // the TMA thread hands on no more work tiles.
-template <typename E, int D, bool WINDOW, bool VARLEN>
+template <typename E, int D, bool WINDOW, bool VARLEN, bool DET>
 __device__ __forceinline__ void bwd_split_consumer(const Params& p, const Smem& sm, int wg, int t) {
-    using L = Layout<D, 1, false, false>;
+    using L = Layout<D, 1, false, DET>;
     static_assert(L::SPLIT_D && BM == 64, "d = 256: 64 keys per tile, 64 query rows per step");
     typedef typename Elem<E>::storage S;
     constexpr int BN = L::BN;
@@ -73,7 +76,7 @@ __device__ __forceinline__ void bwd_split_consumer(const Params& p, const Smem& 
     for (int tile_i = 0;; ++tile_i) {
         const int w = take_tile(sm.tile_smem, sm.tile_full, sm.tile_empty, tile_i, TILE_RING);
         if (w < 0) break;
-        const KeyTile wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS_NONE>(p, w);
+        const KeyTile wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS_NONE, DET>(p, w);
         const int n0 = wt.n0;
         const int key0 = n0 + row_in_wg;                   // this lane's keys: key0, key0 + 8
 #pragma unroll
@@ -81,8 +84,8 @@ __device__ __forceinline__ void bwd_split_consumer(const Params& p, const Smem& 
         if (wt.steps > 0) mbar_wait(sm.kv_full, kv_it & 1);   // K, V of the tile landed
 
         for (int st = 0; st < wt.steps; ++st, ++q_it) {
-            const int m0 = step_m0<BM>(p, wt, st);
-            const int head = step_head(p, wt, st);
+            const int m0 = step_m0<BM, DET>(p, wt, st);
+            const int head = step_head<DET>(p, wt, st);
             const int s = q_it % NBUF;
             const u32 q_tile = q_smem + s * L::Q_TILE, do_tile = do_smem + s * L::Q_TILE;
             const float* lse_smem = sm.rows_smem + s * 2 * BM;   // [BM] lse·log2 e of the step
@@ -200,12 +203,25 @@ __device__ __forceinline__ void bwd_split_consumer(const Params& p, const Smem& 
             float* dq_bh = dq_rows<VARLEN, D>(p, wt, head, &s_q);
             const int sw = VARLEN ? ld_seq(p.cu_seqlens_q + wt.batch) & 7 : 0;   // varlen rows' swizzle offset
             const int r0 = m0 + row_in_wg;
+            int* sem = nullptr;   // DET: this half's semaphore of the dQ tile, and our key tile's rank
+            int rank = 0;
+            if constexpr (DET) {   // after the earlier key tiles' additions to this half (bwd_parts.cuh)
+                sem = dq_sem<VARLEN, BM, 2>(p, wt, head, m0, cw);
+                rank = dq_rank<WINDOW, BM, BN>(p, n0, s_q, wt.s_k, wt.diag, m0);
+                if (t == 0) sem_wait_eq(sem, rank);          // acquire
+                named_bar_sync(SPLIT_WG_BAR + cw, 128);      // the warpgroup's adds after it
+            }
 #pragma unroll
             for (int i = 0; i < NQ; i += 4) {
                 const int col = cw * DH + (i / 4) * 8 + col_in_8;
                 if (r0 < s_q) red_add_v2(dq_bh + (i64)r0 * D + dq_swizzle(r0 + sw, col), dq_acc[i], dq_acc[i + 1]);
                 if (r0 + 8 < s_q)
                     red_add_v2(dq_bh + (i64)(r0 + 8) * D + dq_swizzle(r0 + 8 + sw, col), dq_acc[i + 2], dq_acc[i + 3]);
+            }
+            if constexpr (DET) {
+                __threadfence();                             // this thread's adds, then the release
+                named_bar_sync(SPLIT_WG_BAR + cw, 128);      // every thread's adds fenced
+                if (t == 0) sem_release(sem, rank + 1);      // the next key tile's may start
             }
         }
         if (wt.steps > 0) {

@@ -96,7 +96,7 @@ def test_long_sequence(rng):
     (dict(deterministic=True, d=96), "bwd_bf16_d96"),    # deterministic, not covered: portable
     (dict(d=256), "bwd_bf16_d256"),                      # TUNING.bwd_sm90_d256 off: portable
     (dict(d=256, d256_on=True), "bwd90_bf16_d256_64x64_red"),
-    (dict(d=256, d256_on=True, deterministic=True), "bwd_bf16_d256"),   # not in the d = 256 kernel
+    (dict(d=256, d256_on=True, deterministic=True), "bwd90_bf16_d256_64x64_red_det"),
 ], ids=["d128", "window", "d64", "d96", "softcap", "deterministic", "deterministic_d96",
         "d256_switch_off", "d256_switch_on", "d256_deterministic"])
 def test_launcher_picks_sm90_where_covered(kw, expect):
@@ -222,7 +222,20 @@ def test_deterministic_orders(rng, order):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("s_q,s_k", [(1, 1), (113, 203), (1021, 509), (509, 1021), (700, 129)])
+def test_d256_deterministic(rng, s_q, s_k, causal):
+    """Head dim 256's ordered dQ adds (one semaphore per dQ tile and column half)."""
+    name = det(rng, "bfloat16", 1, s_q, s_k, 4, 2, 256, causal=causal)
+    assert "_d256_" in name, name
+
+
+def test_d256_deterministic_gqa_options(rng):
+    det(rng, "bfloat16", 1, 389, 517, 32, 8, 256, causal=True)
+    det(rng, "float16", 1, 517, 389, 16, 1, 256, window=(100, 30))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_deterministic_bits_on_two_streams(rng, d, causal):
     """The same deterministic backward launched three times on each of two streams at once (the
     launches overlap, so one launch's blocks start while the other holds SMs: the counter's

@@ -763,7 +763,7 @@ def test_varlen_backward_hopper(rng, dtype, d, opt):
 
 @hopper
 @pytest.mark.parametrize("opt", ["plain", "causal", "window", "mqa"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_varlen_backward_hopper_deterministic(rng, d, opt):
     """The deterministic VARLEN variant (forced): bit-identical over three calls (run_varlen's
     repeats) and within the criterion, per sequence."""
@@ -771,8 +771,8 @@ def test_varlen_backward_hopper_deterministic(rng, d, opt):
           "mqa": dict(causal=True)}.get(opt, {})
     h, hk = (4, 1) if opt == "mqa" else (4, 2)
     lens = HOPPER_BWD_LENS["primes" if opt == "mqa" else "mixed"]
-    name = (f"bwd90_bf16_d{d}_64x128{'_window' if kw else ''}{'_kv2' if d == 64 else ''}"
-            "_varlen_det")
+    name = (f"bwd90_bf16_d{d}_64x{64 if d == 256 else 128}{'_window' if kw else ''}"
+            f"{'_kv2' if d == 64 else ''}{'_red' if d == 256 else ''}_varlen_det")
     run_varlen(rng, "bfloat16", *lens, h, hk, d, bwd_kernel="sm90", deterministic=True,
                repeats=3, expect_bwd=name, **kw)
 

@@ -27,21 +27,23 @@ class Deadlock(Exception):
 
 
 def work_tiles(b, h_k, group, s_q, s_k, wl=-1, wr=-1, bottom_right=True, rank=None,
-               descending=False, pairs_per_group=1):
-    """Work tiles in index order: each a list of (dQ tile key, rank) per step, DET order."""
+               descending=False, pairs_per_group=1, bn=P.BN):
+    """Work tiles in index order: each a list of (dQ tile key, rank) per step, DET order; ``bn``
+    keys per work tile (64: head dim 256, whose two consumers order their column halves of a dQ
+    tile on separate semaphores, each as this model's one)."""
     window = wl >= 0 or wr >= 0
     unb = s_q + s_k
     wl_p, wr_p = (wl if wl >= 0 else unb), (wr if wr >= 0 else unb)
     diag = s_k - s_q if bottom_right else 0
     rank = rank or (lambda n, m: P.dq_rank(n, m, diag, wl_p, window, descending=descending,
-                                           s_q=s_q, s_k=s_k, window_right=wr_p))
-    num_n, pairs = -(-s_k // P.BN), h_k * b
+                                           s_q=s_q, s_k=s_k, window_right=wr_p, bn=bn))
+    num_n, pairs = -(-s_k // bn), h_k * b
     sched = 2 * pairs_per_group + descending
     tiles = []
     for w in range(num_n * pairs):
         n, q = P.det_work_tile(w, num_n, pairs, sched)
         kv, bb = q % h_k, q // h_k
-        r = plan_bwd.query_tiles(n, P.BN, P.BM, s_q, s_k, wl_p, wr_p, diag, window)
+        r = plan_bwd.query_tiles(n, bn, P.BM, s_q, s_k, wl_p, wr_p, diag, window)
         st = P.steps(r.start, len(r), kv, group, True, descending) if len(r) else []
         tiles.append([((bb, hd, m), rank(n, m)) for hd, m in st])
     return tiles
@@ -120,16 +122,17 @@ SHAPES = {
 }
 
 
+@pytest.mark.parametrize("bn", [128, 64], ids=["bn128", "bn64_d256"])
 @pytest.mark.parametrize("order", [(False, 1), (True, 1), (True, 3), (False, 4), (True, 64)],
                          ids=["asc_g1", "desc_g1", "desc_g3", "asc_g4", "desc_g64"])
 @pytest.mark.parametrize("resident", [1, 2, 5, 16])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_counter_draws_never_deadlock_and_fix_the_order(shape, resident, order):
+def test_counter_draws_never_deadlock_and_fix_the_order(shape, resident, order, bn):
     descending, g = order
-    tiles = work_tiles(**SHAPES[shape], descending=descending, pairs_per_group=g)
+    tiles = work_tiles(**SHAPES[shape], descending=descending, pairs_per_group=g, bn=bn)
     want = addition_order(tiles, descending)
     for key, ws in want.items():   # the addition order is the key-tile order, either way
-        ns = [P.det_work_tile(w, -(-SHAPES[shape]["s_k"] // P.BN),
+        ns = [P.det_work_tile(w, -(-SHAPES[shape]["s_k"] // bn),
                               SHAPES[shape]["h_k"] * SHAPES[shape]["b"],
                               2 * g + descending)[0] for w in ws]
         assert ns == sorted(ns, reverse=descending), (key, ns)

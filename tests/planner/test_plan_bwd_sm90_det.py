@@ -28,10 +28,15 @@ def test_det_variants_names_and_expressions():
     with pytest.raises(AssertionError):
         P.variant_for("bf16_t", 128, False, bias=P.BIAS_LD16, det=True)
     dets = [x for x in P.variants() if x.det]
-    assert len(dets) == 16 and all(x.bias == 0 and x.dq_bulk for x in dets)
+    assert len(dets) == 24 and all(x.bias == 0 and x.dq_bulk == (x.d != 256) for x in dets)
     assert {(x.elem, x.d, x.window, x.varlen) for x in dets} == {
-        (e, d, w, vl_) for e in ("f16_t", "bf16_t") for d in (64, 128) for w in (False, True)
+        (e, d, w, vl_) for e in ("f16_t", "bf16_t") for d in (64, 128, 256) for w in (False, True)
         for vl_ in (False, True)}
+    # head dim 256: ordered adds from registers, two semaphores per dQ tile (one per half)
+    v256 = P.variant_for("bf16_t", 256, True, det=True)
+    assert v256.name == "bwd90_bf16_d256_64x64_window_red_det"
+    assert v256.name_expression == "flash_bwd_sm90<bf16_t, 256, true, false, 1, false, 0, true>"
+    assert v256.smem_bytes == P.smem_bytes(256) + 16 <= H200_SMEM
 
 
 def test_det_kernel_expressions():
@@ -45,7 +50,12 @@ def test_det_kernel_expressions():
             "row0 = (i64)head * p.s_q + ld_seq(p.cu_seqlens_q + wt.batch);",
             "slab = (i64)wt.batch * p.h + head;",
             "row0 = slab * p.s_q;",
-            "return (int*)(p.dq_accum + p.dq_accum_slab) + (row0 + m0) / BM + slab;",
+            "return (int*)(p.dq_accum + p.dq_accum_slab) + PARTS * ((row0 + m0) / BM + slab) + part;",
+            "sem = dq_sem<VARLEN, BM, 2>(p, wt, head, m0, cw);",
+            "rank = dq_rank<WINDOW, BM, BN>(p, n0, s_q, wt.s_k, wt.diag, m0);",
+            "const KeyTile wt = key_tile<BN, BM, WINDOW, VARLEN, BIAS_NONE, DET>(p, w);",
+            "const int m0 = step_m0<BM, DET>(p, wt, st);",
+            "const int head = step_head<DET>(p, wt, st);",
             "const int n_hi = WINDOW ? min(s_k - 1, min(m0 + BM, s_q) - 1 + diag + p.window_right) / BN\n"
             "                                : (s_k - 1) / BN;",
             "return n_hi - n0 / BN;",
@@ -129,25 +139,28 @@ def test_det_sched_encoding_and_tuning():
     assert P.det_sched(16, 128, 132) == 33
 
 
+@pytest.mark.parametrize("parts", [1, 2], ids=["one_per_tile", "per_half_d256"])
 @pytest.mark.parametrize("b,h,s_q", [(1, 1, 1), (2, 3, 63), (2, 3, 64), (3, 2, 65), (1, 4, 1000),
                                      (5, 1, 127)])
-def test_dense_semaphores_distinct_and_in_bounds(b, h, s_q):
-    idx = [P.dq_semaphore_index(bb * h + hd, (bb * h + hd) * s_q, m0)
-           for bb in range(b) for hd in range(h) for m0 in range(0, s_q, P.BM)]
+def test_dense_semaphores_distinct_and_in_bounds(b, h, s_q, parts):
+    idx = [P.dq_semaphore_index(bb * h + hd, (bb * h + hd) * s_q, m0, parts, part)
+           for bb in range(b) for hd in range(h) for m0 in range(0, s_q, P.BM) for part in range(parts)]
     assert len(set(idx)) == len(idx)
-    assert min(idx) >= 0 and max(idx) < P.dq_semaphores(b * h * s_q, b * h)
+    assert min(idx) >= 0 and max(idx) < P.dq_semaphores(b * h * s_q, b * h, parts)
 
 
 @pytest.mark.parametrize("lens", [(5, 1, 0, 130, 64, 257, 3), (64, 64, 64), (1,), (0, 0, 70),
                                   (63, 65, 127, 129, 1)])
-def test_varlen_semaphores_distinct_and_in_bounds(lens):
+@pytest.mark.parametrize("parts", [1, 2], ids=["one_per_tile", "per_half_d256"])
+def test_varlen_semaphores_distinct_and_in_bounds(lens, parts):
     h = 3
     cq = np.concatenate([[0], np.cumsum(lens)]).astype(int)
     total, nseq = int(cq[-1]), len(lens)
-    idx = [P.dq_semaphore_index(hd * nseq + z, hd * total + int(cq[z]), m0)
-           for hd in range(h) for z in range(nseq) for m0 in range(0, lens[z], P.BM)]
+    idx = [P.dq_semaphore_index(hd * nseq + z, hd * total + int(cq[z]), m0, parts, part)
+           for hd in range(h) for z in range(nseq) for m0 in range(0, lens[z], P.BM)
+           for part in range(parts)]
     assert len(set(idx)) == len(idx)
-    assert not idx or (min(idx) >= 0 and max(idx) < P.dq_semaphores(h * total, h * nseq))
+    assert not idx or (min(idx) >= 0 and max(idx) < P.dq_semaphores(h * total, h * nseq, parts))
 
 
 MODES = {"plain": (-1, -1, True), "causal": (-1, 0, True), "causal_top_left": (-1, 0, False),
@@ -158,7 +171,8 @@ MODES = {"plain": (-1, -1, True), "causal": (-1, 0, True), "causal_top_left": (-
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("s_q,s_k", [(1, 1), (1, 300), (300, 1), (127, 131), (257, 1000),
                                      (1000, 257), (640, 640), (64, 129)])
-def test_rank_counts_the_earlier_key_tiles(s_q, s_k, mode):
+@pytest.mark.parametrize("bn", [128, 64], ids=["bn128", "bn64_d256"])
+def test_rank_counts_the_earlier_key_tiles(s_q, s_k, mode, bn):
     """For each query tile, the key tiles that visit it (plan_bwd.query_tiles, the kernel's
     query_tile_range) are consecutive, n_lo .. n_hi, and dq_rank gives each its place among
     them in either order: the semaphore values 0, 1, .., each waited for by one tile."""
@@ -167,16 +181,16 @@ def test_rank_counts_the_earlier_key_tiles(s_q, s_k, mode):
     unb = s_q + s_k
     wl_p, wr_p = (wl if wl >= 0 else unb), (wr if wr >= 0 else unb)
     diag = s_k - s_q if bottom_right else 0
-    num_n = -(-s_k // P.BN)
+    num_n = -(-s_k // bn)
     visits = {}
     for n in range(num_n):
-        for m in plan_bwd.query_tiles(n, P.BN, P.BM, s_q, s_k, wl_p, wr_p, diag, window):
+        for m in plan_bwd.query_tiles(n, bn, P.BM, s_q, s_k, wl_p, wr_p, diag, window):
             visits.setdefault(m, []).append(n)
     for m, ns in visits.items():
         assert ns == list(range(ns[0], ns[0] + len(ns))), (m, ns)
-        assert [P.dq_rank(n, m, diag, wl_p, window) for n in ns] == list(range(len(ns)))
+        assert [P.dq_rank(n, m, diag, wl_p, window, bn=bn) for n in ns] == list(range(len(ns)))
         assert [P.dq_rank(n, m, diag, wl_p, window, descending=True, s_q=s_q, s_k=s_k,
-                          window_right=wr_p) for n in ns] == list(range(len(ns)))[::-1]
+                          window_right=wr_p, bn=bn) for n in ns] == list(range(len(ns)))[::-1]
 
 
 @pytest.mark.parametrize("descending", [False, True])
