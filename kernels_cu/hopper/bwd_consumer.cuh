@@ -414,14 +414,7 @@ __device__ __forceinline__ void bwd_consumer(const Params& p, const Smem& sm, un
                 int s_q;
                 float* dq_bh = dq_rows<VARLEN, D>(p, wt, head, &s_q);
                 const int sw = VARLEN ? ld_seq(p.cu_seqlens_q + wt.batch) & 7 : 0;
-                const int r0 = m0 + row_in_wg;
-#pragma unroll
-                for (int i = 0; i < NQ; i += 4) {
-                    const int col = cw * PANEL_COLS + (i / 4) * 8 + col_in_8;
-                    if (r0 < s_q) red_add_v2(dq_bh + (i64)r0 * D + dq_swizzle(r0 + sw, col), dq_acc[i], dq_acc[i + 1]);
-                    if (r0 + 8 < s_q)
-                        red_add_v2(dq_bh + (i64)(r0 + 8) * D + dq_swizzle(r0 + 8 + sw, col), dq_acc[i + 2], dq_acc[i + 3]);
-                }
+                red_dq_slice<PANEL_COLS, D>(dq_bh, m0 + row_in_wg, s_q, sw, cw * PANEL_COLS, col_in_8, dq_acc);
             }
         }
         if (wt.steps > 0) {

@@ -176,4 +176,20 @@ __device__ __forceinline__ void red_add_v2(float* addr, float x, float y) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(addr), "f"(x), "f"(y) : "memory");
 }
 
+// A consumer's dQ slice [BM rows, N columns] from its wgmma accumulator (registers i, i + 1: row
+// r0, columns col0 + 8·(i / 4) + col_in_8, + 1; i + 2, i + 3: row r0 + 8) added into the
+// accumulator rows dq_bh [s_q, D] (chunk-swizzled by row + sw: varlen rows' offset), with
+// red.global.add.v2; rows past s_q are left alone (r0 is m0 + the lane's row: m0 % 8 = 0)
+template <int N, int D>
+__device__ __forceinline__ void red_dq_slice(float* dq_bh, int r0, int s_q, int sw, int col0,
+                                             int col_in_8, const float* dq_acc) {
+#pragma unroll
+    for (int i = 0; i < N / 2; i += 4) {
+        const int col = col0 + (i / 4) * 8 + col_in_8;
+        if (r0 < s_q) red_add_v2(dq_bh + (i64)r0 * D + dq_swizzle(r0 + sw, col), dq_acc[i], dq_acc[i + 1]);
+        if (r0 + 8 < s_q)
+            red_add_v2(dq_bh + (i64)(r0 + 8) * D + dq_swizzle(r0 + 8 + sw, col), dq_acc[i + 2], dq_acc[i + 3]);
+    }
+}
+
 }  // namespace sm90b

@@ -211,13 +211,7 @@ __device__ __forceinline__ void bwd_split_consumer(const Params& p, const Smem& 
                 if (t == 0) sem_wait_eq(sem, rank);          // acquire
                 named_bar_sync(SPLIT_WG_BAR + cw, 128);      // the warpgroup's adds after it
             }
-#pragma unroll
-            for (int i = 0; i < NQ; i += 4) {
-                const int col = cw * DH + (i / 4) * 8 + col_in_8;
-                if (r0 < s_q) red_add_v2(dq_bh + (i64)r0 * D + dq_swizzle(r0 + sw, col), dq_acc[i], dq_acc[i + 1]);
-                if (r0 + 8 < s_q)
-                    red_add_v2(dq_bh + (i64)(r0 + 8) * D + dq_swizzle(r0 + 8 + sw, col), dq_acc[i + 2], dq_acc[i + 3]);
-            }
+            red_dq_slice<DH, D>(dq_bh, r0, s_q, sw, cw * DH, col_in_8, dq_acc);
             if constexpr (DET) {
                 __threadfence();                             // this thread's adds, then the release
                 named_bar_sync(SPLIT_WG_BAR + cw, 128);      // every thread's adds fenced

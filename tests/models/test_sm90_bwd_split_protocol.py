@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import pytest
 
-from test_sm90_f32_bwd_protocol import Buf, Hazard, W, run
-from test_sm90_f32_bwd_t128_protocol import NBar, PMBar
+from test_sm90_f32_bwd_protocol import Buf, W
+from test_sm90_f32_bwd_t128_protocol import TILES, NBar, PMBar, expect_hazard, run_clean
 
 WARPS = 4
 NBUF = 2
@@ -220,16 +220,9 @@ def protocol(tiles, drop=None):
     return roles, nbar
 
 
-TILES = [[3], [1], [0, 2], [5, 0, 0, 1, 4], [2, 3, 1], [1, 1, 1, 1, 1, 1], [0], [7, 2]]
-
-
 @pytest.mark.parametrize("tiles", TILES, ids=lambda t: "tiles" + "-".join(map(str, t)))
 def test_protocol_has_no_hazard(tiles):
-    for seed in range(60):
-        roles, nb = protocol(tiles)
-        run(roles, seed, skew=seed % 2 == 1)
-        for bar in nb.values():   # every named barrier's last generation completed
-            assert not bar.cur, (bar.name, bar.cur)
+    run_clean(protocol, tiles)
 
 
 WAITS = ["tma:qdo_empty", "tma:kv_empty", "tma:tile_empty", "rows:qdo_empty",
@@ -243,22 +236,13 @@ def test_pt_empty_is_implied_by_ds_full():
     already-completed mbarrier wait per step) so that racecheck, which follows an mbarrier
     release by the reading thread (docs/reliability.md), sees the order of those accesses."""
     for tiles in TILES:
-        for seed in range(30):
-            roles, nb = protocol(tiles, drop="c0:pt_empty")
-            run(roles, seed, skew=seed % 2 == 1)
+        run_clean(protocol, tiles, seeds=30, drop="c0:pt_empty")
 
 
 @pytest.mark.parametrize("drop", WAITS)
 def test_the_model_catches_a_missing_wait(drop):
     """Each of these waits is needed: without it some interleaving breaks a rule."""
-    with pytest.raises(Hazard):
-        for seed in range(300):
-            for tiles in ([4, 3, 5, 2], [4, 0, 0, 3, 0, 0, 5]):
-                roles, nb = protocol(tiles, drop=drop)
-                run(roles, seed, skew=seed % 2 == 1)
-                for bar in nb.values():
-                    if bar.cur:
-                        raise Hazard(f"{bar.name} left open")
+    expect_hazard(protocol, drop)
 
 
 def test_the_model_reads_the_kernel():
