@@ -260,7 +260,7 @@ _BENCH_PER_DEVICE = ("dtype", "head_dim", "seqlen", "causal", "direction", "rep"
 
 def _bench_parser(p) -> dict:
     """The bench options: _bench's own, each given help and validation, plus --device, --batch
-    and --heads; returns _bench's defaults of the options whose CPU default differs."""
+    --heads and --kv-heads; returns _bench's defaults of the options whose CPU default differs."""
     from cupyflash import _bench
 
     _bench.add_arguments(p)
@@ -279,7 +279,10 @@ def _bench_parser(p) -> dict:
     p.add_argument("--batch", type=_int_in(1, None, "batch"), default=None,
                    help="CPU only: batch size (default: 1; the GPU sweep uses 16384 / seqlen)")
     p.add_argument("--heads", type=_int_in(1, None, "heads"), default=None,
-                   help="CPU only: query heads (default: 8; the GPU sweep uses 2048 / head_dim)")
+                   help="query heads (GPU default: 2048 / head_dim; CPU default: 8)")
+    p.add_argument("--kv-heads", type=_int_in(1, None, "kv heads"), default=None,
+                   help="key / value heads, dividing the query heads: GQA / MQA (default: as "
+                        "many as the query heads)")
     return gpu_defaults
 
 
@@ -294,6 +297,14 @@ def bench(args, gpu_defaults: dict) -> int:
     for name in _BENCH_PER_DEVICE + ("batch", "heads"):
         if getattr(args, name, None) is None and name in defaults:
             setattr(args, name, defaults[name])
+    if args.kv_heads:   # GQA / MQA: the key / value heads divide the query heads of every case
+        from cupyflash._bench import heads_for
+        try:
+            for hd in args.head_dim:
+                heads_for(hd, args.heads, args.kv_heads)
+        except ValueError as e:
+            print(f"python -m cupyflash bench: error: {e}", file=sys.stderr)
+            return 2
     if on_gpu:
         from cupyflash import _bench
 

@@ -167,6 +167,7 @@ class Row:
     direction: str
     batch: int
     heads: int
+    kv_heads: int = 0          # key / value heads (GQA, MQA); 0: as many as ``heads``
     tflops: Dict[str, float] = field(default_factory=dict)  # implementation -> TFLOP/s
 
     def ratio(self, peer: str) -> float:
@@ -174,20 +175,33 @@ class Row:
         return ours / other if other and not math.isnan(other) else math.nan
 
 
-def sweep(dtypes, head_dims, seqlens, causals, directions, peers, *, rep=20, progress=print) -> List[Row]:
-    """Time cupyflash and every peer on FlashAttention's benchmark shapes."""
+def heads_for(head_dim: int, heads: Optional[int] = None, kv_heads: Optional[int] = None):
+    """(query heads, key / value heads) of a case: ``heads`` or FlashAttention's HIDDEN //
+    head_dim; ``kv_heads`` or as many. ValueError naming --kv-heads when they do not divide."""
+    h = heads or max(1, HIDDEN // head_dim)
+    h_k = kv_heads or h
+    if h % h_k:
+        raise ValueError(f"--kv-heads {h_k} must divide the {h} query heads (head dim {head_dim})")
+    return h, h_k
+
+
+def sweep(dtypes, head_dims, seqlens, causals, directions, peers, *, rep=20, progress=print,
+          heads=None, kv_heads=None) -> List[Row]:
+    """Time cupyflash and every peer on FlashAttention's benchmark shapes (``heads`` query heads
+    instead of HIDDEN // head_dim where given; ``kv_heads`` key / value heads: GQA, MQA)."""
     import cupy as cp
 
     rows = []
     cases = [(dt, hd, s) for dt in dtypes for hd in head_dims for s in seqlens]
     rng = np.random.default_rng(0)
     for n, (dt, hd, s) in enumerate(cases, 1):
-        b, h = max(1, TOKENS // s), max(1, HIDDEN // hd)
-        q, k, v = (cp.asarray(rng.standard_normal((b, s, h, hd), np.float32)).astype(DTYPES[dt])
-                   for _ in range(3))
+        b = max(1, TOKENS // s)
+        h, h_k = heads_for(hd, heads, kv_heads)
+        q, k, v = (cp.asarray(rng.standard_normal((b, s, hh, hd), np.float32)).astype(DTYPES[dt])
+                   for hh in (h, h_k, h_k))
         for causal in causals:
             for direction in directions:
-                row = Row(dt, hd, s, causal, direction, b, h)
+                row = Row(dt, hd, s, causal, direction, b, h, h_k)
                 fl = flops(b, h, s, s, hd, causal, direction)
                 for name, factory in [("cupyflash", cupyflash_peer), *peers.items()]:
                     try:
@@ -207,11 +221,12 @@ def sweep(dtypes, head_dims, seqlens, causals, directions, peers, *, rep=20, pro
 def table(rows: List[Row]) -> str:
     """The TFLOP/s table with cupyflash's ratio to each peer."""
     peers = [p for p in rows[0].tflops if p != "cupyflash"] if rows else []
-    head = (f"{'dtype':>5} {'hd':>3} {'seqlen':>6} {'causal':>6} {'dir':>3} | {'cupyflash':>9} "
+    head = (f"{'dtype':>5} {'hd':>3} {'heads':>6} {'seqlen':>6} {'causal':>6} {'dir':>3} | {'cupyflash':>9} "
             + " ".join(f"{p:>9}" for p in peers) + " | " + " ".join(f"{'/' + p:>9}" for p in peers))
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.dtype:>5} {r.head_dim:>3} {r.seqlen:>6} {str(r.causal):>6} {r.direction:>3} | "
+        heads = f"{r.heads}/{r.kv_heads}" if r.kv_heads and r.kv_heads != r.heads else str(r.heads)
+        lines.append(f"{r.dtype:>5} {r.head_dim:>3} {heads:>6} {r.seqlen:>6} {str(r.causal):>6} {r.direction:>3} | "
                      f"{r.tflops['cupyflash']:9.1f} " + " ".join(f"{r.tflops[p]:9.1f}" for p in peers)
                      + " | " + " ".join(f"{r.ratio(p):9.2f}" for p in peers))
     return "\n".join(lines)
@@ -269,7 +284,8 @@ def main(args) -> int:
     peers = load_peers(args.peers, args.skip_peers)
     print(f"# {device_line()}")
     rows = sweep(args.dtype, args.head_dim, args.seqlen, args.causal, args.direction, peers,
-                 rep=args.rep, progress=lambda m: print(m, file=sys.stderr, flush=True))
+                 rep=args.rep, progress=lambda m: print(m, file=sys.stderr, flush=True),
+                 heads=getattr(args, "heads", None), kv_heads=getattr(args, "kv_heads", None))
     print(table(rows))
     with open(args.json, "w") as f:
         json.dump({"device": device_line(), "rows": [asdict(r) for r in rows]}, f, indent=1)

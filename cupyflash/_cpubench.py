@@ -20,10 +20,22 @@ import numpy as np
 
 #: Defaults on the CPU (the GPU sweep's sizes would take minutes and GiB per textbook call).
 DEFAULTS = {"dtype": ["fp32"], "head_dim": [64], "seqlen": [1024, 4096], "causal": [False],
-            "direction": ["fwd"], "rep": 3, "batch": 1, "heads": 8}
+            "direction": ["fwd"], "rep": 3, "batch": 1, "heads": 8, "kv_heads": None}
+
+
+def _heads(x, h):
+    """k or v (bshd) with each key / value head repeated for its h / h_k query heads (GQA)."""
+    return x if x.shape[2] == h else np.repeat(x, h // x.shape[2], axis=2)
+
+
+def _group_sum(g, h_k):
+    """A [b, s, h, d] gradient summed over the query heads of each of the h_k groups."""
+    b, s, h, d = g.shape
+    return g if h == h_k else g.reshape(b, s, h_k, h // h_k, d).sum(axis=3)
 
 
 def _textbook_probs(q, k, causal):
+    k = _heads(k, q.shape[2])
     qt, kt = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
     s = np.matmul(qt, kt.swapaxes(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
     if causal:
@@ -36,15 +48,19 @@ def _textbook_probs(q, k, causal):
 
 
 def textbook_forward(q, k, v, causal=False):
-    """softmax(scale · Q Kᵀ) V with the full score matrix (bshd in and out)."""
+    """softmax(scale · Q Kᵀ) V with the full score matrix (bshd in and out; k, v may have fewer
+    heads: GQA / MQA, repeated)."""
     p = _textbook_probs(q, k, causal)
-    return np.matmul(p, v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    return np.matmul(p, _heads(v, q.shape[2]).transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
 
 
 def textbook_backward(dout, q, k, v, causal=False):
-    """dq, dk, dv of :func:`textbook_forward` through the stored P (bshd)."""
+    """dq, dk, dv of :func:`textbook_forward` through the stored P (bshd; dk, dv summed over
+    each key / value head's query heads)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
+    h_k = k.shape[2]
     p = _textbook_probs(q, k, causal)
+    k, v = _heads(k, q.shape[2]), _heads(v, q.shape[2])
     qt, kt, vt, dot = (x.transpose(0, 2, 1, 3) for x in (q, k, v, dout))
     dv = np.matmul(p.swapaxes(-1, -2), dot)
     dp = np.matmul(dot, vt.swapaxes(-1, -2))
@@ -52,7 +68,8 @@ def textbook_backward(dout, q, k, v, causal=False):
     dp *= p
     dq = np.matmul(dp, kt) * scale
     dk = np.matmul(dp.swapaxes(-1, -2), qt) * scale
-    return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+    dq, dk, dv = (x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+    return dq, _group_sum(dk, h_k), _group_sum(dv, h_k)
 
 
 def time_ms(fn: Callable, rep: int) -> float:
@@ -82,6 +99,7 @@ class CpuRow:
     batch: int
     seqlen: int
     heads: int
+    kv_heads: int
     head_dim: int
     causal: bool
     direction: str
@@ -96,18 +114,21 @@ class CpuRow:
 
 
 def sweep(dtypes, head_dims, seqlens, causals, directions, *, batch, heads, rep,
-          progress=print) -> List[CpuRow]:
+          progress=print, kv_heads=None) -> List[CpuRow]:
     import cupyflash as cf
 
     from ._bench import DTYPES
 
     rng = np.random.default_rng(0)
     rows = []
+    h_k = kv_heads or heads
+    if heads % h_k:
+        raise ValueError(f"--kv-heads {h_k} must divide --heads {heads}")
     for dt in dtypes:
         for hd in head_dims:
             for s in seqlens:
-                q, k, v, dout = (rng.standard_normal((batch, s, heads, hd), np.float32).astype(DTYPES[dt])
-                                 for _ in range(4))
+                q, k, v, dout = (rng.standard_normal((batch, s, hh, hd), np.float32).astype(DTYPES[dt])
+                                 for hh in (heads, h_k, h_k, heads))
                 for causal in causals:
                     for direction in directions:
                         if direction == "fwd":
@@ -118,7 +139,7 @@ def sweep(dtypes, head_dims, seqlens, causals, directions, *, batch, heads, rep,
                             ours = lambda: cf.attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                                  device="cpu")
                             book = lambda: textbook_backward(dout, q, k, v, causal)
-                        rows.append(CpuRow(dt, batch, s, heads, hd, causal, direction,
+                        rows.append(CpuRow(dt, batch, s, heads, h_k, hd, causal, direction,
                                            time_ms(ours, rep), peak_bytes(ours) / 2**20,
                                            time_ms(book, rep), peak_bytes(book) / 2**20))
                         progress(f"{dt} hd{hd} s{s} causal={causal} {direction} done")
@@ -131,7 +152,8 @@ def table(rows: List[CpuRow]) -> str:
             f"{'speedup':>7} {'memory':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        shape = f"({r.batch}, {r.seqlen}, {r.heads}, {r.head_dim})"
+        heads = f"{r.heads}/{r.kv_heads}" if r.kv_heads != r.heads else str(r.heads)
+        shape = f"({r.batch}, {r.seqlen}, {heads}, {r.head_dim})"
         lines.append(f"{r.dtype:>5} {shape:>20} {str(r.causal):>6} {r.direction:>3} | "
                      f"{r.cupyflash_ms:12.1f} {r.cupyflash_peak_mib:8.1f} | {r.textbook_ms:11.1f} "
                      f"{r.textbook_peak_mib:8.1f} | {r.speedup:6.2f}x "
@@ -150,7 +172,7 @@ def main(args) -> int:
               f"{cpu.num_threads()} threads, NumPy {np.__version__}")
     print(f"# {header}")
     rows = sweep(args.dtype, args.head_dim, args.seqlen, args.causal, args.direction,
-                 batch=args.batch, heads=args.heads, rep=args.rep,
+                 batch=args.batch, heads=args.heads, rep=args.rep, kv_heads=args.kv_heads,
                  progress=lambda m: print(m, file=sys.stderr, flush=True))
     print(table(rows))
     with open(args.json, "w") as f:

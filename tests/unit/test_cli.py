@@ -63,6 +63,8 @@ def test_every_option_of_every_command_has_help():
     (["bench", "--direction", "sideways"], "--direction"),
     (["bench", "--batch", "-1"], "--batch"),
     (["bench", "--heads", "two"], "--heads"),
+    (["bench", "--kv-heads", "0"], "--kv-heads"),
+    (["bench", "--device", "cpu", "--heads", "4", "--kv-heads", "3"], "--kv-heads"),
     (["bench", "--device", "tpu"], "--device"),
     ([], "required"),
     (["frobnicate"], "invalid choice"),
@@ -110,12 +112,32 @@ def test_bench_on_the_cpu(capsys, tmp_path, monkeypatch):
         assert r["cupyflash_peak_mib"] > 0 and r["textbook_peak_mib"] > 0
 
 
+def test_bench_on_the_cpu_with_gqa(capsys, tmp_path):
+    path = tmp_path / "bench.json"
+    code = _run(["bench", "--device", "cpu", "--seqlen", "64", "--head-dim", "8", "--heads", "4",
+                 "--kv-heads", "2", "--rep", "1", "--direction", "fwd", "bwd", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "(1, 64, 4/2, 8)" in out
+    rows = json.loads(path.read_text())["rows"]
+    assert {(r["heads"], r["kv_heads"]) for r in rows} == {(4, 2)}
+
+
+def test_gpu_bench_heads_rule():
+    from cupyflash import _bench
+    assert _bench.heads_for(128) == (16, 16) and _bench.heads_for(64, 32, 8) == (32, 8)
+    assert _bench.heads_for(256, kv_heads=1) == (8, 1)
+    with pytest.raises(ValueError, match="--kv-heads 3"):
+        _bench.heads_for(128, 16, 3)
+
+
 def test_textbook_peer_matches_the_reference(rng):
     import numpy as np
 
     from cupyflash import _cpubench, reference
 
-    q, k, v, dout = (rng.standard_normal((1, 7, 2, 8)) for _ in range(4))
+    q, k, v, dout = (rng.standard_normal((1, 7, 4, 8)) for _ in range(4))
+    k, v = k[:, :, :2], v[:, :, :2]   # GQA: two query heads per key / value head
     for causal in (False, True):
         out = _cpubench.textbook_forward(q, k, v, causal)
         np.testing.assert_allclose(out, reference.attention(q, k, v, causal=causal), atol=1e-12)
