@@ -11,17 +11,19 @@ bias/varlen merge: f16 hd128 causal/window on sm_90a went 60 -> 68 B with NVRTC 
 GENERAL score rework met the Hopper fields of Params; the bias branch alone had 36 B. Not yet
 measured on the GPU; on cc 9.0 the Hopper kernel takes these calls.)
 
-Two main variants exceed it on the newer targets, with the tile sm_80 compiles too (the 99 KB
-planner keeps the 163 KB class's tiles at head dims 64 and 128: 74 / 87 KB), so no planner
-choice at 99 KB makes them spill; SPILL_EXCEPTIONS holds each at today's figure (NVRTC 12.9):
-- sm_86 / sm_89, f16 / bf16 hd128 causal/window (128x64, 4 warps): 80 B (sm_80 56 B, sm_90a
-  68 B); ptxas's sm_86 code for the same PTX (sm_89's SASS is sm_86's), 22 of its 36 spill
-  loads / stores inside the key loop.
-- sm_120, f16 / bf16 hd128 plain (128x64, 4 warps): 124 B (sm_86 12 B). NVRTC compiles sm_100+
-  with its newer NVVM front end (PTX 6,878 lines against the 8,358 every other target gets);
-  that PTX spills 124 B in ptxas, while the sm_86 PTX assembled for sm_120 spills 16 B at 254
-  registers (ptxas 13.0), so the front end, not sm_120's register file or the tile, makes the
-  spill; 39 of its 54 spill loads / stores are inside the key loop. sm_120's other main variants spill 0-28 B.
+Two main variants (f16 and bf16 each) exceed it on the newer targets, with the tile sm_80
+compiles too (the 99 KB planner keeps the 163 KB class's tiles at head dims 64 and 128: 74 / 87
+KB), so no planner choice at 99 KB makes them spill; SPILL_EXCEPTIONS holds each at today's
+figure (NVRTC 12.9):
+- sm_86 / sm_89, hd128 causal/window (128x64, 4 warps): 80 B (sm_80 56 B, sm_90a 68 B): ptxas's
+  sm_86 code for the same PTX (sm_89 gives sm_86's figures); 22 of its 36 spill loads / stores
+  are inside the key loop.
+- sm_120, hd128 plain (128x64, 4 warps): 124 B (sm_86 12 B). NVRTC compiles sm_100+ with NVVM 20
+  (PTX of 6,878 lines; NVVM 7's for sm_86 / sm_89 / sm_90a: 8,358). That PTX spills 124 B in
+  ptxas, while the sm_86 PTX assembled for sm_120 spills 16 B at 254 registers (ptxas 13.0,
+  lab/ptx_front_end_spill.py): the front end, not sm_120's register file or the tile, makes the
+  spill; 39 of its 54 spill loads / stores are inside the key loop. sm_120's other main variants
+  spill 0-28 B.
 Variants are compiled in a few multi-instantiation programs (name expressions), spread over the
 CPU cores. The ptxas report (registers, spills per variant) is printed with `pytest -s`.
 """
