@@ -181,13 +181,14 @@ def nvrtc_report(parts, arch: str, filename: str) -> dict:
 
 
 def _report_job(job):
-    arch, variants, filename = job
-    return arch, nvrtc_report(program(variants), arch, filename)
+    arch, variants, filename, *extra = job
+    return arch, nvrtc_report(program(variants, *extra), arch, filename)
 
 
 def nvrtc_reports(jobs, workers=None) -> dict:
     """Run ``nvrtc_report`` for ``jobs`` = [(arch, variants of one class, filename), ...] in spawned
-    processes; returns {arch: {name expression: (registers, spill bytes)}} (the compile harness)."""
+    processes (a job's optional fourth item: extra options, as get_functions takes them); returns
+    {arch: {name expression: (registers, spill bytes)}} (the compile harness)."""
     import concurrent.futures as cf
     import multiprocessing as mp
     import os

@@ -177,9 +177,13 @@ def mt_for(rows: int, d: int) -> int:
 
 
 def variant_for(elem: str, d: int, rows: int, smem_optin: int) -> tuple:
-    """(DecodeVariant, CTAs per SM) for ``rows`` packed rows (seqlen_q * heads per kv head)."""
+    """(DecodeVariant, CTAs per SM) for ``rows`` packed rows (seqlen_q * heads per kv head):
+    TUNING["nw"] warps, halved while their 2-stage rings do not fit the opt-in shared memory (the
+    99 KB class at d 192 / 256: 4 warps need 106 / 140 KB, 2 warps 58 / 74 KB)."""
     mt = mt_for(rows, d)
     nw = int(TUNING["nw"])
+    while nw > 1 and smem_bytes(d, mt, nw, 2) > smem_optin:
+        nw //= 2
     stages, per_sm = choose_stages(d, mt, smem_optin, nw)
     return DecodeVariant(elem, d, mt, nw, stages), per_sm
 

@@ -15,6 +15,7 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 pytestmark = pytest.mark.all_variants   # the sweep; test_compile_families.py compiles one of each
 
 from cupyflash.gpu import compile as gpu_compile, plan_bwd_sm90, plan_dbias_sm90, plan_fwd_sm90  # noqa: E402
+from targets import HOPPER  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +25,9 @@ def reports():
     for elem in ("f16_t", "bf16_t"):
         for window in (False, True):
             chunk = [v for v in vs if v.elem == elem and v.window == window]
-            jobs.append(("sm_90a", chunk, "hopper/fwd.cu"))
-    res = gpu_compile.nvrtc_reports(jobs)["sm_90a"]
-    print("\nsm_90a: registers / spill bytes per Hopper variant")
+            jobs.append((HOPPER, chunk, "hopper/fwd.cu"))
+    res = gpu_compile.nvrtc_reports(jobs)[HOPPER]
+    print(f"\n{HOPPER}: registers / spill bytes per Hopper variant")
     for v in vs:
         regs, spill = res[v.name_expression]
         print(f"  {v.name:45s} {regs:4d} regs {spill:6d} B spill")
@@ -89,7 +90,7 @@ def _ptxas_warnings(parts, filename):
         for n in names:
             nvrtc.addNameExpression(prog, n)
         nvrtc.compileProgram(prog, [o for o in opts if not o.startswith("-arch")]
-                             + ["-arch=sm_90a", "--ptxas-options=-v"])
+                             + [f"-arch={HOPPER}", "--ptxas-options=-v"])
         log = nvrtc.getProgramLog(prog).replace("\0", "")
     finally:
         nvrtc.destroyProgram(prog)
@@ -99,9 +100,9 @@ def _ptxas_warnings(parts, filename):
 def _per_elem_report(title, vs, filename, elems=("f16_t", "bf16_t")):
     """NVRTC reports {name expression: (registers, spill bytes)} of variants ``vs`` (one program
     per element type), printed under ``title``; asserts every variant got one."""
-    jobs = [("sm_90a", [v for v in vs if v.elem == e], filename) for e in elems]
-    res = gpu_compile.nvrtc_reports(jobs)["sm_90a"]
-    print(f"\nsm_90a: registers / spill bytes per {title}")
+    jobs = [(HOPPER, [v for v in vs if v.elem == e], filename) for e in elems]
+    res = gpu_compile.nvrtc_reports(jobs)[HOPPER]
+    print(f"\n{HOPPER}: registers / spill bytes per {title}")
     for v in vs:
         print(f"  {v.name:45s} {res[v.name_expression][0]:4d} regs {res[v.name_expression][1]:6d} B spill")
     assert {v.name_expression for v in vs} <= set(res)
@@ -166,8 +167,8 @@ def test_float32_backward_compiles_without_spills():
     from cupyflash.gpu import plan_bwd_sm90_f32
 
     vs = plan_bwd_sm90_f32.variants()
-    res = gpu_compile.nvrtc_reports([("sm_90a", vs, "hopper/bwd_f32.cu")])["sm_90a"]
-    print("\nsm_90a: registers / spill bytes per float32 Hopper backward variant")
+    res = gpu_compile.nvrtc_reports([(HOPPER, vs, "hopper/bwd_f32.cu")])[HOPPER]
+    print(f"\n{HOPPER}: registers / spill bytes per float32 Hopper backward variant")
     for n, (regs, spill) in sorted(res.items()):
         print(f"  {n:55s} {regs:4d} regs {spill:6d} B spill")
     assert {v.name_expression for v in vs} <= set(res)

@@ -22,6 +22,7 @@ import pytest
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 from cupyflash.gpu import compile as gpu_compile, plan_fwd_sm90  # noqa: E402
+from targets import HOPPER  # noqa: E402
 
 
 def _nvdisasm():
@@ -43,7 +44,7 @@ pytestmark = pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not installed
 
 
 def _cubin(variants) -> bytes:
-    return gpu_compile.nvrtc_compile(gpu_compile.program(variants), "sm_90a", "hopper/fwd.cu")[2]
+    return gpu_compile.nvrtc_compile(gpu_compile.program(variants), HOPPER, "hopper/fwd.cu")[2]
 
 
 def loop_waits(sass: str):

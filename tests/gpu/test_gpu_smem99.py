@@ -65,3 +65,26 @@ def test_grid_under_99kb(dtype, d, opt):
                 **OPTIONS[opt])
     fails = run_case(case, random.Random())
     assert not fails, f"{case}: " + "; ".join(fails)
+
+
+@pytest.mark.parametrize("d", [64, 128, 192, 256], ids=lambda d: f"d{d}")
+def test_kvcache_decode_under_99kb(rng, d):
+    """attention_with_kvcache on the split-KV decode kernel the planner picks under the limit
+    (two warps at d 192 / 256: four warps' 2-stage rings need 106 / 140 KB) and the plain
+    attention call's split-KV route, against the float64 reference (test_gpu_kvcache's bound)."""
+    import cupyflash as cf
+    from cupyflash.gpu import plan_decode
+    from test_gpu_kvcache import _check, _make
+    from tests.kvcache_cases import appended_caches
+
+    v, _ = plan_decode.variant_for("bf16_t", d, 4, LIMIT)
+    assert v.smem_bytes <= LIMIT and v.nw == (2 if d > 128 else 4), v.name
+    sizes = dict(b=2, s_q=1, h=8, hk=2, d=d, lens=[1500, 33], s_new=1, page=16)
+    q, kc, vc, k, v_new, bt, tabs, lens = _make(rng, dtype=BF16, **sizes)
+    kc2, vc2 = appended_caches(kc, vc, k, v_new, lens, bt, tabs, False, BF16)
+    g = cp.asarray
+    out, lse = cf.attention_with_kvcache(g(q), g(kc), g(vc), g(k), g(v_new),
+                                         cache_seqlens=g(lens.astype(np.int32)), block_table=g(bt),
+                                         return_lse=True, causal=True, num_splits=3)
+    _check(cp.asnumpy(out), cp.asnumpy(lse), q, kc2, vc2, lens, 1, bt, tabs, False, BF16,
+           "bfloat16", dict(causal=True))

@@ -10,6 +10,7 @@ from cupyflash.gpu import plan_decode as pd
 
 H200 = dict(sm_count=132, smem_optin=227 * 1024)
 A100 = dict(sm_count=108, smem_optin=163 * 1024)
+RTX4090 = dict(sm_count=128, smem_optin=99 * 1024)   # the 99 KB class: sm_86, sm_89, sm_120
 
 
 def test_params_record_matches_the_kernel_struct_order():
@@ -27,7 +28,7 @@ def test_params_record_matches_the_kernel_struct_order():
 
 
 @pytest.mark.parametrize("d", pd.DECODE_HEAD_DIMS)
-@pytest.mark.parametrize("dev", [H200, A100], ids=["h200", "a100"])
+@pytest.mark.parametrize("dev", [H200, A100, RTX4090], ids=["h200", "a100", "99kb"])
 def test_every_variant_fits_and_rings_are_deep(d, dev):
     for rows in (1, 16, 17, 64):
         v, per_sm = pd.variant_for("bf16_t", d, rows, dev["smem_optin"])
@@ -35,6 +36,23 @@ def test_every_variant_fits_and_rings_are_deep(d, dev):
         assert per_sm * (v.smem_bytes + 1024) <= dev["smem_optin"] + 2048
         assert v.stages >= 2
         assert v.mt == (1 if rows <= 16 or d > 128 else 2)
+
+
+@pytest.mark.parametrize("smem", [99 * 1024, 163 * 1024, 227 * 1024])
+def test_variants_list_every_head_dim(smem):
+    """variants() (the compile sweep's list) plans every element type and head dim."""
+    vs = pd.variants(smem)
+    assert {(v.elem, v.d) for v in vs} == {(e, d) for e in pd.DECODE_ELEMS for d in pd.DECODE_HEAD_DIMS}
+
+
+def test_99kb_halves_the_warps_only_where_four_rings_do_not_fit():
+    """At 99 KB four warps' 2-stage rings do not fit at d 192 / 256 (106 / 140 KB): two warps
+    with one CTA per SM; d <= 128 and the larger classes keep TUNING["nw"] = 4 warps."""
+    got = {d: pd.variant_for("bf16_t", d, 1, RTX4090["smem_optin"]) for d in pd.DECODE_HEAD_DIMS}
+    assert {d: (v.nw, v.stages, per_sm) for d, (v, per_sm) in got.items()} == \
+        {64: (4, 5, 1), 128: (4, 2, 1), 192: (2, 3, 1), 256: (2, 2, 1)}
+    for dev in (A100, H200):
+        assert {v.nw for v in pd.variants(dev["smem_optin"])} == {pd.NW}
 
 
 def test_h200_hd128_runs_two_ctas_with_three_stages():
