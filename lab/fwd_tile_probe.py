@@ -55,12 +55,12 @@ PROBES = {
         "w = sched_draw(nullptr, drawn);   // probe: static order",
     )],
     "qonce": [(
-        "                    mbar_arrive_expect_tx(q_full, BM * D * 2);\n",
-        "                    if (tile_i > 0) { mbar_arrive(q_full); } else {   // probe: Q loaded once\n"
-        "                    mbar_arrive_expect_tx(q_full, BM * D * 2);\n",
+        "            mbar_arrive_expect_tx(q_full, BM * D * 2);\n",
+        "            if (tile_i > 0) { mbar_arrive(q_full); } else {   // probe: Q loaded once\n"
+        "            mbar_arrive_expect_tx(q_full, BM * D * 2);\n",
     ), (
         "wt.q_row + wt.m0, wt.head, wt.tma_b);\n",
-        "wt.q_row + wt.m0, wt.head, wt.tma_b);\n                }\n",
+        "wt.q_row + wt.m0, wt.head, wt.tma_b);\n            }\n",
     )],
     "pad": [(
         "            if (sees_keys(wt)) return true;\n",
@@ -87,10 +87,10 @@ def _half_panels(which: str):
     tensor map ``desc``) load only the first half of their 64-column panels (a part of the
     tile left without panels expects no bytes: its barrier completes on the arrival)."""
     return [(
-        "                    const int c0 = h * L::PANELS / parts, c1 = (h + 1) * L::PANELS / parts;   // its panels\n",
-        f"                    const bool half = L::PANELS > 1 && ({which});   // probe\n"
-        "                    const int c_end = half ? L::PANELS / 2 : L::PANELS;   // probe: half the panels\n"
-        "                    const int c0 = min(h * L::PANELS / parts, c_end), c1 = min((h + 1) * L::PANELS / parts, c_end);\n",
+        "            const int c0 = h * L::PANELS / parts, c1 = (h + 1) * L::PANELS / parts;   // its panels\n",
+        f"            const bool half = L::PANELS > 1 && ({which});   // probe\n"
+        "            const int c_end = half ? L::PANELS / 2 : L::PANELS;   // probe: half the panels\n"
+        "            const int c0 = min(h * L::PANELS / parts, c_end), c1 = min((h + 1) * L::PANELS / parts, c_end);\n",
     )]
 
 
@@ -148,18 +148,19 @@ __device__ __forceinline__ long long cf_globaltimer() {{
 """
 
 PROBES["trace"] = [
-    ('#include "hopper/wgmma.cuh"\n', '#include "hopper/wgmma.cuh"\n' + _TRACE_DEFS),
+    # the stamp definitions, in the layout header both roles include
+    ("constexpr int WG_ROWS = 64;", _TRACE_DEFS + "constexpr int WG_ROWS = 64;"),
     # producer
-    ("            tma_prefetch_desc(&p.tma_q);\n", "            CF_CLOCK(0);\n            tma_prefetch_desc(&p.tma_q);\n"),
-    ("            if (p.sched) sched_finish(p.sched);", "            CF_CLOCK(1);\n            if (p.sched) sched_finish(p.sched);"),
-    ("                if (tile_i > 0) mbar_wait(q_empty, (tile_i - 1) & 1);\n",
-     f"                {_stamp(0, 0)}\n                if (tile_i > 0) mbar_wait(q_empty, (tile_i - 1) & 1);\n"
-     f"                {_stamp(0, 1)}\n"),
-    ("                *tile_smem = w;  ", f"                {_stamp(0, 2)}\n                *tile_smem = w;  "),
-    ("wt.q_row + wt.m0, wt.head, wt.tma_b);\n", f"wt.q_row + wt.m0, wt.head, wt.tma_b);\n                {_stamp(0, 3)}\n"),
-    ("                        load_v(wt, it);\n                    }\n",
-     f"                        load_v(wt, it);\n                    }}\n"
-     f"                    {_stamp(0, 4)}\n"),
+    ("    tma_prefetch_desc(&p.tma_q);\n", "    CF_CLOCK(0);\n    tma_prefetch_desc(&p.tma_q);\n"),
+    ("    if (p.sched) sched_finish(p.sched);", "    CF_CLOCK(1);\n    if (p.sched) sched_finish(p.sched);"),
+    ("        if (tile_i > 0) mbar_wait(q_empty, (tile_i - 1) & 1);\n",
+     f"        {_stamp(0, 0)}\n        if (tile_i > 0) mbar_wait(q_empty, (tile_i - 1) & 1);\n"
+     f"        {_stamp(0, 1)}\n"),
+    ("        *tile_smem = w;  ", f"        {_stamp(0, 2)}\n        *tile_smem = w;  "),
+    ("wt.q_row + wt.m0, wt.head, wt.tma_b);\n", f"wt.q_row + wt.m0, wt.head, wt.tma_b);\n            {_stamp(0, 3)}\n"),
+    ("                load_v(wt, it);\n            }\n",
+     f"                load_v(wt, it);\n            }}\n"
+     f"            {_stamp(0, 4)}\n"),
     # consumers
     ("            mbar_wait(q_full, tile_i & 1);\n",
      f"            {_stamp('1 + cw', 0)}\n            mbar_wait(q_full, tile_i & 1);\n            {_stamp('1 + cw', 1)}\n"),
