@@ -6,7 +6,8 @@ Each run draws CUPYFLASH_FUZZ_CASES cases (default 200) from a printed seed (set
 CUPYFLASH_FUZZ_SEED to replay one): batch, heads and GQA ratio, seqlens 1..5000 on both sides,
 head dims 1..256 (head_dim_v sometimes different), bshd / bhsd / strided views, and every option
 (causal either alignment, window, softcap, ALiBi, additive bias with dbias, scale), forward and
-backward. float32 is held to the relative bound its kernels give today (3e-5 of max(1, |ref|)),
+backward, deterministic or not; half the cases also switch TUNING.bwd_sm90_d256 on (the Hopper
+kernel for head-dim-256 backwards, off by default). float32 is held to the relative bound its kernels give today (3e-5 of max(1, |ref|)),
 not yet to the 16-bit criterion.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 from gpu_util import BF16, cp, grad_tolerance, keep_mask, naive_attention  # noqa: E402
 
 import cupyflash as cf  # noqa: E402
+from cupyflash.gpu.tuning import tuning  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -73,8 +75,11 @@ def draw_case(rng):
     if rng.random() < 0.2:
         opts["scale"] = rng.uniform(0.02, 0.5)
     layout = rng.choice(["bshd", "bshd", "bhsd", "strided"])
+    backward = rng.random() < 0.6
+    if backward and rng.random() < 0.15:
+        opts["deterministic"] = True
     return dict(dtype=dtype, b=b, h=h, h_k=h_k, s_q=s_q, s_k=s_k, d=d, d_v=d_v, layout=layout,
-                backward=rng.random() < 0.6, **opts)
+                backward=backward, d256_sm90=rng.random() < 0.5, **opts)
 
 
 def _array(a, dt, layout):
@@ -147,7 +152,9 @@ def run_case(c, rng):
     got = [_bshd(out, call_layout), lse]
     names = ["out", "lse"]
     if c["backward"]:
-        grads = cf.attention_backward(do, q, k, v, out, lse, **kw)
+        with tuning(bwd_sm90_d256=c["d256_sm90"]):
+            grads = cf.attention_backward(do, q, k, v, out, lse,
+                                          deterministic=bool(c.get("deterministic")), **kw)
         got += [_bshd(g, call_layout) for g in grads[:3]]
         names += ["dq", "dk", "dv"]
         if bias is not None:
