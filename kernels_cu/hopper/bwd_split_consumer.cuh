@@ -87,7 +87,6 @@ __device__ __forceinline__ void bwd_split_consumer(const Params& p, const Smem& 
             const int m0 = step_m0<BM, DET>(p, wt, st);
             const int head = step_head<DET>(p, wt, st);
             const int s = q_it % NBUF;
-            const u32 q_tile = q_smem + s * L::Q_TILE, do_tile = do_smem + s * L::Q_TILE;
             const float* lse_smem = sm.rows_smem + s * 2 * BM;   // [BM] lse·log2 e of the step
             const float* dsum_smem = lse_smem + BM;              // [BM] D of the step
 
