@@ -80,6 +80,12 @@ def families():
                   wms=2, wnkv=4, wmq=2),                     # flash_bwd_2d
             _pick(bwd, elem="f16_t", d=64, window=True, score_mod=True, wms=4, wnkv=4, wmq=4),
         ],
+        "f64_portable": [   # float64 (DMMA): the partial-unroll tile copies, the wide-d_v pieces
+            _pick(fwd, elem="f64_t", d=64, window=False, general=0),
+            _pick(fwd, elem="f64_t", d=256, window=True, general=0),
+            _pick(bwd, elem="f64_t", d=64, window=False, general=False),
+            _pick(bwd, elem="f64_t", d=128, window=True, general=True),
+        ],
         "dbias_portable": [
             _pick(dbias, elem="bf16_t", d=128),
             _pick(dbias, elem="tf32_t", d=64),

@@ -110,8 +110,8 @@ __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_
         const int m_rows = min(BM, s_q - m0);
         const S* q_gmem = (const S*)p.q + batch * p.q_stride_b + head * p.q_stride_h + (q_tok0 + m0) * p.q_stride_s;          // [m_rows, d]
         const S* do_gmem = (const S*)p.dout + batch * p.do_stride_b + head * p.do_stride_h + (q_tok0 + m0) * p.do_stride_s;  // [m_rows, d_v]
-        copy_tile<BM, D, PR, NT>(q_smem + buf * BM * PR, q_gmem, p.q_stride_s, m_rows, p.d, p.vec_ok, p.q, tid);
-        copy_tile<BM, D, PR, NT>(do_smem + buf * BM * PR, do_gmem, p.do_stride_s, m_rows, p.d_v, p.vec_ok, p.dout, tid);
+        copy_chunks<BM, D, PR, NT>(q_smem + buf * BM * PR, q_gmem, p.q_stride_s, m_rows, p.d, p.vec_ok, p.q, tid);
+        copy_chunks<BM, D, PR, NT>(do_smem + buf * BM * PR, do_gmem, p.do_stride_s, m_rows, p.d_v, p.vec_ok, p.dout, tid);
         const i64 row0 = ((i64)lse_b * p.h + head) * p.s_q + q_tok0 + m0;   // [b, h, s_q] index of row m0
         load_row_stats<BM, NT>(lse2_smem + buf * BM, dsum_smem + buf * BM, p, row0, m_rows, tid);
     };
@@ -133,8 +133,8 @@ __device__ __forceinline__ void flash_bwd_key_tile(const Params& p, const int n_
 
     if (total > 0) {
         // K, V tiles (kept for the whole block) and the first Q / dO tile in flight
-        copy_tile<BN, D, PR, NT>(k_smem, k_gmem, p.k_stride_s, n_rows, p.d, p.vec_ok, p.k, tid);
-        copy_tile<BN, D, PR, NT>(v_smem, v_gmem, p.v_stride_s, n_rows, p.d_v, p.vec_ok, p.v, tid);
+        copy_chunks<BN, D, PR, NT>(k_smem, k_gmem, p.k_stride_s, n_rows, p.d, p.vec_ok, p.k, tid);
+        copy_chunks<BN, D, PR, NT>(v_smem, v_gmem, p.v_stride_s, n_rows, p.d_v, p.vec_ok, p.v, tid);
         load_step(0, 0);
         cp_async_commit();
     }
@@ -309,8 +309,8 @@ __device__ __forceinline__ void flash_bwd_2d_key_tile(const Params& p, const int
         const int m_rows = min(BM, s_q - m0);
         const S* q_gmem = (const S*)p.q + batch * p.q_stride_b + head * p.q_stride_h + (i64)m0 * p.q_stride_s;          // [m_rows, d]
         const S* do_gmem = (const S*)p.dout + batch * p.do_stride_b + head * p.do_stride_h + (i64)m0 * p.do_stride_s;  // [m_rows, d_v]
-        copy_tile<BM, D, PR, NT>(q_smem + buf * BM * PR, q_gmem, p.q_stride_s, m_rows, p.d, p.vec_ok, p.q, tid);
-        copy_tile<BM, D, PR, NT>(do_smem + buf * BM * PR, do_gmem, p.do_stride_s, m_rows, p.d_v, p.vec_ok, p.dout, tid);
+        copy_chunks<BM, D, PR, NT>(q_smem + buf * BM * PR, q_gmem, p.q_stride_s, m_rows, p.d, p.vec_ok, p.q, tid);
+        copy_chunks<BM, D, PR, NT>(do_smem + buf * BM * PR, do_gmem, p.do_stride_s, m_rows, p.d_v, p.vec_ok, p.dout, tid);
         auto load_stat = [&](int i) {   // i in [0, BM): lse row i; [BM, 2 BM): D row i − BM
             const int r = i % BM;
             const float* stat_gmem = i < BM ? p.lse : p.dsum;        // [b, h, s_q]
@@ -335,8 +335,8 @@ __device__ __forceinline__ void flash_bwd_2d_key_tile(const Params& p, const int
 
     if (total > 0) {
         // K, V tiles (kept for the whole block) and the first step's tiles in flight
-        copy_tile<BN, D, PR, NT>(k_smem, k_gmem, p.k_stride_s, n_rows, p.d, p.vec_ok, p.k, tid);
-        copy_tile<BN, D, PR, NT>(v_smem, v_gmem, p.v_stride_s, n_rows, p.d_v, p.vec_ok, p.v, tid);
+        copy_chunks<BN, D, PR, NT>(k_smem, k_gmem, p.k_stride_s, n_rows, p.d, p.vec_ok, p.k, tid);
+        copy_chunks<BN, D, PR, NT>(v_smem, v_gmem, p.v_stride_s, n_rows, p.d_v, p.vec_ok, p.v, tid);
         load_step(0, 0);
         cp_async_commit();
     }
@@ -495,10 +495,10 @@ flash_bwd_dbias(const Params p) {
         const S* do_gmem = (const S*)p.dout + batch * p.do_stride_b + head * p.do_stride_h + (i64)m0 * p.do_stride_s;
         const S* k_gmem = (const S*)p.k + batch * p.k_stride_b + head_k * p.k_stride_h + (i64)n0 * p.k_stride_s;
         const S* v_gmem = (const S*)p.v + batch * p.v_stride_b + head_k * p.v_stride_h + (i64)n0 * p.v_stride_s;
-        copy_tile<BM, D, PR, NT>(q_smem, q_gmem, p.q_stride_s, m_rows, p.d, p.vec_ok, p.q, tid_it);
-        copy_tile<BM, D, PR, NT>(q_smem + BM * PR, do_gmem, p.do_stride_s, m_rows, p.d_v, p.vec_ok, p.dout, tid_it);
-        copy_tile<BN, D, PR, NT>(q_smem + 2 * BM * PR, k_gmem, p.k_stride_s, n_rows, p.d, p.vec_ok, p.k, tid_it);
-        copy_tile<BN, D, PR, NT>(q_smem + (2 * BM + BN) * PR, v_gmem, p.v_stride_s, n_rows, p.d_v, p.vec_ok, p.v, tid_it);
+        copy_chunks<BM, D, PR, NT>(q_smem, q_gmem, p.q_stride_s, m_rows, p.d, p.vec_ok, p.q, tid_it);
+        copy_chunks<BM, D, PR, NT>(q_smem + BM * PR, do_gmem, p.do_stride_s, m_rows, p.d_v, p.vec_ok, p.dout, tid_it);
+        copy_chunks<BN, D, PR, NT>(q_smem + 2 * BM * PR, k_gmem, p.k_stride_s, n_rows, p.d, p.vec_ok, p.k, tid_it);
+        copy_chunks<BN, D, PR, NT>(q_smem + (2 * BM + BN) * PR, v_gmem, p.v_stride_s, n_rows, p.d_v, p.vec_ok, p.v, tid_it);
         const i64 row0 = ((i64)batch * p.h + head) * s_q + m0;   // [b, h, s_q] index of row m0
         load_row_stats<BM, NT>(lse2_smem + buf * BM, dsum_smem + buf * BM, p, row0, m_rows, tid_it);
     };

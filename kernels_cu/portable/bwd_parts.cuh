@@ -1,6 +1,7 @@
 // cupyflash: the portable backward's parts (flash_bwd, flash_bwd_2d and flash_bwd_dbias in
-// portable/bwd.cu wire them): shared-memory pitches (BwdPitch, DsPitch), the tile copy
-// (copy_tile), flash_bwd's warp-level products (mma_nt, mma_rn, mma_tn), the rows' lse and D
+// portable/bwd.cu wire them; their tile copies are common/tile_copy.cuh's copy_chunks):
+// shared-memory pitches (BwdPitch, DsPitch), flash_bwd's warp-level products (mma_nt, mma_rn,
+// mma_tn), the rows' lse and D
 // (load_row_stats), a key tile's query steps (QuerySteps), flash_bwd_2d's warp-tile products
 // (warp_tile_mma, warp_tile_mma_pair), opaque_int; then each kernel's phases: flash_bwd's
 // (bwd_s_dp, bwd_dkdv_dst, bwd_add_dq, bwd_store_dkdv), flash_bwd_2d's (bwd2d_s_dp,
@@ -12,6 +13,7 @@
 #include "common/mma.cuh"
 #include "common/params.cuh"
 #include "common/score.cuh"
+#include "common/tile_copy.cuh"
 #include "common/types.cuh"
 
 // Shared-memory row pitch (elements). 16-bit rows padded by 16 bytes: ldmatrix reads
@@ -24,35 +26,6 @@ template <typename E, int D> struct BwdPitch {
 template <typename E, int BM> struct DsPitch {
     static constexpr int ROW = Elem<E>::is16 ? BM + 8 : BM + 4; // dSᵀ rows (one per key)
 };
-
-// Copy a [ROWS, D] tile (rows < rows_valid, columns < cols_valid) from global to shared memory
-// with NT threads; the rest of the tile is zero-filled. (Same scheme as portable/fwd_parts.cuh's load_tile.)
-template <int ROWS, int D, int PITCH, int NT, typename S>
-__device__ __forceinline__ void copy_tile(S* tile_smem,              // [ROWS, PITCH]
-                                          const S* tile_gmem,        // [rows_valid, ., cols_valid]
-                                          i64 row_stride, int rows_valid, int cols_valid,
-                                          bool vec_ok, const void* safe_gmem, int tid) {
-    constexpr int CH = 16 / sizeof(S);           // elements per 16-byte chunk
-    constexpr int CPR = D / CH;                  // chunks per row
-    constexpr int CHUNKS = ROWS * CPR;
-#pragma unroll
-    for (int i = 0; i < (CHUNKS + NT - 1) / NT; ++i) {
-        const int c = tid + i * NT;
-        if (CHUNKS % NT == 0 || c < CHUNKS) {
-            const int r = c / CPR, col = (c % CPR) * CH;
-            S* dst = tile_smem + r * PITCH + col;
-            const S* src = tile_gmem + r * row_stride + col;
-            int valid = cols_valid - col;
-            valid = (r < rows_valid) ? (valid < 0 ? 0 : (valid > CH ? CH : valid)) : 0;
-            if (vec_ok) {
-                cp_async_16(dst, valid ? (const void*)src : safe_gmem, valid * (int)sizeof(S));
-            } else {   // unaligned rows (odd strides or head dims): element copies
-#pragma unroll
-                for (int e = 0; e < CH; ++e) dst[e] = e < valid ? src[e] : S(0);
-            }
-        }
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Warp-level products on one 16-row slab, fp32 accumulators in the m16n8 layout

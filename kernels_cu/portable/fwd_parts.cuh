@@ -6,6 +6,7 @@
 #include "common/mma.cuh"
 #include "common/params.cuh"
 #include "common/score.cuh"
+#include "common/tile_copy.cuh"
 #include "common/types.cuh"
 
 // Unroll of the k loop of S = Q Kᵀ: 1 for 16-bit types at D <= 64, else 2 (the next step's loads
@@ -64,23 +65,8 @@ __device__ __forceinline__ void load_tile(S* tile_smem,            // [ROWS, PIT
         // float64 tiles of many chunks per thread: a partial unroll (full unroll hoists every
         // chunk's address into registers, which the float64 O accumulator needs)
         constexpr int ITERS = (CHUNKS + NT - 1) / NT;
-#pragma unroll (sizeof(S) == 8 && ITERS > 4 ? 4 : ITERS)
-        for (int i = 0; i < ITERS; ++i) {
-            const int c = tid + i * NT;
-            if (CHUNKS % NT == 0 || c < CHUNKS) {
-                const int r = c / CPR, col = (c % CPR) * CH;
-                S* dst = tile_smem + r * PITCH + col;
-                const S* src = tile_gmem + r * row_stride + col;
-                int valid = cols_valid - col;
-                valid = (r < rows_valid) ? (valid < 0 ? 0 : (valid > CH ? CH : valid)) : 0;
-                if (vec_ok) {
-                    cp_async_16(dst, valid ? (const void*)src : safe_gmem, valid * (int)sizeof(S));
-                } else {
-#pragma unroll
-                    for (int e = 0; e < CH; ++e) dst[e] = e < valid ? src[e] : S(0);
-                }
-            }
-        }
+        copy_chunks<ROWS, D, PITCH, NT, (sizeof(S) == 8 && ITERS > 4 ? 4 : ITERS)>(
+            tile_smem, tile_gmem, row_stride, rows_valid, cols_valid, vec_ok, safe_gmem, tid);
     }
 }
 
