@@ -38,3 +38,14 @@ def require(arch: str) -> None:
         from cupy_backends.cuda.libs import nvrtc
 
         pytest.skip(f"NVRTC {nvrtc.getVersion()} does not accept {arch}")
+
+
+def print_report(title: str, vs, res: dict, smem: bool = False) -> None:
+    """Print ``title`` and each variant's registers / spill bytes from ``res`` ({name expression:
+    (registers, spill)}: gpu.compile.nvrtc_reports for one arch), with its shared memory where
+    ``smem`` (shown with ``pytest -s``)."""
+    print(f"\n{title}")
+    for v in vs:
+        regs, spill = res[v.name_expression]
+        print(f"  {v.name:48s} {regs:4d} regs {spill:6d} B spill"
+              + (f" {v.smem_bytes:7d} B smem" if smem else ""))

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 from cupyflash.gpu import compile as gpu_compile, plan_bwd, variants as gpu_variants  # noqa: E402
-from targets import PORTABLE, SMEM_OPTIN, require  # noqa: E402
+from targets import PORTABLE, SMEM_OPTIN, print_report, require  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=PORTABLE)
@@ -32,10 +32,8 @@ def reports(arch):
     jobs = [(arch, [v for v in vs + ds if v.elem == elem], "portable/bwd.cu")
             for elem in gpu_variants.ELEMS]   # one program per element type, flash_bwd_dbias too
     res = gpu_compile.nvrtc_reports(jobs)[arch]
-    print(f"\n{arch} ({smem // 1024} KB): registers / spill bytes / shared memory per backward variant")
-    for v in vs + ds:
-        regs, spill = res[v.name_expression]
-        print(f"  {v.name:48s} {regs:4d} regs {spill:6d} B spill {v.smem_bytes:7d} B smem")
+    print_report(f"{arch} ({smem // 1024} KB): registers / spill bytes / shared memory per backward "
+                 "variant", vs + ds, res, smem=True)
     return res
 
 

@@ -18,7 +18,7 @@ pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 pytestmark = pytest.mark.all_variants   # the sweep; test_compile_families.py compiles one of each
 
 from cupyflash.gpu import compile as gpu_compile, plan_decode  # noqa: E402
-from targets import PORTABLE, SMEM_OPTIN, require  # noqa: E402
+from targets import PORTABLE, SMEM_OPTIN, print_report, require  # noqa: E402
 
 SPILL_BUDGET_D64_M2 = 16   # bytes, see the module docstring
 
@@ -41,11 +41,8 @@ def reports(arch):
     jobs = [(arch, [v for v in vs if v.elem == e], "portable/decode.cu", opts)
             for e in plan_decode.DECODE_ELEMS] + [(arch, preps, "portable/decode.cu", opts)]
     res = gpu_compile.nvrtc_reports(jobs)[arch]
-    print(f"\n{arch} ({SMEM_OPTIN[arch] // 1024} KB): registers / spill bytes / shared memory "
-          "per decode variant")
-    for v in vs:
-        regs, spill = res[v.name_expression]
-        print(f"  {v.name:40s} {regs:4d} regs {spill:6d} B spill {v.smem_bytes:7d} B smem")
+    print_report(f"{arch} ({SMEM_OPTIN[arch] // 1024} KB): registers / spill bytes / shared memory "
+                 "per decode variant", vs, res, smem=True)
     for name, (regs, spill) in sorted(res.items()):
         if not name.startswith("flash_decode<"):
             print(f"  {name:40s} {regs:4d} regs {spill:6d} B spill")

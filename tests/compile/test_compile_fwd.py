@@ -35,7 +35,7 @@ pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 pytestmark = pytest.mark.all_variants   # the sweep; test_compile_families.py compiles one of each
 
 from cupyflash.gpu import compile as gpu_compile, plan_fwd, variants as gpu_variants  # noqa: E402
-from targets import PORTABLE, SMEM_OPTIN, require  # noqa: E402
+from targets import PORTABLE, SMEM_OPTIN, print_report, require  # noqa: E402
 
 SPILL_BUDGET = 72   # bytes per main variant, see the module docstring
 #: (target, head dim, causal/window): the spill allowed instead, see the module docstring
@@ -59,10 +59,7 @@ def reports(arch):
             chunk = [v for v in vs if v.elem == elem and (v.window, v.score_mod) == flags]
             jobs.append((arch, chunk, "portable/fwd.cu"))
     res = gpu_compile.nvrtc_reports(jobs)[arch]
-    print(f"\n{arch} ({SMEM_OPTIN[arch] // 1024} KB): registers / spill bytes per variant")
-    for v in vs:
-        regs, spill = res[v.name_expression]
-        print(f"  {v.name:40s} {regs:4d} regs {spill:6d} B spill")
+    print_report(f"{arch} ({SMEM_OPTIN[arch] // 1024} KB): registers / spill bytes per variant", vs, res)
     return res
 
 

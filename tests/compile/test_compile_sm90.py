@@ -15,7 +15,7 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 pytestmark = pytest.mark.all_variants   # the sweep; test_compile_families.py compiles one of each
 
 from cupyflash.gpu import compile as gpu_compile, plan_bwd_sm90, plan_dbias_sm90, plan_fwd_sm90  # noqa: E402
-from targets import HOPPER  # noqa: E402
+from targets import HOPPER, print_report  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +27,7 @@ def reports():
             chunk = [v for v in vs if v.elem == elem and v.window == window]
             jobs.append((HOPPER, chunk, "hopper/fwd.cu"))
     res = gpu_compile.nvrtc_reports(jobs)[HOPPER]
-    print(f"\n{HOPPER}: registers / spill bytes per Hopper variant")
-    for v in vs:
-        regs, spill = res[v.name_expression]
-        print(f"  {v.name:45s} {regs:4d} regs {spill:6d} B spill")
+    print_report(f"{HOPPER}: registers / spill bytes per Hopper variant", vs, res)
     return res
 
 
@@ -102,9 +99,7 @@ def _per_elem_report(title, vs, filename, elems=("f16_t", "bf16_t")):
     per element type), printed under ``title``; asserts every variant got one."""
     jobs = [(HOPPER, [v for v in vs if v.elem == e], filename) for e in elems]
     res = gpu_compile.nvrtc_reports(jobs)[HOPPER]
-    print(f"\n{HOPPER}: registers / spill bytes per {title}")
-    for v in vs:
-        print(f"  {v.name:45s} {res[v.name_expression][0]:4d} regs {res[v.name_expression][1]:6d} B spill")
+    print_report(f"{HOPPER}: registers / spill bytes per {title}", vs, res)
     assert {v.name_expression for v in vs} <= set(res)
     return res
 
