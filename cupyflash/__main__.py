@@ -253,7 +253,7 @@ _BENCH_HELP = {
 }
 _BENCH_TYPES = {"head_dim": _int_in(1, _checks.MAX_HEAD_DIM, "head dim"),
                 "seqlen": _int_in(1, None, "seqlen"), "rep": _int_in(1, None, "rep"),
-                "causal": _bool}
+                "causal": _bool, "smem_limit": _int_in(1, None, "smem limit")}
 #: options whose default depends on where bench runs: set after parsing (GPU: _bench's own)
 _BENCH_PER_DEVICE = ("dtype", "head_dim", "seqlen", "causal", "direction", "rep")
 

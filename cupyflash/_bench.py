@@ -282,10 +282,17 @@ def main(args) -> int:
         print("bench needs a CUDA GPU with CuPy", file=sys.stderr)
         return 2
     peers = load_peers(args.peers, args.skip_peers)
-    print(f"# {device_line()}")
-    rows = sweep(args.dtype, args.head_dim, args.seqlen, args.causal, args.direction, peers,
-                 rep=args.rep, progress=lambda m: print(m, file=sys.stderr, flush=True),
-                 heads=getattr(args, "heads", None), kv_heads=getattr(args, "kv_heads", None))
+    from contextlib import nullcontext
+
+    from .gpu.device import limit_shared_memory
+
+    smem = getattr(args, "smem_limit", None)
+    print(f"# {device_line()}" + (f"; planned for at most {smem} B of shared memory per block"
+                                   if smem else ""))
+    with limit_shared_memory(smem) if smem else nullcontext():
+        rows = sweep(args.dtype, args.head_dim, args.seqlen, args.causal, args.direction, peers,
+                     rep=args.rep, progress=lambda m: print(m, file=sys.stderr, flush=True),
+                     heads=getattr(args, "heads", None), kv_heads=getattr(args, "kv_heads", None))
     print(table(rows))
     with open(args.json, "w") as f:
         json.dump({"device": device_line(), "rows": [asdict(r) for r in rows]}, f, indent=1)
@@ -310,3 +317,7 @@ def add_arguments(p) -> None:
     p.add_argument("--rep", type=int, default=20)
     p.add_argument("--json", default="cupyflash-bench.json")
     p.add_argument("--png", default="cupyflash-bench.png")
+    p.add_argument("--smem-limit", type=int, default=None,
+                   help="GPU only: plan every cupyflash kernel as if a block could use at most "
+                        "this many bytes of shared memory, e.g. 101376 (99 KB: sm_86, sm_89, "
+                        "sm_120); the PyTorch peers are not limited")
