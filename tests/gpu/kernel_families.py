@@ -30,7 +30,13 @@ from cupyflash.gpu import bwd as _gpu_bwd, fwd as _gpu
 from cupyflash._options import Options
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32)}
+DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BF16, "float32": np.dtype(np.float32),
+          "float64": np.dtype(np.float64)}
+
+
+def lse_dtype(dtype: str):
+    """lse is float64 for float64 inputs, float32 otherwise."""
+    return np.float64 if dtype == "float64" else np.float32
 
 
 # ------------------------------------------------------------------------------------------
@@ -141,7 +147,7 @@ def dense(rng, dtype, b, s_q, s_k, h, h_k, d, *, fwd="auto", bwd=None, bias=None
         slopes = empty((b, h), np.float32)
         slopes[...] = cp.asarray(rng.uniform(0.01, 0.5, (b, h)).astype(np.float32))
     opts = _opts(d, bias=bias_arr, mask=mask_arr, alibi=slopes, **kw)
-    out, lse = poisoned((b, s_q, h, d), dt), poisoned((b, h, s_q), np.float32)
+    out, lse = poisoned((b, s_q, h, d), dt), poisoned((b, h, s_q), lse_dtype(dtype))
     names = [_gpu.forward(q, k, v, out, lse, opts, kernel=fwd)]
     res = [out, lse]
     if backward:
@@ -164,7 +170,7 @@ def varlen(rng, dtype, seqs_q, seqs_k, h, h_k, d, *, kernel="auto", backward=Tru
     cq_d, ck_d = empty(cq.shape, np.int32), empty(ck.shape, np.int32)
     cq_d[...], ck_d[...] = cp.asarray(cq), cp.asarray(ck)
     opts = _opts(d, **kw)
-    out, lse = poisoned((1, tq, h, d), dt), poisoned((h, tq), np.float32)
+    out, lse = poisoned((1, tq, h, d), dt), poisoned((h, tq), lse_dtype(dtype))
     mq, mk = max(seqs_q), max(seqs_k)
     names = [_gpu.forward_varlen(q, k, v, cq_d, ck_d, mq, mk, out, lse, opts, kernel=kernel)]
     res = [out, lse]
@@ -235,11 +241,15 @@ CASES = {
     "portable_f32_d32_tf32": lambda r: dense(r, "float32", 1, 131, 77, 2, 2, 32, fwd="portable", bwd="portable", allow_tf32=True, causal=True),
     "portable_bf16_d64_mask_bias": lambda r: dense(r, "bfloat16", 1, 97, 150, 2, 2, 64, fwd="portable", bwd="portable", mask=True, bias=(1, 2, 97, 150)),
     "portable_f16_d128_bias_dbiaskernel": lambda r: dense(r, "float16", 2, 97, 150, 2, 2, 128, fwd="portable", bwd="portable", bias=(1, 1, 97, 150), deterministic=True),
+    # float64 (portable/fwd.cu / portable/bwd.cu with f64_t: DMMA); d 160: O in two column pieces
+    "portable_f64_d64_causal": lambda r: dense(r, "float64", 2, 200, 333, 4, 2, 64, causal=True),
+    "portable_f64_d160_bias_window": lambda r: dense(r, "float64", 1, 97, 150, 2, 2, 160, bias=(1, 2, 97, 150), window=(30, 9)),
     # Varlen (Hopper VARLEN variants, portable GENERAL)
     "varlen_sm90_bf16_d128_causal": lambda r: varlen(r, "bfloat16", [200, 1, 77], [333, 50, 77], 2, 1, 128, kernel="sm90", causal=True),
     "varlen_sm90_f16_d64_window": lambda r: varlen(r, "float16", [130, 7], [90, 200], 2, 2, 64, kernel="sm90", window=(20, 5)),
     "varlen_sm90_bf16_d256_window": lambda r: varlen(r, "bfloat16", [130, 7], [90, 200], 2, 1, 256, kernel="sm90", window=(20, 5)),
     "varlen_portable_bf16_d64_softcap": lambda r: varlen(r, "bfloat16", [200, 1, 77], [333, 50, 0], 2, 1, 64, kernel="portable", causal=True, softcap=15.0),
+    "varlen_portable_f64_d32": lambda r: varlen(r, "float64", [200, 1, 77], [333, 50, 0], 2, 1, 32, causal=True),
     # KV cache (portable/decode.cu): append + rotary, split-KV, combine
     "kvcache_bf16_d128_paged_gqa_rotary": lambda r: kvcache(r, "bfloat16", 2, 3, 8, 2, 128, 320, 5, page=16, rotary_dim=64, num_splits=3, causal=True, rotary_interleaved=True),
     "kvcache_f16_d64_mqa": lambda r: kvcache(r, "float16", 3, 1, 4, 1, 64, 203, 1),
@@ -268,7 +278,7 @@ def run(names, check: bool, seed: int = 0) -> int:
                     worst = math.inf
                     break
                 if fin.any():
-                    tol = (1e-4 if dtype == "float32" else 2e-2) * max(1.0, np.abs(w[fin]).max())
+                    tol = {"float64": 1e-10, "float32": 1e-4}.get(dtype, 2e-2) * max(1.0, np.abs(w[fin]).max())
                     worst = max(worst, float(np.abs(g[fin] - w[fin]).max()) / tol)
             ok = worst <= 1.0
             failures += not ok
