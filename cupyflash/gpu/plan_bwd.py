@@ -182,17 +182,30 @@ def tiles(elem: str, d_bucket: int, smem_optin: int,
     return _TILES[(smem_class(smem_optin), ELEM_SIZE[elem])][d_bucket]
 
 
-#: flash_bwd_2d tiles (BM, NW, WMS, WNKV, WMQ, NBUF) per head-dim bucket (16-bit types; BN =
-#: 16·NW), first choice first: the first that fits the device's shared memory is taken (none on
-#: the small class, 99 KB, nor above hd 128: flash_bwd there). hd 64: FlashAttention-2's tile
-#: (BM 128, 8 warps: S / dP warp tiles 32 x 64, dK / dV and dQ 32 x 32); hd 128: BM 64 (S / dP
-#: 32 x 32, dK / dV 32 x 64, dQ 32 x 32); the fallbacks fit sm_80's 163 KB with two buffers
-#: (one buffer spills there).
+#: flash_bwd_2d tiles (BM, NW, WMS, WNKV, WMQ, NBUF) per shared-memory class and head-dim
+#: bucket (16-bit types; BN = 16·NW), first choice first: the first that fits the device's
+#: shared memory is taken (none above hd 128: flash_bwd there).
+#: Big class (sm_80 163 KB, sm_90 227 KB): hd 64 FlashAttention-2's tile (BM 128, 8 warps: S / dP
+#: warp tiles 32 x 64, dK / dV and dQ 32 x 32); hd 128 BM 64 (S / dP 32 x 32, dK / dV 32 x 64,
+#: dQ 32 x 32); the fallbacks fit sm_80's 163 KB with two buffers.
+#: Small class (99 KB: sm_86, sm_89, sm_120): the tiles of the big class's timing table
+#: (docs/backward.md "Speed") that fit 99 KB with the padded pitches: hd 64 BM 64 x BN 128 with
+#: one Q / dO buffer (90.6 KB; two buffers need 107 KB), hd 128 BM 32 x BN 64 (79 KB: BM 64 x
+#: BN 128 needs 175 KB); hd 32 and 96 (not timed) the same warp tiles at their head dims
+#: (75 / 97 KB).
 _TILES_2D = {
-    32: ((128, 8, 4, 4, 4, 2),),
-    64: ((128, 8, 4, 4, 4, 2), (64, 8, 2, 4, 2, 2)),
-    96: ((64, 8, 2, 4, 4, 2),),
-    128: ((64, 8, 2, 4, 2, 2), (32, 4, 2, 2, 2, 2)),
+    "big": {
+        32: ((128, 8, 4, 4, 4, 2),),
+        64: ((128, 8, 4, 4, 4, 2), (64, 8, 2, 4, 2, 2)),
+        96: ((64, 8, 2, 4, 4, 2),),
+        128: ((64, 8, 2, 4, 2, 2), (32, 4, 2, 2, 2, 2)),
+    },
+    "small": {
+        32: ((64, 8, 2, 4, 4, 2),),
+        64: ((64, 8, 2, 4, 2, 1), (64, 4, 2, 2, 2, 2)),
+        96: ((64, 4, 2, 2, 2, 2),),
+        128: ((32, 4, 2, 2, 2, 2),),
+    },
 }
 
 
@@ -200,9 +213,10 @@ def variant_2d(elem: str, d_bucket: int, smem_optin: int, window: bool,
                score_mod: bool) -> Optional[BwdVariant]:
     """The flash_bwd_2d variant for a 16-bit call without GENERAL features, or None (float32 /
     float64, a bucket above 128, or no tile fits ``smem_optin``)."""
-    if ELEM_SIZE[elem] != 2 or d_bucket not in _TILES_2D or smem_class(smem_optin) != "big":
+    tiles_2d = _TILES_2D[smem_class(smem_optin)]
+    if ELEM_SIZE[elem] != 2 or d_bucket not in tiles_2d:
         return None
-    for bm, nw, wms, wnkv, wmq, nbuf in _TILES_2D[d_bucket]:
+    for bm, nw, wms, wnkv, wmq, nbuf in tiles_2d[d_bucket]:
         if smem_bytes_2d(d_bucket, bm, 16 * nw, nbuf) <= smem_optin:
             return BwdVariant(elem, d_bucket, bm, nw, 1, nbuf, window, score_mod, False,
                               wms, wnkv, wmq)

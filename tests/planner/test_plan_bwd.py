@@ -15,8 +15,8 @@ def test_every_variant_fits_and_meets_the_kernel_static_asserts(smem):
     vs = plan_bwd.variants(smem)
     # float64 above D = 160 has no tile on the small class (99 KB): 3 buckets x 5 variants fewer
     missing = 3 * 5 if smem < gpu_variants.BIG_SMEM else 0
-    # flash_bwd_2d: 16-bit types, buckets 32..128, 4 flag pairs, big class only
-    two_d = 2 * 4 * 4 if smem >= gpu_variants.BIG_SMEM else 0
+    # flash_bwd_2d: 16-bit types, buckets 32..128, 4 flag pairs, on both classes
+    two_d = 2 * 4 * 4
     assert len(vs) == len(gpu_variants.ELEMS) * len(gpu_variants.HEAD_DIM_BUCKETS) * 5 - missing + two_d   # 4 flag pairs + GENERAL
     assert sum(1 for v in vs if v.wms) == two_d
     for v in vs:
