@@ -194,7 +194,7 @@ def _hopper_launcher(plan, name, dout, q, k, v, opts, dev_id, smem, num_sms, for
             raise ValueError(f"kernel='sm90': the Hopper backward cannot run this call: {why}")
         return None
     if q.shape[3] == plan_bwd_sm90.SPLIT_D and not forced and not TUNING.bwd_sm90_d256:
-        return None   # head dim 256 under "auto": the portable kernel until the switch is on
+        return None   # head dim 256 under "auto" with the switch off: the portable kernel
     # (a GENERAL plan always has window set: the Hopper variant only where a side is bounded)
     window = int(opts.window_left) >= 0 or int(opts.window_right) >= 0
     variant = plan_bwd_sm90.variant_for(plan.variant.elem, q.shape[3], window, bias_kind,

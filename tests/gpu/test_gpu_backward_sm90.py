@@ -94,16 +94,16 @@ def test_long_sequence(rng):
     (dict(softcap=5.0), "bwd_bf16_d128"),           # softcap: portable
     (dict(deterministic=True), "bwd90_bf16_d128_64x128_det"),   # ordered dQ (DET)
     (dict(deterministic=True, d=96), "bwd_bf16_d96"),    # deterministic, not covered: portable
-    (dict(d=256), "bwd_bf16_d256"),                      # TUNING.bwd_sm90_d256 off: portable
-    (dict(d=256, d256_on=True), "bwd90_bf16_d256_64x64_red"),
-    (dict(d=256, d256_on=True, deterministic=True), "bwd90_bf16_d256_64x64_red_det"),
+    (dict(d=256, d256_on=False), "bwd_bf16_d256"),       # TUNING.bwd_sm90_d256 off: portable
+    (dict(d=256), "bwd90_bf16_d256_64x64_red"),          # on (the default): Hopper
+    (dict(d=256, deterministic=True), "bwd90_bf16_d256_64x64_red_det"),
 ], ids=["d128", "window", "d64", "d96", "softcap", "deterministic", "deterministic_d96",
         "d256_switch_off", "d256_switch_on", "d256_deterministic"])
 def test_launcher_picks_sm90_where_covered(kw, expect):
     from cupyflash.gpu.tuning import tuning
     kw = dict(kw)
     d = kw.pop("d", 128)
-    with tuning(bwd_sm90_d256=kw.pop("d256_on", False)):
+    with tuning(bwd_sm90_d256=kw.pop("d256_on", True)):
         _launcher_case(kw, d, expect)
 
 

@@ -16,7 +16,7 @@ def test_defaults_are_what_the_planners_do():
                                               hopper_sched_b=True, dbias_kernel=None,
                                               dbias_sm90=True, det_descending=None,
                                               det_group=None, portable_bwd_2d=True,
-                                              bwd_sm90_d256=False)
+                                              bwd_sm90_d256=True)
 
 
 def test_tuning_sets_for_the_block_and_restores(rng):
