@@ -309,6 +309,10 @@ def bench(args, gpu_defaults: dict) -> int:
         from cupyflash import _bench
 
         return _bench.main(args)
+    if getattr(args, "smem_limit", None):
+        print("python -m cupyflash bench: error: --smem-limit plans GPU kernels; the CPU bench "
+              "has none (run it with a GPU, or leave the option out)", file=sys.stderr)
+        return 2
     return _cpubench.main(args)
 
 

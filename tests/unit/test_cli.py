@@ -66,6 +66,8 @@ def test_every_option_of_every_command_has_help():
     (["bench", "--kv-heads", "0"], "--kv-heads"),
     (["bench", "--device", "cpu", "--heads", "4", "--kv-heads", "3"], "--kv-heads"),
     (["bench", "--device", "tpu"], "--device"),
+    (["bench", "--smem-limit", "0"], "--smem-limit"),
+    (["bench", "--device", "cpu", "--smem-limit", "101376"], "--smem-limit"),
     ([], "required"),
     (["frobnicate"], "invalid choice"),
 ], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
