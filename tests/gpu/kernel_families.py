@@ -213,6 +213,14 @@ def kvcache(rng, dtype, b, s_q, h, h_k, d, cache_len, new, *, page=None, rotary_
     return [cp.asnumpy(x).astype(np.float64) for x in (out, lse, kc, vc)], [name], dtype
 
 
+def smem99(fn, *args, **kw):
+    """``fn(*args, **kw)`` planned for a 99 KB GPU (sm_86 / 89 / 120: their tiles, e.g. the
+    backward's one-buffer flash_bwd_2d tile at hd 64)."""
+    from cupyflash.gpu.device import limit_shared_memory
+    with limit_shared_memory(99 * 1024):
+        return fn(*args, **kw)
+
+
 CASES = {
     # Hopper forward and backward (hopper/fwd.cu / hopper/bwd.cu), 16-bit
     "sm90_bf16_d128_causal": lambda r: dense(r, "bfloat16", 2, 200, 333, 4, 2, 128, fwd="sm90", bwd="sm90", causal=True),
@@ -241,6 +249,9 @@ CASES = {
     "portable_f32_d32_tf32": lambda r: dense(r, "float32", 1, 131, 77, 2, 2, 32, fwd="portable", bwd="portable", allow_tf32=True, causal=True),
     "portable_bf16_d64_mask_bias": lambda r: dense(r, "bfloat16", 1, 97, 150, 2, 2, 64, fwd="portable", bwd="portable", mask=True, bias=(1, 2, 97, 150)),
     "portable_f16_d128_bias_dbiaskernel": lambda r: dense(r, "float16", 2, 97, 150, 2, 2, 128, fwd="portable", bwd="portable", bias=(1, 1, 97, 150), deterministic=True),
+    # The 99 KB class's tiles (flash_bwd_2d: hd 64 BM 64 x BN 128 one buffer, hd 96 64 x 64)
+    "smem99_bf16_d64_causal": lambda r: smem99(dense, r, "bfloat16", 2, 200, 333, 4, 2, 64, causal=True),
+    "smem99_f16_d96_window": lambda r: smem99(dense, r, "float16", 1, 333, 200, 2, 1, 96, window=(40, 17)),
     # float64 (portable/fwd.cu / portable/bwd.cu with f64_t: DMMA); d 160: O in two column pieces
     "portable_f64_d64_causal": lambda r: dense(r, "float64", 2, 200, 333, 4, 2, 64, causal=True),
     "portable_f64_d160_bias_window": lambda r: dense(r, "float64", 1, 97, 150, 2, 2, 160, bias=(1, 2, 97, 150), window=(30, 9)),
