@@ -171,6 +171,23 @@ def test_bench_on_a_gpu_gets_the_gpu_sweep_defaults(monkeypatch):
     assert seen["seqlen"] == [1024] and seen["rep"] == 2
 
 
+def test_bench_smem_limit_plans_the_sweep_under_the_limit(monkeypatch, tmp_path):
+    """--smem-limit: the sweep runs inside limit_shared_memory(limit), which ends with it."""
+    pytest.importorskip("cupy")
+    from cupyflash import _bench
+    from cupyflash.gpu import device
+
+    seen = []
+    monkeypatch.setattr(_interop, "gpu_available", lambda: True)
+    monkeypatch.setattr(_bench, "device_line", lambda: "test device")
+    monkeypatch.setattr(_bench, "plot", lambda rows, path: None)
+    monkeypatch.setattr(_bench, "sweep", lambda *a, **kw: seen.append(device._smem_cap[0]) or [])
+    before = device._smem_cap[0]
+    for argv, cap in (([], before), (["--smem-limit", "101376"], 101376)):
+        assert _run(["bench", "--json", str(tmp_path / "b.json"), *argv]) == 0
+        assert seen.pop() == cap and device._smem_cap[0] == before
+
+
 def _bench_parser_actions():
     from cupyflash import _bench
 
